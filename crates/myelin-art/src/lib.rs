@@ -1,0 +1,1 @@
+//! Adaptive radix tree over token-id prefixes, block-granular, bounded memory.

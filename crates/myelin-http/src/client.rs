@@ -1,0 +1,236 @@
+//! A per-core HTTP/1.1 keep-alive client pool to engines. One pool per executor, no locks:
+//! connections are opened, reused and dropped on the executor that owns the pool.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::io;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::time::Duration;
+
+use futures_lite::future::or;
+use glommio::net::TcpStream;
+use glommio::timer::Timer;
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::{HeaderValue, Request, Response, Uri, header};
+use hyper::body::Incoming;
+use hyper::client::conn::http1::SendRequest;
+
+use crate::body::Body;
+use crate::io::GlommioIo;
+
+/// Pool tuning.
+#[derive(Clone, Debug)]
+pub struct PoolConfig {
+    /// Time allowed to establish a TCP connection.
+    pub connect_timeout: Duration,
+    /// Idle connections kept per engine; more are closed when they come back.
+    pub max_idle_per_host: usize,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            connect_timeout: Duration::from_secs(2),
+            max_idle_per_host: 64,
+        }
+    }
+}
+
+/// Why a request to an engine failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The URI is not an absolute `http://host:port/...` URI.
+    #[error("unsupported upstream uri {0:?}: expected http://host:port/path")]
+    BadUri(String),
+    /// The engine's address did not resolve.
+    #[error("cannot resolve {authority}: {source}")]
+    Resolve {
+        /// The host:port that failed.
+        authority: String,
+        /// The resolver's error.
+        source: io::Error,
+    },
+    /// The TCP connection failed (refused, unreachable).
+    #[error("connect to {addr}: {source}")]
+    Connect {
+        /// The address tried.
+        addr: SocketAddr,
+        /// The socket error.
+        source: io::Error,
+    },
+    /// The TCP connection did not complete within the connect timeout.
+    #[error("connect to {0} timed out")]
+    ConnectTimeout(SocketAddr),
+    /// HTTP failed after the connection was up (reset, malformed response).
+    #[error("upstream http: {0}")]
+    Http(#[from] hyper::Error),
+}
+
+impl ClientError {
+    /// True when the engine certainly never saw the request, so sending it elsewhere is safe.
+    pub fn is_connect(&self) -> bool {
+        matches!(
+            self,
+            Self::Resolve { .. } | Self::Connect { .. } | Self::ConnectTimeout(_)
+        )
+    }
+}
+
+/// A keep-alive pool of HTTP/1.1 connections, keyed by `host:port`.
+pub struct Pool {
+    config: PoolConfig,
+    idle: RefCell<HashMap<Authority, Vec<SendRequest<Body>>>>,
+}
+
+impl Pool {
+    /// An empty pool.
+    pub fn new(config: PoolConfig) -> Self {
+        Self {
+            config,
+            idle: RefCell::new(HashMap::new()),
+        }
+    }
+
+    /// Sends `request` (absolute `http://` URI) and returns the response head with a streaming
+    /// body. Dropping the body before its end closes that connection, which is how an engine
+    /// learns that the client went away.
+    pub async fn send(&self, request: Request<Body>) -> Result<Response<Incoming>, ClientError> {
+        let (authority, mut request) = to_origin_form(request)?;
+        // A pooled connection may have been closed by the engine while idle; hyper hands the
+        // request back untouched in that case and it goes out on a fresh connection instead.
+        while let Some(mut sender) = self.checkout(&authority) {
+            match sender.try_send_request(request).await {
+                Ok(response) => {
+                    self.checkin(authority, sender);
+                    return Ok(response);
+                }
+                Err(mut error) => match error.take_message() {
+                    Some(unsent) => request = unsent,
+                    None => return Err(ClientError::Http(error.into_error())),
+                },
+            }
+        }
+        let mut sender = self.connect(&authority).await?;
+        let response = sender.send_request(request).await?;
+        self.checkin(authority, sender);
+        Ok(response)
+    }
+
+    /// Number of idle-or-busy pooled connections to `authority` (for metrics and tests).
+    pub fn pooled_connections(&self, authority: &Authority) -> usize {
+        self.idle.borrow().get(authority).map_or(0, Vec::len)
+    }
+
+    fn checkout(&self, authority: &Authority) -> Option<SendRequest<Body>> {
+        let mut idle = self.idle.borrow_mut();
+        let senders = idle.get_mut(authority)?;
+        senders.retain(|sender| !sender.is_closed());
+        let ready = senders.iter().position(SendRequest::is_ready)?;
+        Some(senders.swap_remove(ready))
+    }
+
+    /// Keeps a connection whose request is under way: hyper marks it ready again once the
+    /// response body has been read to the end.
+    fn checkin(&self, authority: Authority, sender: SendRequest<Body>) {
+        let mut idle = self.idle.borrow_mut();
+        let senders = idle.entry(authority).or_default();
+        senders.retain(|sender| !sender.is_closed());
+        if senders.len() < self.config.max_idle_per_host {
+            senders.push(sender);
+        }
+    }
+
+    async fn connect(&self, authority: &Authority) -> Result<SendRequest<Body>, ClientError> {
+        let addr = resolve(authority)?;
+        let timeout = self.config.connect_timeout;
+        let connected = or(async { Some(TcpStream::connect(addr).await) }, async {
+            Timer::new(timeout).await;
+            None
+        })
+        .await;
+        let stream = connected
+            .ok_or(ClientError::ConnectTimeout(addr))?
+            .map_err(|error| ClientError::Connect {
+                addr,
+                source: io::Error::other(error),
+            })?;
+        stream
+            .set_nodelay(true)
+            .map_err(|error| ClientError::Connect {
+                addr,
+                source: io::Error::other(error),
+            })?;
+        let (sender, connection) = hyper::client::conn::http1::handshake(GlommioIo::new(stream))
+            .await
+            .map_err(ClientError::Http)?;
+        glommio::spawn_local(async move {
+            // Connection-level errors surface on the request that was in flight.
+            let _ = connection.await;
+        })
+        .detach();
+        Ok(sender)
+    }
+}
+
+fn resolve(authority: &Authority) -> Result<SocketAddr, ClientError> {
+    let port = authority.port_u16().unwrap_or(80);
+    let host = authority.host().trim_start_matches('[').trim_end_matches(']');
+    (host, port)
+        .to_socket_addrs()
+        .and_then(|mut addrs| {
+            addrs
+                .next()
+                .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no address"))
+        })
+        .map_err(|source| ClientError::Resolve {
+            authority: authority.to_string(),
+            source,
+        })
+}
+
+/// Splits an absolute `http://` URI into the authority to connect to and an origin-form
+/// request (path only) with a `Host` header, as HTTP/1.1 expects.
+fn to_origin_form(request: Request<Body>) -> Result<(Authority, Request<Body>), ClientError> {
+    let (mut parts, body) = request.into_parts();
+    let uri = std::mem::take(&mut parts.uri).into_parts();
+    let bad_uri = || ClientError::BadUri(format!("{:?}{:?}", uri.authority, uri.path_and_query));
+    if uri.scheme.as_ref() != Some(&Scheme::HTTP) {
+        return Err(bad_uri());
+    }
+    let authority = uri.authority.clone().ok_or_else(bad_uri)?;
+    let path = uri
+        .path_and_query
+        .clone()
+        .unwrap_or_else(|| PathAndQuery::from_static("/"));
+    parts.uri = Uri::from(path);
+    let host = HeaderValue::from_str(authority.as_str()).map_err(|_| bad_uri())?;
+    parts.headers.insert(header::HOST, host);
+    Ok((authority, Request::from_parts(parts, body)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn origin_form_keeps_path_and_sets_host() {
+        let request = Request::post("http://127.0.0.1:9000/v1/completions?x=1")
+            .body(crate::body::empty())
+            .expect("request");
+        let (authority, request) = to_origin_form(request).expect("http uri");
+        assert_eq!(authority.as_str(), "127.0.0.1:9000");
+        assert_eq!(request.uri().to_string(), "/v1/completions?x=1");
+        assert_eq!(request.headers()[header::HOST], "127.0.0.1:9000");
+    }
+
+    #[test]
+    fn rejects_non_http_uris() {
+        for uri in ["https://h:1/", "/relative"] {
+            let request = Request::get(uri).body(crate::body::empty()).expect("request");
+            assert!(matches!(
+                to_origin_form(request),
+                Err(ClientError::BadUri(_))
+            ));
+        }
+    }
+}

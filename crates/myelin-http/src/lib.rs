@@ -1,0 +1,16 @@
+//! hyper 1.x on glommio: the I/O adapter, executor and timer glue, an HTTP server loop with
+//! graceful shutdown, a per-core HTTP/1.1 keep-alive client pool, streaming bodies and an SSE
+//! parser. Shared by the router, the simulated engine and the harness; holds no routing logic.
+//!
+//! Everything here is `!Send` by design: each glommio executor owns its listeners, connections
+//! and pools, and nothing crosses threads.
+
+pub mod body;
+pub mod client;
+pub mod executor;
+pub mod io;
+pub mod rt;
+pub mod server;
+pub mod sse;
+
+pub use body::{Body, BoxError};

@@ -1,0 +1,321 @@
+//! The HTTP server loop: accepts on a glommio listener, sniffs HTTP/1.1 vs h2c (prior
+//! knowledge), serves each connection with hyper, and drains gracefully on shutdown. It knows
+//! nothing of routes: the handler does.
+
+use std::cell::{Cell, RefCell};
+use std::convert::Infallible;
+use std::future::{Future, poll_fn};
+use std::io;
+use std::pin::pin;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Poll, Waker};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_lite::AsyncReadExt;
+use futures_lite::future::or;
+use glommio::net::{TcpListener, TcpStream};
+use glommio::timer::Timer;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+
+use crate::body::Body;
+use crate::io::{GlommioIo, Rewind};
+use crate::rt::{GlommioTimer, LocalExec};
+
+/// The HTTP/2 connection preface a prior-knowledge h2c client sends first.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Pause after a failed `accept` (e.g. out of file descriptors) before trying again.
+const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(20);
+
+/// Server tuning.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// Time a client has to send a request head (and the protocol preface); slowloris guard.
+    pub header_read_timeout: Duration,
+    /// Accept h2c with prior knowledge besides HTTP/1.1.
+    pub http2: bool,
+    /// How long a graceful shutdown waits for open connections before giving up on them.
+    pub drain_timeout: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            header_read_timeout: Duration::from_secs(30),
+            http2: true,
+            drain_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What one `serve` loop did before it returned.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServeReport {
+    /// Connections accepted.
+    pub accepted: u64,
+    /// Connections still open when the drain deadline passed (0 after a clean drain).
+    pub abandoned: usize,
+}
+
+/// A same-executor shutdown signal: cheap to clone, awaited by accept loops and connections.
+#[derive(Clone, Default)]
+pub struct Shutdown {
+    inner: Rc<ShutdownInner>,
+}
+
+#[derive(Default)]
+struct ShutdownInner {
+    triggered: Cell<bool>,
+    waiters: RefCell<Vec<Waker>>,
+}
+
+impl Shutdown {
+    /// A signal not yet triggered.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Triggers the signal; every waiter wakes.
+    pub fn trigger(&self) {
+        self.inner.triggered.set(true);
+        for waker in self.inner.waiters.borrow_mut().drain(..) {
+            waker.wake();
+        }
+    }
+
+    /// True once triggered.
+    pub fn is_triggered(&self) -> bool {
+        self.inner.triggered.get()
+    }
+
+    /// Resolves once triggered.
+    pub async fn wait(&self) {
+        poll_fn(|cx| {
+            if self.inner.triggered.get() {
+                Poll::Ready(())
+            } else {
+                self.inner.waiters.borrow_mut().push(cx.waker().clone());
+                Poll::Pending
+            }
+        })
+        .await
+    }
+
+    /// Triggers this signal when `flag` (set from another thread, e.g. a signal handler) turns
+    /// true; checks every `interval`. Must be called on a glommio executor.
+    pub fn follow(&self, flag: Arc<AtomicBool>, interval: Duration) {
+        let this = self.clone();
+        glommio::spawn_local(async move {
+            while !flag.load(Ordering::Acquire) && !this.is_triggered() {
+                Timer::new(interval).await;
+            }
+            this.trigger();
+        })
+        .detach();
+    }
+}
+
+/// Counts open connections so a drain can wait for them.
+#[derive(Clone, Default)]
+struct OpenConnections {
+    inner: Rc<(Cell<usize>, RefCell<Option<Waker>>)>,
+}
+
+impl OpenConnections {
+    fn enter(&self) -> ConnectionGuard {
+        self.inner.0.set(self.inner.0.get() + 1);
+        ConnectionGuard {
+            open: self.clone(),
+        }
+    }
+
+    fn count(&self) -> usize {
+        self.inner.0.get()
+    }
+
+    async fn all_closed(&self) {
+        poll_fn(|cx| {
+            if self.inner.0.get() == 0 {
+                Poll::Ready(())
+            } else {
+                *self.inner.1.borrow_mut() = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        })
+        .await
+    }
+}
+
+struct ConnectionGuard {
+    open: OpenConnections,
+}
+
+impl Drop for ConnectionGuard {
+    fn drop(&mut self) {
+        let remaining = self.open.inner.0.get() - 1;
+        self.open.inner.0.set(remaining);
+        if remaining == 0
+            && let Some(waker) = self.open.inner.1.borrow_mut().take()
+        {
+            waker.wake();
+        }
+    }
+}
+
+/// Serves HTTP on `listener` until `shutdown` triggers, then stops accepting, lets open
+/// connections finish their in-flight requests (up to `config.drain_timeout`) and returns.
+pub async fn serve<H, F>(
+    listener: TcpListener,
+    handler: H,
+    config: ServerConfig,
+    shutdown: Shutdown,
+) -> ServeReport
+where
+    H: Fn(Request<Incoming>) -> F + 'static,
+    F: Future<Output = Response<Body>> + 'static,
+{
+    let handler = Rc::new(handler);
+    let config = Rc::new(config);
+    let open = OpenConnections::default();
+    let mut report = ServeReport::default();
+    loop {
+        let accepted = or(async { Some(listener.accept().await) }, async {
+            shutdown.wait().await;
+            None
+        })
+        .await;
+        match accepted {
+            None => break,
+            Some(Ok(stream)) => {
+                report.accepted += 1;
+                let guard = open.enter();
+                let handler = handler.clone();
+                let config = config.clone();
+                let shutdown = shutdown.clone();
+                glommio::spawn_local(async move {
+                    let _guard = guard;
+                    // Errors of one connection (resets, timeouts, bad preface) end that
+                    // connection only; hyper has already answered protocol errors.
+                    let _ = serve_connection(stream, handler, &config, shutdown).await;
+                })
+                .detach();
+            }
+            Some(Err(_error)) => Timer::new(ACCEPT_ERROR_BACKOFF).await,
+        }
+    }
+    drop(listener);
+    let drained = or(
+        async {
+            open.all_closed().await;
+            true
+        },
+        async {
+            Timer::new(config.drain_timeout).await;
+            false
+        },
+    )
+    .await;
+    if !drained {
+        report.abandoned = open.count();
+    }
+    report
+}
+
+/// Why one connection ended abnormally.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectionError {
+    /// Socket error.
+    #[error("connection I/O: {0}")]
+    Io(#[from] io::Error),
+    /// The client sent no request head in time.
+    #[error("client sent nothing within the header read timeout")]
+    HeaderTimeout,
+    /// hyper reported a protocol or I/O error.
+    #[error("http: {0}")]
+    Http(#[from] hyper::Error),
+}
+
+async fn serve_connection<H, F>(
+    mut stream: TcpStream,
+    handler: Rc<H>,
+    config: &ServerConfig,
+    shutdown: Shutdown,
+) -> Result<(), ConnectionError>
+where
+    H: Fn(Request<Incoming>) -> F + 'static,
+    F: Future<Output = Response<Body>> + 'static,
+{
+    stream.set_nodelay(true).map_err(io::Error::other)?;
+    let sniffed = or(async { Some(sniff_h2_preface(&mut stream).await) }, async {
+        Timer::new(config.header_read_timeout).await;
+        None
+    })
+    .await;
+    let (is_h2, prefix) = sniffed.ok_or(ConnectionError::HeaderTimeout)??;
+    let io = GlommioIo::new(Rewind::new(prefix, stream));
+    let service = service_fn(move |request| {
+        let handler = handler.clone();
+        async move { Ok::<_, Infallible>(handler(request).await) }
+    });
+    if is_h2 && config.http2 {
+        let connection = hyper::server::conn::http2::Builder::new(LocalExec)
+            .timer(GlommioTimer)
+            .serve_connection(io, service);
+        let mut connection = pin!(connection);
+        let finished = or(async { Some(connection.as_mut().await) }, async {
+            shutdown.wait().await;
+            None
+        })
+        .await;
+        match finished {
+            Some(result) => result?,
+            None => {
+                connection.as_mut().graceful_shutdown();
+                connection.await?;
+            }
+        }
+    } else {
+        let connection = hyper::server::conn::http1::Builder::new()
+            .timer(GlommioTimer)
+            .header_read_timeout(config.header_read_timeout)
+            .keep_alive(true)
+            .serve_connection(io, service);
+        let mut connection = pin!(connection);
+        let finished = or(async { Some(connection.as_mut().await) }, async {
+            shutdown.wait().await;
+            None
+        })
+        .await;
+        match finished {
+            Some(result) => result?,
+            None => {
+                connection.as_mut().graceful_shutdown();
+                connection.await?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads until the bytes either diverge from the h2 preface or complete it. Returns whether
+/// the client speaks h2c and the bytes read, to be replayed to the protocol handler.
+async fn sniff_h2_preface(stream: &mut TcpStream) -> io::Result<(bool, Bytes)> {
+    let mut buffer = [0u8; H2_PREFACE.len()];
+    let mut filled = 0;
+    loop {
+        let read = stream.read(&mut buffer[filled..]).await?;
+        if read == 0 {
+            return Ok((false, Bytes::copy_from_slice(&buffer[..filled])));
+        }
+        filled += read;
+        let is_h2 = buffer[..filled] == H2_PREFACE[..filled];
+        if !is_h2 || filled == H2_PREFACE.len() {
+            return Ok((is_h2, Bytes::copy_from_slice(&buffer[..filled])));
+        }
+    }
+}

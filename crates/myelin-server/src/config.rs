@@ -1,0 +1,627 @@
+//! `myelin serve` configuration: command-line flags, `MYELIN_*` variables, the TOML file, defaults.
+//!
+//! Precedence: flag > environment variable > config file > built-in default. Every flag is an
+//! `Option` here so that "not given" can fall through to the file; the defaults live in
+//! [`Defaults`] and are spelled out in each flag's help text.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::backend_spec::{BackendSpec, BackendSpecError};
+use crate::cores::{CoreLayout, CoreLayoutError, decide_layout, online_cpus};
+
+/// Built-in defaults (documented in `--help` and docs/server.md).
+pub struct Defaults;
+
+impl Defaults {
+    pub const LISTEN: &'static str = "0.0.0.0:8080";
+    pub const BLOCK_SIZE_TOKENS: usize = 16;
+    pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
+    pub const MAX_IN_FLIGHT_PER_CORE: usize = 1024;
+    pub const RETRY_AFTER_SECONDS: u64 = 1;
+    pub const MAX_RETRIES: u32 = 2;
+    pub const RETRY_BACKOFF_MS: u64 = 20;
+    pub const CONNECT_TIMEOUT_MS: u64 = 2_000;
+    pub const HEALTH_INTERVAL_MS: u64 = 2_000;
+    pub const HEALTH_TIMEOUT_MS: u64 = 1_000;
+    pub const HEALTH_PATH: &'static str = "/health";
+    pub const HEALTHY_THRESHOLD: u32 = 2;
+    pub const UNHEALTHY_THRESHOLD: u32 = 3;
+    pub const BREAKER_FAILURES: u32 = 5;
+    pub const BREAKER_OPEN_MS: u64 = 5_000;
+    pub const DRAIN_TIMEOUT_MS: u64 = 30_000;
+    pub const TOKENIZE_CACHE_ENTRIES: usize = 4_096;
+    pub const LOAD_BOUND_TOKENS: u64 = 0;
+}
+
+/// Routing policy (`--routing`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RoutingPolicy {
+    /// Each backend in turn.
+    RoundRobin,
+    /// Fewest queued + active tokens.
+    LeastLoad,
+    /// Lowest expected cost: uncached prefill tokens plus queued work.
+    Prefix,
+}
+
+/// How the prefix policy trusts its routing history (`--residency`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ResidencyMode {
+    /// History only: a prefix routed to a backend counts as cached there.
+    Off,
+    /// Discount history by an estimate of eviction from cache pressure.
+    Estimate,
+    /// Only count blocks confirmed by the backend's KV-event stream.
+    Verified,
+    /// Verified where a KV-event stream is live, estimate elsewhere.
+    Auto,
+}
+
+impl RoutingPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RoutingPolicy::RoundRobin => "round-robin",
+            RoutingPolicy::LeastLoad => "least-load",
+            RoutingPolicy::Prefix => "prefix",
+        }
+    }
+}
+
+impl ResidencyMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ResidencyMode::Off => "off",
+            ResidencyMode::Estimate => "estimate",
+            ResidencyMode::Verified => "verified",
+            ResidencyMode::Auto => "auto",
+        }
+    }
+}
+
+/// Flags of `myelin serve`. Each may also come from a `MYELIN_*` variable or the `--config` file.
+#[derive(Debug, Clone, Default, clap::Args)]
+#[command(
+    after_help = "Precedence: flag > MYELIN_* environment variable > --config file > default.\n\
+                  See docs/server.md for endpoints, metrics and the config file format."
+)]
+pub struct ServeArgs {
+    /// TOML file holding any of these flags as kebab-case keys (`listen = "0.0.0.0:8080"`,
+    /// `backend = ["http://h:8000"]`). Flags and MYELIN_* variables override it. [default: none]
+    #[arg(long, env = "MYELIN_CONFIG", value_name = "PATH")]
+    pub config: Option<PathBuf>,
+
+    /// Address clients connect to; every data shard listens on it (SO_REUSEPORT).
+    /// Port 0 picks a free port (printed on stdout). [default: 0.0.0.0:8080]
+    #[arg(long, env = "MYELIN_LISTEN", value_name = "HOST:PORT")]
+    pub listen: Option<SocketAddr>,
+
+    /// Also serve GET /metrics on this address (GET /metrics on --listen always works).
+    /// [default: none]
+    #[arg(long, env = "MYELIN_METRICS_LISTEN", value_name = "HOST:PORT")]
+    pub metrics_listen: Option<SocketAddr>,
+
+    /// An inference engine: `http://host:port[,kv-events=tcp://host:port]`. Repeat the flag
+    /// for several; in MYELIN_BACKEND separate them with `;`. [default: none]
+    #[arg(long = "backend", env = "MYELIN_BACKEND", value_name = "SPEC", value_delimiter = ';')]
+    pub backends: Vec<String>,
+
+    /// Start N simulated vLLM engines in-process and use them as backends (added to any
+    /// --backend). [default: 0]
+    #[arg(long, env = "MYELIN_SIM", value_name = "N")]
+    pub sim: Option<usize>,
+
+    /// Routing policy. [default: prefix]
+    #[arg(long, env = "MYELIN_ROUTING", value_enum)]
+    pub routing: Option<RoutingPolicy>,
+
+    /// How much the prefix policy trusts its routing history. [default: auto]
+    #[arg(long, env = "MYELIN_RESIDENCY", value_enum)]
+    pub residency: Option<ResidencyMode>,
+
+    /// tokenizer.json of the served model. [default: the bundled deepseek-v3 tokenizer]
+    #[arg(long, env = "MYELIN_TOKENIZER", value_name = "PATH")]
+    pub tokenizer: Option<PathBuf>,
+
+    /// Chat template: the model's tokenizer_config.json (its `chat_template`) or a .jinja file.
+    /// [default: built-in ChatML]
+    #[arg(long, env = "MYELIN_CHAT_TEMPLATE", value_name = "PATH")]
+    pub chat_template: Option<PathBuf>,
+
+    /// KV-cache block size of the engines, in tokens (vLLM --block-size). [default: 16]
+    #[arg(long, env = "MYELIN_BLOCK_SIZE", value_name = "TOKENS")]
+    pub block_size: Option<usize>,
+
+    /// Data cores, pinned one shard per CPU (`0-7`, `2,4,6`). [default: every CPU but the
+    /// control core]
+    #[arg(long, env = "MYELIN_CORES", value_name = "LIST")]
+    pub cores: Option<String>,
+
+    /// Run N unpinned data shards instead of --cores (tests, laptops). [default: none]
+    #[arg(long, env = "MYELIN_SHARDS", value_name = "N")]
+    pub shards: Option<usize>,
+
+    /// CPU of the control core (health checks, signals, fan-out). [default: the first CPU
+    /// that is not a data core]
+    #[arg(long, env = "MYELIN_CONTROL_CORE", value_name = "CPU")]
+    pub control_core: Option<usize>,
+
+    /// Do not pin executors to CPUs. [default: pin unless --shards]
+    #[arg(long, env = "MYELIN_NO_PIN")]
+    pub no_pin: bool,
+
+    /// Largest request body accepted; larger ones get 413. [default: 8388608]
+    #[arg(long, env = "MYELIN_MAX_BODY_BYTES", value_name = "BYTES")]
+    pub max_body_bytes: Option<usize>,
+
+    /// Requests in flight per data core before new ones get 429 with Retry-After.
+    /// [default: 1024]
+    #[arg(long, env = "MYELIN_MAX_IN_FLIGHT_PER_CORE", value_name = "N")]
+    pub max_in_flight_per_core: Option<usize>,
+
+    /// Retry-After value sent with 429. [default: 1]
+    #[arg(long, env = "MYELIN_RETRY_AFTER_SECONDS", value_name = "SECONDS")]
+    pub retry_after_seconds: Option<u64>,
+
+    /// Attempts on other backends after a connect error or 502/503 before the first response
+    /// byte; never after streaming began. [default: 2]
+    #[arg(long, env = "MYELIN_MAX_RETRIES", value_name = "N")]
+    pub max_retries: Option<u32>,
+
+    /// Backoff before the first retry, doubled for each further one. [default: 20]
+    #[arg(long, env = "MYELIN_RETRY_BACKOFF_MS", value_name = "MS")]
+    pub retry_backoff_ms: Option<u64>,
+
+    /// Timeout for connecting to an engine. [default: 2000]
+    #[arg(long, env = "MYELIN_CONNECT_TIMEOUT_MS", value_name = "MS")]
+    pub connect_timeout_ms: Option<u64>,
+
+    /// Interval of active health checks (GET --health-path on each engine). [default: 2000]
+    #[arg(long, env = "MYELIN_HEALTH_INTERVAL_MS", value_name = "MS")]
+    pub health_interval_ms: Option<u64>,
+
+    /// Timeout of one health check. [default: 1000]
+    #[arg(long, env = "MYELIN_HEALTH_TIMEOUT_MS", value_name = "MS")]
+    pub health_timeout_ms: Option<u64>,
+
+    /// Path probed by active health checks. [default: /health]
+    #[arg(long, env = "MYELIN_HEALTH_PATH", value_name = "PATH")]
+    pub health_path: Option<String>,
+
+    /// Consecutive successful checks that bring a down backend up. [default: 2]
+    #[arg(long, env = "MYELIN_HEALTHY_THRESHOLD", value_name = "N")]
+    pub healthy_threshold: Option<u32>,
+
+    /// Consecutive failed checks that take a backend down. [default: 3]
+    #[arg(long, env = "MYELIN_UNHEALTHY_THRESHOLD", value_name = "N")]
+    pub unhealthy_threshold: Option<u32>,
+
+    /// Consecutive failed requests (connect errors, 5xx) that open a backend's circuit
+    /// breaker. [default: 5]
+    #[arg(long, env = "MYELIN_BREAKER_FAILURES", value_name = "N")]
+    pub breaker_failures: Option<u32>,
+
+    /// How long an open breaker stays open before one half-open probe request. [default: 5000]
+    #[arg(long, env = "MYELIN_BREAKER_OPEN_MS", value_name = "MS")]
+    pub breaker_open_ms: Option<u64>,
+
+    /// On SIGTERM/SIGINT: stop accepting, wait this long for in-flight requests, exit 0.
+    /// [default: 30000]
+    #[arg(long, env = "MYELIN_DRAIN_TIMEOUT_MS", value_name = "MS")]
+    pub drain_timeout_ms: Option<u64>,
+
+    /// Per-core cache of tokenized chat-message segments (0 disables). [default: 4096]
+    #[arg(long, env = "MYELIN_TOKENIZE_CACHE_ENTRIES", value_name = "N")]
+    pub tokenize_cache_entries: Option<usize>,
+
+    /// Prefix policy: load difference (tokens) under which the longest match always wins;
+    /// 0 means pure expected-cost scoring. [default: 0]
+    #[arg(long, env = "MYELIN_LOAD_BOUND_TOKENS", value_name = "TOKENS")]
+    pub load_bound_tokens: Option<u64>,
+}
+
+/// The `--config` file: the same keys as the flags, kebab-case.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct FileConfig {
+    pub listen: Option<SocketAddr>,
+    pub metrics_listen: Option<SocketAddr>,
+    #[serde(default, alias = "backends")]
+    pub backend: Vec<FileBackend>,
+    pub sim: Option<usize>,
+    pub routing: Option<RoutingPolicy>,
+    pub residency: Option<ResidencyMode>,
+    pub tokenizer: Option<PathBuf>,
+    pub chat_template: Option<PathBuf>,
+    pub block_size: Option<usize>,
+    pub cores: Option<String>,
+    pub shards: Option<usize>,
+    pub control_core: Option<usize>,
+    pub no_pin: Option<bool>,
+    pub max_body_bytes: Option<usize>,
+    pub max_in_flight_per_core: Option<usize>,
+    pub retry_after_seconds: Option<u64>,
+    pub max_retries: Option<u32>,
+    pub retry_backoff_ms: Option<u64>,
+    pub connect_timeout_ms: Option<u64>,
+    pub health_interval_ms: Option<u64>,
+    pub health_timeout_ms: Option<u64>,
+    pub health_path: Option<String>,
+    pub healthy_threshold: Option<u32>,
+    pub unhealthy_threshold: Option<u32>,
+    pub breaker_failures: Option<u32>,
+    pub breaker_open_ms: Option<u64>,
+    pub drain_timeout_ms: Option<u64>,
+    pub tokenize_cache_entries: Option<usize>,
+    pub load_bound_tokens: Option<u64>,
+}
+
+/// A backend in the config file: a spec string or a table.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum FileBackend {
+    Spec(String),
+    Table {
+        url: String,
+        #[serde(rename = "kv-events", alias = "kv_events")]
+        kv_events: Option<String>,
+    },
+}
+
+/// Health checking and circuit breaking settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HealthConfig {
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub path: String,
+    pub healthy_threshold: u32,
+    pub unhealthy_threshold: u32,
+    pub breaker_failures: u32,
+    pub breaker_open: Duration,
+}
+
+/// The resolved configuration the server runs with.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    pub listen: SocketAddr,
+    pub metrics_listen: Option<SocketAddr>,
+    pub backends: Vec<BackendSpec>,
+    pub sim: usize,
+    pub routing: RoutingPolicy,
+    pub residency: ResidencyMode,
+    pub tokenizer: Option<PathBuf>,
+    pub chat_template: Option<PathBuf>,
+    pub block_size: usize,
+    pub layout: CoreLayout,
+    pub max_body_bytes: usize,
+    pub max_in_flight_per_core: usize,
+    pub retry_after_seconds: u64,
+    pub max_retries: u32,
+    pub retry_backoff: Duration,
+    pub connect_timeout: Duration,
+    pub health: HealthConfig,
+    pub drain_timeout: Duration,
+    pub tokenize_cache_entries: usize,
+    pub load_bound_tokens: u64,
+}
+
+/// Why the configuration was rejected.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading config file {path}: {source}")]
+    ReadFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("parsing config file {path}: {source}")]
+    ParseFile {
+        path: PathBuf,
+        source: toml::de::Error,
+    },
+    #[error(transparent)]
+    Backend(#[from] BackendSpecError),
+    #[error(transparent)]
+    Cores(#[from] CoreLayoutError),
+    #[error("no backends: give --backend URL (repeatable) or --sim N")]
+    NoBackends,
+    #[error("{0} must be at least 1")]
+    MustBePositive(&'static str),
+    #[error("--health-path must start with `/`")]
+    HealthPath,
+}
+
+impl FileConfig {
+    /// Reads and parses a config file.
+    pub fn load(path: &Path) -> Result<FileConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::ReadFile {
+            path: path.into(),
+            source,
+        })?;
+        toml::from_str(&text).map_err(|source| ConfigError::ParseFile {
+            path: path.into(),
+            source,
+        })
+    }
+}
+
+impl ServeConfig {
+    /// Resolves flags (already merged with the environment by clap) over the config file.
+    pub fn resolve(args: ServeArgs) -> Result<ServeConfig, ConfigError> {
+        let file = match &args.config {
+            Some(path) => FileConfig::load(path)?,
+            None => FileConfig::default(),
+        };
+        Self::merge(args, file, &online_cpus())
+    }
+
+    /// Merges flags over a parsed file; `online` is the list of usable CPUs.
+    pub fn merge(
+        args: ServeArgs,
+        file: FileConfig,
+        online: &[usize],
+    ) -> Result<ServeConfig, ConfigError> {
+        let backends = if args.backends.is_empty() {
+            file.backend
+                .iter()
+                .map(|backend| match backend {
+                    FileBackend::Spec(spec) => BackendSpec::parse(spec),
+                    FileBackend::Table { url, kv_events } => {
+                        BackendSpec::from_parts(url, url, kv_events.clone())
+                    }
+                })
+                .collect::<Result<Vec<_>, _>>()?
+        } else {
+            args.backends
+                .iter()
+                .map(|spec| BackendSpec::parse(spec))
+                .collect::<Result<Vec<_>, _>>()?
+        };
+        let sim = args.sim.or(file.sim).unwrap_or(0);
+        if backends.is_empty() && sim == 0 {
+            return Err(ConfigError::NoBackends);
+        }
+        let cores = args.cores.or(file.cores);
+        let shards = args.shards.or(file.shards);
+        let control_core = args.control_core.or(file.control_core);
+        let no_pin = args.no_pin || file.no_pin.unwrap_or(false);
+        let layout = decide_layout(cores.as_deref(), shards, control_core, no_pin, online)?;
+
+        let positive_usize = |value: usize, name: &'static str| {
+            if value == 0 {
+                Err(ConfigError::MustBePositive(name))
+            } else {
+                Ok(value)
+            }
+        };
+        let positive_u32 = |value: u32, name: &'static str| {
+            if value == 0 {
+                Err(ConfigError::MustBePositive(name))
+            } else {
+                Ok(value)
+            }
+        };
+        let health_path = args
+            .health_path
+            .or(file.health_path)
+            .unwrap_or_else(|| Defaults::HEALTH_PATH.into());
+        if !health_path.starts_with('/') {
+            return Err(ConfigError::HealthPath);
+        }
+        let millis = Duration::from_millis;
+        let listen = match args.listen.or(file.listen) {
+            Some(listen) => listen,
+            None => SocketAddr::from(([0, 0, 0, 0], 8080)),
+        };
+        Ok(ServeConfig {
+            listen,
+            metrics_listen: args.metrics_listen.or(file.metrics_listen),
+            backends,
+            sim,
+            routing: args
+                .routing
+                .or(file.routing)
+                .unwrap_or(RoutingPolicy::Prefix),
+            residency: args
+                .residency
+                .or(file.residency)
+                .unwrap_or(ResidencyMode::Auto),
+            tokenizer: args.tokenizer.or(file.tokenizer),
+            chat_template: args.chat_template.or(file.chat_template),
+            block_size: positive_usize(
+                args.block_size
+                    .or(file.block_size)
+                    .unwrap_or(Defaults::BLOCK_SIZE_TOKENS),
+                "--block-size",
+            )?,
+            layout,
+            max_body_bytes: positive_usize(
+                args.max_body_bytes
+                    .or(file.max_body_bytes)
+                    .unwrap_or(Defaults::MAX_BODY_BYTES),
+                "--max-body-bytes",
+            )?,
+            max_in_flight_per_core: positive_usize(
+                args.max_in_flight_per_core
+                    .or(file.max_in_flight_per_core)
+                    .unwrap_or(Defaults::MAX_IN_FLIGHT_PER_CORE),
+                "--max-in-flight-per-core",
+            )?,
+            retry_after_seconds: args
+                .retry_after_seconds
+                .or(file.retry_after_seconds)
+                .unwrap_or(Defaults::RETRY_AFTER_SECONDS),
+            max_retries: args
+                .max_retries
+                .or(file.max_retries)
+                .unwrap_or(Defaults::MAX_RETRIES),
+            retry_backoff: millis(
+                args.retry_backoff_ms
+                    .or(file.retry_backoff_ms)
+                    .unwrap_or(Defaults::RETRY_BACKOFF_MS),
+            ),
+            connect_timeout: millis(
+                args.connect_timeout_ms
+                    .or(file.connect_timeout_ms)
+                    .unwrap_or(Defaults::CONNECT_TIMEOUT_MS)
+                    .max(1),
+            ),
+            health: HealthConfig {
+                interval: millis(
+                    args.health_interval_ms
+                        .or(file.health_interval_ms)
+                        .unwrap_or(Defaults::HEALTH_INTERVAL_MS)
+                        .max(10),
+                ),
+                timeout: millis(
+                    args.health_timeout_ms
+                        .or(file.health_timeout_ms)
+                        .unwrap_or(Defaults::HEALTH_TIMEOUT_MS)
+                        .max(1),
+                ),
+                path: health_path,
+                healthy_threshold: positive_u32(
+                    args.healthy_threshold
+                        .or(file.healthy_threshold)
+                        .unwrap_or(Defaults::HEALTHY_THRESHOLD),
+                    "--healthy-threshold",
+                )?,
+                unhealthy_threshold: positive_u32(
+                    args.unhealthy_threshold
+                        .or(file.unhealthy_threshold)
+                        .unwrap_or(Defaults::UNHEALTHY_THRESHOLD),
+                    "--unhealthy-threshold",
+                )?,
+                breaker_failures: positive_u32(
+                    args.breaker_failures
+                        .or(file.breaker_failures)
+                        .unwrap_or(Defaults::BREAKER_FAILURES),
+                    "--breaker-failures",
+                )?,
+                breaker_open: millis(
+                    args.breaker_open_ms
+                        .or(file.breaker_open_ms)
+                        .unwrap_or(Defaults::BREAKER_OPEN_MS),
+                ),
+            },
+            drain_timeout: millis(
+                args.drain_timeout_ms
+                    .or(file.drain_timeout_ms)
+                    .unwrap_or(Defaults::DRAIN_TIMEOUT_MS),
+            ),
+            tokenize_cache_entries: args
+                .tokenize_cache_entries
+                .or(file.tokenize_cache_entries)
+                .unwrap_or(Defaults::TOKENIZE_CACHE_ENTRIES),
+            load_bound_tokens: args
+                .load_bound_tokens
+                .or(file.load_bound_tokens)
+                .unwrap_or(Defaults::LOAD_BOUND_TOKENS),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct TestCli {
+        #[command(flatten)]
+        args: ServeArgs,
+    }
+
+    fn parse(flags: &[&str]) -> ServeArgs {
+        let mut argv = vec!["myelin"];
+        argv.extend_from_slice(flags);
+        TestCli::try_parse_from(argv).unwrap().args
+    }
+
+    fn file(text: &str) -> FileConfig {
+        toml::from_str(text).unwrap()
+    }
+
+    #[test]
+    fn defaults() {
+        let config = ServeConfig::merge(
+            parse(&["--backend", "http://a:1"]),
+            FileConfig::default(),
+            &[0, 1, 2],
+        )
+        .unwrap();
+        assert_eq!(config.listen.to_string(), Defaults::LISTEN);
+        assert_eq!(config.routing, RoutingPolicy::Prefix);
+        assert_eq!(config.residency, ResidencyMode::Auto);
+        assert_eq!(config.block_size, 16);
+        assert_eq!(config.layout.data_cpus, vec![Some(1), Some(2)]);
+        assert_eq!(config.layout.control_cpu, Some(0));
+        assert_eq!(config.health.path, "/health");
+    }
+
+    #[test]
+    fn flags_override_file() {
+        let config = ServeConfig::merge(
+            parse(&["--routing", "least-load", "--shards", "2"]),
+            file(
+                r#"
+                listen = "127.0.0.1:9000"
+                routing = "round-robin"
+                residency = "verified"
+                backend = ["http://a:1", { url = "http://b:2", kv-events = "tcp://b:5557" }]
+                max-body-bytes = 1000
+                "#,
+            ),
+            &[0],
+        )
+        .unwrap();
+        assert_eq!(config.routing, RoutingPolicy::LeastLoad);
+        assert_eq!(config.residency, ResidencyMode::Verified);
+        assert_eq!(config.listen.to_string(), "127.0.0.1:9000");
+        assert_eq!(config.max_body_bytes, 1000);
+        assert_eq!(config.backends.len(), 2);
+        assert_eq!(config.backends[1].kv_events.as_deref(), Some("tcp://b:5557"));
+        assert_eq!(config.layout.shard_count(), 2);
+    }
+
+    #[test]
+    fn flag_backends_replace_file_backends() {
+        let config = ServeConfig::merge(
+            parse(&["--backend", "http://x:1;http://y:2", "--shards", "1"]),
+            file(r#"backend = ["http://a:1"]"#),
+            &[0],
+        )
+        .unwrap();
+        let urls: Vec<_> = config.backends.iter().map(|b| b.url.as_str()).collect();
+        assert_eq!(urls, ["http://x:1", "http://y:2"]);
+    }
+
+    #[test]
+    fn rejects_unknown_file_keys_and_missing_backends() {
+        assert!(toml::from_str::<FileConfig>("lisen = \"x\"").is_err());
+        assert!(matches!(
+            ServeConfig::merge(parse(&[]), FileConfig::default(), &[0]),
+            Err(ConfigError::NoBackends)
+        ));
+        assert!(matches!(
+            ServeConfig::merge(
+                parse(&["--backend", "http://a:1", "--health-path", "health"]),
+                FileConfig::default(),
+                &[0]
+            ),
+            Err(ConfigError::HealthPath)
+        ));
+    }
+
+    #[test]
+    fn sim_alone_is_enough() {
+        let config =
+            ServeConfig::merge(parse(&["--sim", "2"]), FileConfig::default(), &[0]).unwrap();
+        assert_eq!(config.sim, 2);
+        assert!(config.backends.is_empty());
+    }
+}

@@ -1,0 +1,459 @@
+//! OpenAI request validation (what routing needs from a body) and the OpenAI error JSON shape.
+//!
+//! The router never rewrites a request body: it validates the fields it must understand
+//! (`model`, `messages`/`prompt`, `stream`) and forwards the original bytes unchanged.
+
+use http::StatusCode;
+use serde_json::{Map, Value};
+
+/// The two generation endpoints the router understands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    ChatCompletions,
+    Completions,
+}
+
+impl Endpoint {
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::ChatCompletions => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+        }
+    }
+}
+
+/// One chat message reduced to what a chat template needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatMessage {
+    pub role: String,
+    /// Text content; structured content parts are joined (non-text parts are skipped).
+    pub content: String,
+}
+
+/// What the router tokenizes for routing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PromptInput {
+    /// Chat messages, rendered with the chat template before tokenizing.
+    Chat(Vec<ChatMessage>),
+    /// Completion prompt text (the first prompt of a batch).
+    Text(String),
+    /// Completion prompt given as token ids (the first prompt of a batch).
+    Tokens(Vec<u32>),
+}
+
+/// A validated generation request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GenerationRequest {
+    pub endpoint: Endpoint,
+    pub model: String,
+    pub stream: bool,
+    pub prompt: PromptInput,
+    /// `max_tokens` / `max_completion_tokens`, when given (used to estimate decode load).
+    pub max_tokens: Option<u64>,
+}
+
+/// An error returned to the client in OpenAI's shape:
+/// `{"error":{"message":..,"type":..,"param":..,"code":..}}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub error_type: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    pub fn invalid_request(message: impl Into<String>, param: Option<&str>, code: &'static str) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            error_type: "invalid_request_error",
+            param: param.map(str::to_string),
+            code: Some(code),
+        }
+    }
+
+    pub fn not_found(method: &str, path: &str) -> Self {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!("Unknown request URL: {method} {path}"),
+            error_type: "invalid_request_error",
+            param: None,
+            code: Some("unknown_url"),
+        }
+    }
+
+    pub fn method_not_allowed(method: &str, path: &str, allowed: &str) -> Self {
+        ApiError {
+            status: StatusCode::METHOD_NOT_ALLOWED,
+            message: format!("Method {method} not allowed for {path} (allowed: {allowed})"),
+            error_type: "invalid_request_error",
+            param: None,
+            code: Some("method_not_allowed"),
+        }
+    }
+
+    pub fn body_too_large(limit_bytes: usize) -> Self {
+        ApiError {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            message: format!("Request body is larger than the limit of {limit_bytes} bytes"),
+            error_type: "invalid_request_error",
+            param: None,
+            code: Some("request_too_large"),
+        }
+    }
+
+    pub fn overloaded() -> Self {
+        ApiError {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: "The router is at its in-flight limit on this core; retry later".into(),
+            error_type: "rate_limit_error",
+            param: None,
+            code: Some("router_overloaded"),
+        }
+    }
+
+    pub fn no_backend() -> Self {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: "No healthy backend is available".into(),
+            error_type: "server_error",
+            param: None,
+            code: Some("no_backend_available"),
+        }
+    }
+
+    pub fn draining() -> Self {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: "The router is shutting down".into(),
+            error_type: "server_error",
+            param: None,
+            code: Some("router_draining"),
+        }
+    }
+
+    pub fn upstream(status: StatusCode, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            message: message.into(),
+            error_type: "server_error",
+            param: None,
+            code: Some("upstream_error"),
+        }
+    }
+
+    pub fn internal(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: message.into(),
+            error_type: "server_error",
+            param: None,
+            code: Some("internal_error"),
+        }
+    }
+
+    /// The JSON body.
+    pub fn to_json(&self) -> Value {
+        serde_json::json!({
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        })
+    }
+}
+
+/// Validates a generation request body.
+pub fn parse_generation_request(endpoint: Endpoint, body: &[u8]) -> Result<GenerationRequest, ApiError> {
+    let value: Value = serde_json::from_slice(body).map_err(|error| {
+        ApiError::invalid_request(
+            format!("We could not parse the JSON body of your request: {error}"),
+            None,
+            "invalid_json",
+        )
+    })?;
+    let Value::Object(object) = value else {
+        return Err(ApiError::invalid_request(
+            "The request body must be a JSON object",
+            None,
+            "invalid_type",
+        ));
+    };
+    let model = match object.get("model") {
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid_request(
+                "Missing required parameter: 'model'",
+                Some("model"),
+                "missing_required_parameter",
+            ));
+        }
+        Some(Value::String(model)) if !model.is_empty() => model.clone(),
+        Some(Value::String(_)) => {
+            return Err(ApiError::invalid_request(
+                "'model' must not be empty",
+                Some("model"),
+                "invalid_value",
+            ));
+        }
+        Some(_) => return Err(wrong_type("model", "a string")),
+    };
+    let stream = match object.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(stream)) => *stream,
+        Some(_) => return Err(wrong_type("stream", "a boolean")),
+    };
+    let max_tokens = optional_count(&object, "max_tokens")?
+        .or(optional_count(&object, "max_completion_tokens")?);
+    optional_count(&object, "n")?;
+    let prompt = match endpoint {
+        Endpoint::ChatCompletions => PromptInput::Chat(parse_messages(&object)?),
+        Endpoint::Completions => parse_prompt(&object)?,
+    };
+    Ok(GenerationRequest {
+        endpoint,
+        model,
+        stream,
+        prompt,
+        max_tokens,
+    })
+}
+
+fn wrong_type(param: &str, expected: &str) -> ApiError {
+    ApiError::invalid_request(
+        format!("Invalid type for '{param}': expected {expected}"),
+        Some(param),
+        "invalid_type",
+    )
+}
+
+fn optional_count(object: &Map<String, Value>, param: &str) -> Result<Option<u64>, ApiError> {
+    match object.get(param) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(number)) => number
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| wrong_type(param, "a non-negative integer")),
+        Some(_) => Err(wrong_type(param, "a non-negative integer")),
+    }
+}
+
+fn parse_messages(object: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
+    let messages = match object.get("messages") {
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid_request(
+                "Missing required parameter: 'messages'",
+                Some("messages"),
+                "missing_required_parameter",
+            ));
+        }
+        Some(Value::Array(messages)) => messages,
+        Some(_) => return Err(wrong_type("messages", "an array")),
+    };
+    if messages.is_empty() {
+        return Err(ApiError::invalid_request(
+            "'messages' must contain at least one message",
+            Some("messages"),
+            "invalid_value",
+        ));
+    }
+    messages
+        .iter()
+        .enumerate()
+        .map(|(index, message)| {
+            let Value::Object(message) = message else {
+                return Err(wrong_type(&format!("messages[{index}]"), "an object"));
+            };
+            let role = match message.get("role") {
+                Some(Value::String(role)) if !role.is_empty() => role.clone(),
+                None | Some(Value::Null) => {
+                    return Err(ApiError::invalid_request(
+                        format!("Missing required parameter: 'messages[{index}].role'"),
+                        Some(&format!("messages[{index}].role")),
+                        "missing_required_parameter",
+                    ));
+                }
+                Some(_) => {
+                    return Err(wrong_type(&format!("messages[{index}].role"), "a non-empty string"));
+                }
+            };
+            let content = match message.get("content") {
+                None | Some(Value::Null) => String::new(),
+                Some(Value::String(text)) => text.clone(),
+                Some(Value::Array(parts)) => join_text_parts(parts, index)?,
+                Some(_) => {
+                    return Err(wrong_type(
+                        &format!("messages[{index}].content"),
+                        "a string or an array of content parts",
+                    ));
+                }
+            };
+            Ok(ChatMessage { role, content })
+        })
+        .collect()
+}
+
+fn join_text_parts(parts: &[Value], index: usize) -> Result<String, ApiError> {
+    let mut text = String::new();
+    for part in parts {
+        let Value::Object(part) = part else {
+            return Err(wrong_type(&format!("messages[{index}].content"), "an array of objects"));
+        };
+        match part.get("type") {
+            Some(Value::String(kind)) if kind == "text" => match part.get("text") {
+                Some(Value::String(part_text)) => text.push_str(part_text),
+                _ => {
+                    return Err(wrong_type(&format!("messages[{index}].content.text"), "a string"));
+                }
+            },
+            Some(Value::String(_)) => {}
+            _ => {
+                return Err(ApiError::invalid_request(
+                    format!("Missing required parameter: 'messages[{index}].content.type'"),
+                    Some(&format!("messages[{index}].content.type")),
+                    "missing_required_parameter",
+                ));
+            }
+        }
+    }
+    Ok(text)
+}
+
+fn parse_prompt(object: &Map<String, Value>) -> Result<PromptInput, ApiError> {
+    let expected = "a string, an array of strings, an array of token ids or an array of arrays of token ids";
+    let prompt = match object.get("prompt") {
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid_request(
+                "Missing required parameter: 'prompt'",
+                Some("prompt"),
+                "missing_required_parameter",
+            ));
+        }
+        Some(prompt) => prompt,
+    };
+    match prompt {
+        Value::String(text) => Ok(PromptInput::Text(text.clone())),
+        Value::Array(items) if items.is_empty() => Err(ApiError::invalid_request(
+            "'prompt' must not be an empty array",
+            Some("prompt"),
+            "invalid_value",
+        )),
+        Value::Array(items) => match &items[0] {
+            Value::String(first) => {
+                if items.iter().all(Value::is_string) {
+                    Ok(PromptInput::Text(first.clone()))
+                } else {
+                    Err(wrong_type("prompt", expected))
+                }
+            }
+            Value::Number(_) => Ok(PromptInput::Tokens(token_ids(items).ok_or_else(|| wrong_type("prompt", expected))?)),
+            Value::Array(first) => {
+                let mut first_ids = None;
+                for item in items {
+                    let Value::Array(ids) = item else {
+                        return Err(wrong_type("prompt", expected));
+                    };
+                    let ids = token_ids(ids).ok_or_else(|| wrong_type("prompt", expected))?;
+                    first_ids.get_or_insert(ids);
+                }
+                if first.is_empty() {
+                    return Err(ApiError::invalid_request(
+                        "'prompt' token arrays must not be empty",
+                        Some("prompt"),
+                        "invalid_value",
+                    ));
+                }
+                Ok(PromptInput::Tokens(first_ids.unwrap_or_default()))
+            }
+            _ => Err(wrong_type("prompt", expected)),
+        },
+        _ => Err(wrong_type("prompt", expected)),
+    }
+}
+
+fn token_ids(items: &[Value]) -> Option<Vec<u32>> {
+    items
+        .iter()
+        .map(|item| item.as_u64().and_then(|id| u32::try_from(id).ok()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: &str) -> Result<GenerationRequest, ApiError> {
+        parse_generation_request(Endpoint::ChatCompletions, body.as_bytes())
+    }
+
+    fn completion(body: &str) -> Result<GenerationRequest, ApiError> {
+        parse_generation_request(Endpoint::Completions, body.as_bytes())
+    }
+
+    #[test]
+    fn valid_chat() {
+        let request = chat(
+            r#"{"model":"m","stream":true,"max_tokens":5,"messages":[
+                {"role":"system","content":"be brief"},
+                {"role":"user","content":[{"type":"text","text":"hi "},{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"there"}]},
+                {"role":"assistant","content":null}]}"#,
+        )
+        .unwrap();
+        assert!(request.stream);
+        assert_eq!(request.max_tokens, Some(5));
+        let PromptInput::Chat(messages) = request.prompt else { panic!("not chat") };
+        assert_eq!(messages[1].content, "hi there");
+        assert_eq!(messages[2].content, "");
+    }
+
+    #[test]
+    fn completion_prompt_shapes() {
+        assert_eq!(completion(r#"{"model":"m","prompt":"abc"}"#).unwrap().prompt, PromptInput::Text("abc".into()));
+        assert_eq!(completion(r#"{"model":"m","prompt":["a","b"]}"#).unwrap().prompt, PromptInput::Text("a".into()));
+        assert_eq!(completion(r#"{"model":"m","prompt":[1,2,3]}"#).unwrap().prompt, PromptInput::Tokens(vec![1, 2, 3]));
+        assert_eq!(completion(r#"{"model":"m","prompt":[[4,5],[6]]}"#).unwrap().prompt, PromptInput::Tokens(vec![4, 5]));
+    }
+
+    fn code_of(result: Result<GenerationRequest, ApiError>) -> (u16, Option<String>, Option<&'static str>) {
+        let error = result.unwrap_err();
+        (error.status.as_u16(), error.param, error.code)
+    }
+
+    #[test]
+    fn bad_inputs() {
+        assert_eq!(code_of(chat("{")).2, Some("invalid_json"));
+        assert_eq!(code_of(chat("[1]")).2, Some("invalid_type"));
+        assert_eq!(code_of(chat(r#"{"messages":[]}"#)).1.as_deref(), Some("model"));
+        assert_eq!(code_of(chat(r#"{"model":3,"messages":[]}"#)).2, Some("invalid_type"));
+        assert_eq!(code_of(chat(r#"{"model":"m"}"#)).1.as_deref(), Some("messages"));
+        assert_eq!(code_of(chat(r#"{"model":"m","messages":{}}"#)).2, Some("invalid_type"));
+        assert_eq!(code_of(chat(r#"{"model":"m","messages":[]}"#)).2, Some("invalid_value"));
+        assert_eq!(code_of(chat(r#"{"model":"m","messages":[{"content":"x"}]}"#)).2, Some("missing_required_parameter"));
+        assert_eq!(code_of(chat(r#"{"model":"m","messages":[{"role":"user","content":5}]}"#)).2, Some("invalid_type"));
+        assert_eq!(code_of(chat(r#"{"model":"m","stream":"yes","messages":[{"role":"user","content":"x"}]}"#)).1.as_deref(), Some("stream"));
+        assert_eq!(code_of(chat(r#"{"model":"m","max_tokens":-1,"messages":[{"role":"user","content":"x"}]}"#)).1.as_deref(), Some("max_tokens"));
+        assert_eq!(code_of(completion(r#"{"model":"m"}"#)).1.as_deref(), Some("prompt"));
+        assert_eq!(code_of(completion(r#"{"model":"m","prompt":5}"#)).2, Some("invalid_type"));
+        assert_eq!(code_of(completion(r#"{"model":"m","prompt":[]}"#)).2, Some("invalid_value"));
+        assert_eq!(code_of(completion(r#"{"model":"m","prompt":["a",1]}"#)).2, Some("invalid_type"));
+        assert_eq!(code_of(completion(r#"{"model":"m","prompt":[1,-2]}"#)).2, Some("invalid_type"));
+        assert_eq!(code_of(completion(r#"{"model":"m","prompt":[[]]}"#)).2, Some("invalid_value"));
+        assert_eq!(code_of(completion(r#"{"model":"m","prompt":[1,5000000000]}"#)).2, Some("invalid_type"));
+        for result in [chat("{"), completion(r#"{"model":"m"}"#)] {
+            assert_eq!(result.unwrap_err().status, StatusCode::BAD_REQUEST);
+        }
+    }
+
+    #[test]
+    fn error_json_shape() {
+        let json = ApiError::not_found("GET", "/nope").to_json();
+        let error = &json["error"];
+        assert!(error["message"].as_str().unwrap().contains("/nope"));
+        assert_eq!(error["type"], "invalid_request_error");
+        assert!(error["param"].is_null());
+        assert_eq!(error["code"], "unknown_url");
+    }
+}

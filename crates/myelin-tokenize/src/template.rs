@@ -1,0 +1,240 @@
+//! Chat templates: HuggingFace-style Jinja templates (from a model's `tokenizer_config.json` or
+//! a `.jinja` file) rendered with minijinja, with a bundled ChatML default.
+
+use std::path::{Path, PathBuf};
+
+use minijinja::{Environment, ErrorKind, context};
+use serde_json::Value;
+
+/// ChatML, the template of Qwen/Yi-style models and a common serving default.
+const CHATML_TEMPLATE: &str = "{%- for message in messages -%}\
+<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n\
+{%- endfor -%}\
+{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}";
+
+const TEMPLATE_NAME: &str = "chat";
+
+/// Why a template could not be loaded or rendered.
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    /// The file could not be read.
+    #[error("cannot read chat template {path}: {source}")]
+    Read {
+        /// The file tried.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A `tokenizer_config.json` had no usable `chat_template`.
+    #[error("{path} has no chat_template (string, or list with a \"default\" entry)")]
+    NoTemplate {
+        /// The file tried.
+        path: PathBuf,
+    },
+    /// The file is not valid JSON.
+    #[error("cannot parse {path}: {source}")]
+    Json {
+        /// The file tried.
+        path: PathBuf,
+        /// The parse error.
+        source: serde_json::Error,
+    },
+    /// The template failed to compile or render (including `raise_exception` from the template).
+    #[error("chat template: {0}")]
+    Render(String),
+}
+
+/// A compiled chat template plus the special tokens it may refer to.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish()
+    }
+}
+
+impl ChatTemplate {
+    /// The bundled ChatML template.
+    pub fn chatml() -> Self {
+        Self::from_source(CHATML_TEMPLATE.to_string(), String::new(), String::new())
+            .unwrap_or_else(|_| unreachable!("the bundled ChatML template compiles"))
+    }
+
+    /// Loads a template from a model's `tokenizer_config.json` (its `chat_template`,
+    /// `bos_token`, `eos_token`) or, for any other file, the file's text as Jinja source.
+    pub fn from_path(path: impl AsRef<Path>) -> Result<Self, TemplateError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| TemplateError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        if path.extension().is_some_and(|ext| ext == "json") {
+            let config: Value = serde_json::from_str(&text).map_err(|source| TemplateError::Json {
+                path: path.to_path_buf(),
+                source,
+            })?;
+            let source = template_from_config(&config).ok_or_else(|| TemplateError::NoTemplate {
+                path: path.to_path_buf(),
+            })?;
+            Self::from_source(
+                source,
+                special_token(&config, "bos_token"),
+                special_token(&config, "eos_token"),
+            )
+        } else {
+            Self::from_source(text, String::new(), String::new())
+        }
+    }
+
+    /// Compiles Jinja source.
+    pub fn from_source(
+        source: String,
+        bos_token: String,
+        eos_token: String,
+    ) -> Result<Self, TemplateError> {
+        let mut env = Environment::new();
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |message: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+        });
+        env.add_template_owned(TEMPLATE_NAME, source)
+            .map_err(|error| TemplateError::Render(error.to_string()))?;
+        Ok(Self {
+            env,
+            bos_token,
+            eos_token,
+        })
+    }
+
+    /// Renders `messages` (OpenAI chat messages, a JSON array). Content given as a list of
+    /// parts is flattened to its text parts, as engines do for string-content templates.
+    pub fn render(&self, messages: &Value, add_generation_prompt: bool) -> Result<String, TemplateError> {
+        let messages = normalize_messages(messages);
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|error| TemplateError::Render(error.to_string()))?;
+        template
+            .render(context! {
+                messages => messages,
+                add_generation_prompt => add_generation_prompt,
+                bos_token => self.bos_token,
+                eos_token => self.eos_token,
+            })
+            .map_err(|error| TemplateError::Render(error.to_string()))
+    }
+}
+
+fn template_from_config(config: &Value) -> Option<String> {
+    match config.get("chat_template")? {
+        Value::String(source) => Some(source.clone()),
+        Value::Array(named) => named
+            .iter()
+            .find(|entry| entry.get("name").and_then(Value::as_str) == Some("default"))
+            .or_else(|| named.first())
+            .and_then(|entry| entry.get("template"))
+            .and_then(Value::as_str)
+            .map(str::to_string),
+        _ => None,
+    }
+}
+
+/// `bos_token` / `eos_token` are strings or `{"content": "..."}` objects in tokenizer configs.
+fn special_token(config: &Value, key: &str) -> String {
+    match config.get(key) {
+        Some(Value::String(token)) => token.clone(),
+        Some(Value::Object(token)) => token
+            .get("content")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string(),
+        _ => String::new(),
+    }
+}
+
+fn normalize_messages(messages: &Value) -> Value {
+    let Some(list) = messages.as_array() else {
+        return messages.clone();
+    };
+    Value::Array(
+        list.iter()
+            .map(|message| {
+                let mut message = message.clone();
+                if let Some(Value::Array(parts)) = message.get("content") {
+                    let text: String = parts
+                        .iter()
+                        .filter(|part| part.get("type").and_then(Value::as_str) == Some("text"))
+                        .filter_map(|part| part.get("text").and_then(Value::as_str))
+                        .collect::<Vec<_>>()
+                        .join("\n");
+                    message["content"] = Value::String(text);
+                }
+                message
+            })
+            .collect(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn chatml_renders_roles_and_generation_prompt() {
+        let messages = json!([
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {}}]}
+        ]);
+        let rendered = ChatTemplate::chatml().render(&messages, true).expect("render");
+        assert_eq!(
+            rendered,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let no_prompt = ChatTemplate::chatml().render(&messages, false).expect("render");
+        assert!(!no_prompt.ends_with("assistant\n"));
+    }
+
+    #[test]
+    fn tokenizer_config_template_with_python_methods_and_bos() {
+        let dir = std::env::temp_dir().join(format!("myelin-template-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("tokenizer_config.json");
+        let config = json!({
+            "bos_token": {"content": "<s>"},
+            "chat_template": "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}{% endif %}[{{ m['role'].upper() }}] {{ m['content'].strip() }}\n{% endfor %}"
+        });
+        std::fs::write(&path, config.to_string()).expect("write");
+        let template = ChatTemplate::from_path(&path).expect("load");
+        let rendered = template
+            .render(&json!([{"role": "user", "content": "  hello  "}]), true)
+            .expect("render");
+        assert_eq!(rendered, "<s>[USER] hello\n");
+        let error = template
+            .render(&json!([{"role": "tool", "content": "x"}]), true)
+            .expect_err("template raises");
+        assert!(error.to_string().contains("no tools"));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn config_without_template_is_an_error() {
+        let dir = std::env::temp_dir().join(format!("myelin-template-none-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("tokenizer_config.json");
+        std::fs::write(&path, "{}").expect("write");
+        assert!(matches!(
+            ChatTemplate::from_path(&path),
+            Err(TemplateError::NoTemplate { .. })
+        ));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
