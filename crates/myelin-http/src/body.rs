@@ -11,35 +11,63 @@ use std::task::{Context, Poll, Waker};
 use bytes::Bytes;
 use http_body::Frame;
 use http_body_util::BodyExt;
-use http_body_util::combinators::UnsyncBoxBody;
 
 /// Errors carried inside bodies.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// The one body type: boxed, `!Send` (bodies never leave their executor).
-pub type Body = UnsyncBoxBody<Bytes, BoxError>;
+/// The one body type: boxed and `!Send`, since bodies never leave their executor (and may hold
+/// `Rc`s, like the channel body below).
+pub struct Body {
+    inner: Pin<Box<dyn http_body::Body<Data = Bytes, Error = BoxError>>>,
+}
+
+impl Body {
+    /// Boxes any body whose errors convert into `BoxError` (e.g. hyper's `Incoming`).
+    pub fn new<B>(body: B) -> Self
+    where
+        B: http_body::Body<Data = Bytes> + 'static,
+        B::Error: Into<BoxError>,
+    {
+        Self {
+            inner: Box::pin(body.map_err(Into::into)),
+        }
+    }
+}
+
+impl std::fmt::Debug for Body {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Body").finish_non_exhaustive()
+    }
+}
+
+impl http_body::Body for Body {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.inner.as_mut().poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
 
 /// A whole body.
 pub fn full(bytes: impl Into<Bytes>) -> Body {
-    http_body_util::Full::new(bytes.into())
-        .map_err(|never| match never {})
-        .boxed_unsync()
+    Body::new(http_body_util::Full::new(bytes.into()))
 }
 
 /// An empty body.
 pub fn empty() -> Body {
-    http_body_util::Empty::<Bytes>::new()
-        .map_err(|never| match never {})
-        .boxed_unsync()
-}
-
-/// Boxes any body whose errors convert into `BoxError` (e.g. hyper's `Incoming`).
-pub fn boxed<B>(body: B) -> Body
-where
-    B: http_body::Body<Data = Bytes> + 'static,
-    B::Error: Into<BoxError>,
-{
-    body.map_err(Into::into).boxed_unsync()
+    Body::new(http_body_util::Empty::<Bytes>::new())
 }
 
 /// The receiving side of the body channel went away (the client disconnected).
@@ -80,7 +108,7 @@ pub fn channel(capacity: usize) -> (BodySender, Body) {
     let body = ChannelBody {
         state: state.clone(),
     };
-    (BodySender { state }, body.boxed_unsync())
+    (BodySender { state }, Body::new(body))
 }
 
 impl BodySender {

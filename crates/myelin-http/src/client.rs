@@ -152,13 +152,13 @@ impl Pool {
             .ok_or(ClientError::ConnectTimeout(addr))?
             .map_err(|error| ClientError::Connect {
                 addr,
-                source: io::Error::other(error),
+                source: io::Error::from(error),
             })?;
         stream
             .set_nodelay(true)
             .map_err(|error| ClientError::Connect {
                 addr,
-                source: io::Error::other(error),
+                source: io::Error::from(error),
             })?;
         let (sender, connection) = hyper::client::conn::http1::handshake(GlommioIo::new(stream))
             .await
@@ -174,7 +174,10 @@ impl Pool {
 
 fn resolve(authority: &Authority) -> Result<SocketAddr, ClientError> {
     let port = authority.port_u16().unwrap_or(80);
-    let host = authority.host().trim_start_matches('[').trim_end_matches(']');
+    let host = authority
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']');
     (host, port)
         .to_socket_addrs()
         .and_then(|mut addrs| {
@@ -226,7 +229,9 @@ mod tests {
     #[test]
     fn rejects_non_http_uris() {
         for uri in ["https://h:1/", "/relative"] {
-            let request = Request::get(uri).body(crate::body::empty()).expect("request");
+            let request = Request::get(uri)
+                .body(crate::body::empty())
+                .expect("request");
             assert!(matches!(
                 to_origin_form(request),
                 Err(ClientError::BadUri(_))

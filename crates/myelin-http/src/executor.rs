@@ -41,7 +41,10 @@ impl ExecutorSpec {
 }
 
 /// Starts a glommio executor on a new thread and runs the future made by `make_future` on it.
-pub fn spawn_executor<G, F, T>(spec: ExecutorSpec, make_future: G) -> io::Result<ExecutorJoinHandle<T>>
+pub fn spawn_executor<G, F, T>(
+    spec: ExecutorSpec,
+    make_future: G,
+) -> io::Result<ExecutorJoinHandle<T>>
 where
     G: FnOnce() -> F + Send + 'static,
     F: Future<Output = T> + 'static,
@@ -49,9 +52,7 @@ where
 {
     let placement = match spec.cpu {
         Some(cpu) => {
-            let cpus = CpuSet::online()
-                .map_err(io::Error::other)?
-                .filter(|location| location.cpu == cpu);
+            let cpus = CpuSet::online()?.filter(|location| location.cpu == cpu);
             Placement::Fenced(cpus)
         }
         None => Placement::Unbound,
@@ -60,5 +61,5 @@ where
         .name(&spec.name)
         .io_memory(spec.io_memory_bytes)
         .spawn(make_future)
-        .map_err(io::Error::other)
+        .map_err(io::Error::from)
 }

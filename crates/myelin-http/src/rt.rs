@@ -49,6 +49,8 @@ struct LocalSleep {
 unsafe impl Send for LocalSleep {}
 unsafe impl Sync for LocalSleep {}
 
+impl Sleep for LocalSleep {}
+
 impl Future for LocalSleep {
     type Output = ();
 

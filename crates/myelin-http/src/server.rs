@@ -129,9 +129,7 @@ struct OpenConnections {
 impl OpenConnections {
     fn enter(&self) -> ConnectionGuard {
         self.inner.0.set(self.inner.0.get() + 1);
-        ConnectionGuard {
-            open: self.clone(),
-        }
+        ConnectionGuard { open: self.clone() }
     }
 
     fn count(&self) -> usize {
@@ -205,7 +203,9 @@ where
                 })
                 .detach();
             }
-            Some(Err(_error)) => Timer::new(ACCEPT_ERROR_BACKOFF).await,
+            Some(Err(_error)) => {
+                Timer::new(ACCEPT_ERROR_BACKOFF).await;
+            }
         }
     }
     drop(listener);
@@ -250,7 +250,7 @@ where
     H: Fn(Request<Incoming>) -> F + 'static,
     F: Future<Output = Response<Body>> + 'static,
 {
-    stream.set_nodelay(true).map_err(io::Error::other)?;
+    stream.set_nodelay(true).map_err(io::Error::from)?;
     let sniffed = or(async { Some(sniff_h2_preface(&mut stream).await) }, async {
         Timer::new(config.header_read_timeout).await;
         None

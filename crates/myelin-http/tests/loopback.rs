@@ -32,7 +32,14 @@ struct Observed {
     stream_sender_saw_close: Cell<bool>,
 }
 
-fn start_server(config: ServerConfig) -> (String, Shutdown, Rc<Observed>, glommio::Task<myelin_http::server::ServeReport>) {
+fn start_server(
+    config: ServerConfig,
+) -> (
+    String,
+    Shutdown,
+    Rc<Observed>,
+    glommio::Task<myelin_http::server::ServeReport>,
+) {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let base = format!("http://{}", listener.local_addr().expect("addr"));
     let shutdown = Shutdown::new();
@@ -43,7 +50,12 @@ fn start_server(config: ServerConfig) -> (String, Shutdown, Rc<Observed>, glommi
         async move {
             match request.uri().path() {
                 "/echo" => {
-                    let bytes = request.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+                    let bytes = request
+                        .into_body()
+                        .collect()
+                        .await
+                        .map(|b| b.to_bytes())
+                        .unwrap_or_default();
                     Response::new(body::full(bytes))
                 }
                 "/slow" => {
@@ -76,7 +88,9 @@ fn start_server(config: ServerConfig) -> (String, Shutdown, Rc<Observed>, glommi
 }
 
 fn post(uri: String, payload: &'static str) -> Request<Body> {
-    Request::post(uri).body(body::full(payload)).expect("request")
+    Request::post(uri)
+        .body(body::full(payload))
+        .expect("request")
 }
 
 #[test]
@@ -85,12 +99,23 @@ fn http1_keep_alive_reuses_one_connection() {
         let (base, shutdown, _, task) = start_server(ServerConfig::default());
         let pool = Pool::new(PoolConfig::default());
         for payload in ["first", "second", "third"] {
-            let response = pool.send(post(format!("{base}/echo"), payload)).await.expect("send");
+            let response = pool
+                .send(post(format!("{base}/echo"), payload))
+                .await
+                .expect("send");
             assert_eq!(response.status(), StatusCode::OK);
-            let bytes = response.into_body().collect().await.expect("body").to_bytes();
+            let bytes = response
+                .into_body()
+                .collect()
+                .await
+                .expect("body")
+                .to_bytes();
             assert_eq!(bytes, Bytes::from(payload));
         }
-        let authority = base.trim_start_matches("http://").parse().expect("authority");
+        let authority = base
+            .trim_start_matches("http://")
+            .parse()
+            .expect("authority");
         assert_eq!(pool.pooled_connections(&authority), 1);
         shutdown.trigger();
         let report = task.await;
@@ -105,7 +130,11 @@ fn streaming_chunks_arrive_in_order_and_disconnect_reaches_producer() {
         let (base, shutdown, observed, task) = start_server(ServerConfig::default());
         let pool = Pool::new(PoolConfig::default());
         let response = pool
-            .send(Request::get(format!("{base}/stream")).body(body::empty()).expect("request"))
+            .send(
+                Request::get(format!("{base}/stream"))
+                    .body(body::empty())
+                    .expect("request"),
+            )
             .await
             .expect("send");
         let mut incoming = response.into_body();
@@ -125,7 +154,10 @@ fn streaming_chunks_arrive_in_order_and_disconnect_reaches_producer() {
             }
             Timer::new(Duration::from_millis(5)).await;
         }
-        assert!(observed.stream_sender_saw_close.get(), "producer never learned the client left");
+        assert!(
+            observed.stream_sender_saw_close.get(),
+            "producer never learned the client left"
+        );
         shutdown.trigger();
         task.await;
     });
@@ -137,17 +169,25 @@ fn h2c_prior_knowledge_is_served() {
         let (base, shutdown, _, task) = start_server(ServerConfig::default());
         let addr = base.trim_start_matches("http://").to_string();
         let stream = TcpStream::connect(addr.as_str()).await.expect("connect");
-        let (mut sender, connection) = hyper::client::conn::http2::handshake(LocalExec, GlommioIo::new(stream))
-            .await
-            .expect("h2 handshake");
+        let (mut sender, connection) =
+            hyper::client::conn::http2::handshake(LocalExec, GlommioIo::new(stream))
+                .await
+                .expect("h2 handshake");
         glommio::spawn_local(async move {
             let _ = connection.await;
         })
         .detach();
-        let request = Request::post(format!("{base}/echo")).body(body::full("over h2")).expect("request");
+        let request = Request::post(format!("{base}/echo"))
+            .body(body::full("over h2"))
+            .expect("request");
         let response = sender.send_request(request).await.expect("h2 response");
         assert_eq!(response.version(), http::Version::HTTP_2);
-        let bytes = response.into_body().collect().await.expect("body").to_bytes();
+        let bytes = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
         assert_eq!(bytes, Bytes::from("over h2"));
         drop(sender);
         shutdown.trigger();
@@ -167,7 +207,12 @@ fn graceful_shutdown_finishes_in_flight_requests_then_refuses() {
                 .send(Request::get(slow_uri).body(body::empty()).expect("request"))
                 .await
                 .expect("in-flight request is served");
-            response.into_body().collect().await.expect("body").to_bytes()
+            response
+                .into_body()
+                .collect()
+                .await
+                .expect("body")
+                .to_bytes()
         });
         Timer::new(Duration::from_millis(50)).await;
         shutdown.trigger();
@@ -175,9 +220,16 @@ fn graceful_shutdown_finishes_in_flight_requests_then_refuses() {
         let report = task.await;
         assert_eq!(report.abandoned, 0);
         let refused = Pool::new(PoolConfig::default())
-            .send(Request::get(format!("{base}/echo")).body(body::empty()).expect("request"))
+            .send(
+                Request::get(format!("{base}/echo"))
+                    .body(body::empty())
+                    .expect("request"),
+            )
             .await;
-        assert!(refused.as_ref().is_err_and(|error| error.is_connect()), "{refused:?}");
+        assert!(
+            refused.as_ref().is_err_and(|error| error.is_connect()),
+            "{refused:?}"
+        );
     });
 }
 
@@ -185,9 +237,17 @@ fn graceful_shutdown_finishes_in_flight_requests_then_refuses() {
 fn connect_error_is_marked_retryable() {
     run(|| async {
         // Bind then drop to find a port nobody listens on.
-        let port = TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+        let port = TcpListener::bind("127.0.0.1:0")
+            .expect("bind")
+            .local_addr()
+            .expect("addr")
+            .port();
         let error = Pool::new(PoolConfig::default())
-            .send(Request::get(format!("http://127.0.0.1:{port}/")).body(body::empty()).expect("request"))
+            .send(
+                Request::get(format!("http://127.0.0.1:{port}/"))
+                    .body(body::empty())
+                    .expect("request"),
+            )
             .await
             .expect_err("nobody listens");
         assert!(error.is_connect(), "{error}");

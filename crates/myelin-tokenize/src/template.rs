@@ -7,10 +7,10 @@ use minijinja::{Environment, ErrorKind, context};
 use serde_json::Value;
 
 /// ChatML, the template of Qwen/Yi-style models and a common serving default.
-const CHATML_TEMPLATE: &str = "{%- for message in messages -%}\
+const CHATML_TEMPLATE: &str = "{% for message in messages %}\
 <|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n\
-{%- endfor -%}\
-{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}";
+{% endfor %}\
+{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 
 const TEMPLATE_NAME: &str = "chat";
 
@@ -76,13 +76,15 @@ impl ChatTemplate {
             source,
         })?;
         if path.extension().is_some_and(|ext| ext == "json") {
-            let config: Value = serde_json::from_str(&text).map_err(|source| TemplateError::Json {
-                path: path.to_path_buf(),
-                source,
-            })?;
-            let source = template_from_config(&config).ok_or_else(|| TemplateError::NoTemplate {
-                path: path.to_path_buf(),
-            })?;
+            let config: Value =
+                serde_json::from_str(&text).map_err(|source| TemplateError::Json {
+                    path: path.to_path_buf(),
+                    source,
+                })?;
+            let source =
+                template_from_config(&config).ok_or_else(|| TemplateError::NoTemplate {
+                    path: path.to_path_buf(),
+                })?;
             Self::from_source(
                 source,
                 special_token(&config, "bos_token"),
@@ -102,9 +104,12 @@ impl ChatTemplate {
         let mut env = Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |message: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
-        });
+        env.add_function(
+            "raise_exception",
+            |message: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+            },
+        );
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|error| TemplateError::Render(error.to_string()))?;
         Ok(Self {
@@ -116,7 +121,11 @@ impl ChatTemplate {
 
     /// Renders `messages` (OpenAI chat messages, a JSON array). Content given as a list of
     /// parts is flattened to its text parts, as engines do for string-content templates.
-    pub fn render(&self, messages: &Value, add_generation_prompt: bool) -> Result<String, TemplateError> {
+    pub fn render(
+        &self,
+        messages: &Value,
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError> {
         let messages = normalize_messages(messages);
         let template = self
             .env
@@ -194,12 +203,16 @@ mod tests {
             {"role": "system", "content": "Be brief."},
             {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {}}]}
         ]);
-        let rendered = ChatTemplate::chatml().render(&messages, true).expect("render");
+        let rendered = ChatTemplate::chatml()
+            .render(&messages, true)
+            .expect("render");
         assert_eq!(
             rendered,
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         );
-        let no_prompt = ChatTemplate::chatml().render(&messages, false).expect("render");
+        let no_prompt = ChatTemplate::chatml()
+            .render(&messages, false)
+            .expect("render");
         assert!(!no_prompt.ends_with("assistant\n"));
     }
 
