@@ -1,10 +1,31 @@
-//! Churn harness: workloads, traffic replay, legs, reports and plots.
+//! Churn harness (`myelin bench`): workloads, traffic replay, legs, reports and plots.
+//!
+//! A run sends the same workload through several router configurations ("legs"), each on a
+//! fresh embedded simulated cluster, and compares TTFT, throughput, cache hit rate and
+//! residency downgrades, with validity gates. docs/benchmark.md is the user guide.
 
-/// Command-line arguments (placeholder until the crate lands).
-#[derive(Debug, clap::Args)]
-pub struct BenchArgs {}
+pub mod blocking_http;
+pub mod cli;
+pub mod cluster;
+pub mod gates;
+pub mod legs;
+pub mod loadgen;
+pub mod oracle;
+pub mod plot;
+pub mod prometheus;
+pub mod record;
+pub mod report;
+pub mod request_body;
+pub mod rng;
+pub mod router_process;
+pub mod runner;
+pub mod stats;
+pub mod stream;
+pub mod workload;
 
-/// Runs the command.
-pub fn run(_args: BenchArgs) -> Result<std::process::ExitCode, Box<dyn std::error::Error>> {
-    Err("not implemented yet".into())
+pub use cli::BenchArgs;
+
+/// Runs `myelin bench`: exit status 0 when every validity gate passed, 1 when a gate failed.
+pub fn run(args: BenchArgs) -> Result<std::process::ExitCode, Box<dyn std::error::Error>> {
+    runner::run(args).map_err(Into::into)
 }

@@ -24,7 +24,11 @@ pub fn draw_below(seed: u64, stream: u64, index: u64, bound: u64) -> u64 {
 
 /// A draw uniform in `low..=high`.
 pub fn draw_between(seed: u64, stream: u64, index: u64, low: u64, high: u64) -> u64 {
-    let (low, high) = if low <= high { (low, high) } else { (high, low) };
+    let (low, high) = if low <= high {
+        (low, high)
+    } else {
+        (high, low)
+    };
     low + draw_below(seed, stream, index, high - low + 1)
 }
 

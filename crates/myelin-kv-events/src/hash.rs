@@ -156,7 +156,17 @@ mod tests {
     #[test]
     fn cbor_heads_are_shortest_form() {
         let mut out = Vec::new();
-        for value in [0u64, 23, 24, 255, 256, 65535, 65536, u64::from(u32::MAX), 1 << 32] {
+        for value in [
+            0u64,
+            23,
+            24,
+            255,
+            256,
+            65535,
+            65536,
+            u64::from(u32::MAX),
+            1 << 32,
+        ] {
             write_cbor_head(&mut out, CBOR_MAJOR_UNSIGNED, value);
         }
         assert_eq!(

@@ -145,10 +145,17 @@ pub struct EventBatch {
 pub fn encode_batch(batch: &EventBatch, version: WireVersion) -> Vec<u8> {
     let mut out = ByteBuf::with_capacity(64 + 32 * batch.events.len());
     // EventBatch is array_like with omit_defaults: a None rank (the default) is dropped.
-    let batch_len = if batch.data_parallel_rank.is_some() { 3 } else { 2 };
+    let batch_len = if batch.data_parallel_rank.is_some() {
+        3
+    } else {
+        2
+    };
     written(encode::write_array_len(&mut out, batch_len));
     written(encode::write_f64(&mut out, batch.ts));
-    written(encode::write_array_len(&mut out, len_u32(batch.events.len())));
+    written(encode::write_array_len(
+        &mut out,
+        len_u32(batch.events.len()),
+    ));
     for event in &batch.events {
         encode_event(&mut out, event, version);
     }
@@ -259,12 +266,7 @@ fn event_fields(event: &KvEvent, version: WireVersion) -> Vec<Field<'_>> {
             if version == WireVersion::V0_33 {
                 // 0.26 locality, 0.30 ownership and session_id, 0.33 lookahead_token_ids: all
                 // None for blocks computed locally on the GPU, so never on the wire.
-                for name in [
-                    "locality",
-                    "ownership",
-                    "session_id",
-                    "lookahead_token_ids",
-                ] {
+                for name in ["locality", "ownership", "session_id", "lookahead_token_ids"] {
                     fields.push(Field::optional(name, FieldValue::OptionalUint(None)));
                 }
             }
@@ -354,9 +356,9 @@ fn len_u32(len: usize) -> u32 {
 fn written<T>(result: Result<T, ValueWriteError<Infallible>>) {
     match result {
         Ok(_) => {}
-        Err(ValueWriteError::InvalidMarkerWrite(never) | ValueWriteError::InvalidDataWrite(never)) => {
-            match never {}
-        }
+        Err(
+            ValueWriteError::InvalidMarkerWrite(never) | ValueWriteError::InvalidDataWrite(never),
+        ) => match never {},
     }
 }
 
@@ -474,7 +476,10 @@ mod tests {
 
     #[test]
     fn block_removed_and_cleared_in_both_layouts() {
-        let events = vec![removed_example(), KvEvent::AllBlocksCleared(AllBlocksCleared)];
+        let events = vec![
+            removed_example(),
+            KvEvent::AllBlocksCleared(AllBlocksCleared),
+        ];
         let mut expected = batch_head();
         expected.push(0x92);
         expected.push(0x94);
@@ -485,7 +490,10 @@ mod tests {
         expected.push(0x91);
         str_bytes(&mut expected, "AllBlocksCleared");
         expected.push(0x00);
-        assert_eq!(encode_batch(&batch(events.clone()), WireVersion::V0_22), expected);
+        assert_eq!(
+            encode_batch(&batch(events.clone()), WireVersion::V0_22),
+            expected
+        );
 
         let mut expected = batch_head();
         expected.push(0x92);

@@ -1,1 +1,75 @@
 //! Sans-IO routing core: ART shard, residency, load view, scoring policies, ownership hashing.
+//!
+//! The request path, per request, on the core that accepted it:
+//!
+//! 1. hash the prompt once ([`Shard::chain`], or `myelin_art::BlockChain::new`);
+//! 2. find the owning shard ([`owner_shard_of_chain`]) and ask it for the per-backend match
+//!    ([`Shard::lookup_chain`] → [`PrefixMatch`], plain `Send` data);
+//! 3. score with the local [`Router`] and the backends' health and load ([`BackendView`]) →
+//!    [`Decision`];
+//! 4. after proxying, tell the owner what was routed ([`Shard::learn_chain`]).
+//!
+//! KV events (on the control core, fanned out to owners) feed the verified mirror:
+//! [`Shard::apply_block_stored`], [`Shard::apply_block_removed`], [`Shard::set_mirror_live`].
+//! Nothing here does I/O or reads a clock: time (`now_ms`, caller's milliseconds) is an argument.
+//!
+//! ```
+//! use myelin_routing::{
+//!     BackendId, BackendState, BackendView, Policy, ResidencyMode, Router, RouterConfig, Shard,
+//!     ShardConfig, owner_shard_of_chain,
+//! };
+//!
+//! let mut shard = Shard::new(ShardConfig { block_size: 4, max_blocks: 10_000 })?;
+//! let mut router = Router::new(Policy::Prefix, ResidencyMode::Auto, RouterConfig::default());
+//! let backends = [
+//!     BackendView::new(BackendId(0), BackendState::Up, 0),
+//!     BackendView::new(BackendId(1), BackendState::Up, 0),
+//! ];
+//!
+//! let prompt: Vec<u32> = (0..64).collect();
+//! let chain = shard.chain(&prompt);
+//! assert_eq!(owner_shard_of_chain(&chain, 1), 0);
+//!
+//! // First time: nothing cached anywhere; a backend is picked and the shard learns it.
+//! let first = router.decide(64, &shard.lookup_chain(&chain, 1_000)?, &backends)?;
+//! shard.learn_chain(&chain, first.backend, 1_000, 0)?;
+//!
+//! // Same prefix again: the backend that holds it wins.
+//! let again = router.decide(64, &shard.lookup_chain(&chain, 2_000)?, &backends)?;
+//! assert_eq!(again.backend, first.backend);
+//! assert_eq!(again.expected_cached_tokens, 64.0);
+//!
+//! // Its KV-event mirror goes live: it stored the prompt's blocks, then evicted the first one.
+//! // A prefix missing its first block is unusable: nothing counts as cached there any more,
+//! // and choosing elsewhere for that reason is a residency downgrade.
+//! shard.set_mirror_live(first.backend, true);
+//! for &block_hash in chain.hashes() {
+//!     shard.apply_block_stored(first.backend, block_hash);
+//! }
+//! shard.apply_block_removed(first.backend, chain.hashes()[0]);
+//! let after_eviction = router.decide(64, &shard.lookup_chain(&chain, 3_000)?, &backends)?;
+//! assert!(after_eviction.residency_downgrade);
+//! assert_ne!(after_eviction.backend, first.backend);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod backend;
+mod error;
+mod mirror;
+mod ownership;
+mod policy;
+mod residency;
+mod router;
+mod shard;
+
+pub use backend::{BackendId, BackendState, BackendView};
+pub use error::{NoBackend, ParseNameError, RoutingError};
+pub use mirror::ResidencyMirror;
+pub use myelin_art::{BlockChain, InsertOutcome, MatchSegment, TreeStats};
+pub use ownership::{owner_shard, owner_shard_of_chain, owner_shard_of_key};
+pub use policy::Policy;
+pub use residency::{
+    EstimateInput, PlaceholderEstimator, ResidencyEstimator, ResidencyMode, expected_cached_tokens,
+};
+pub use router::{DEFAULT_LOAD_BOUND_TOKENS, Decision, Router, RouterConfig};
+pub use shard::{BackendMatch, PrefixMatch, Shard, ShardConfig};

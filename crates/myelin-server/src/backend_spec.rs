@@ -18,7 +18,9 @@ pub struct BackendSpec {
 pub enum BackendSpecError {
     #[error("backend `{spec}`: empty URL")]
     EmptyUrl { spec: String },
-    #[error("backend `{spec}`: only http:// URLs are supported (TLS to engines is not implemented)")]
+    #[error(
+        "backend `{spec}`: only http:// URLs are supported (TLS to engines is not implemented)"
+    )]
     UnsupportedScheme { spec: String },
     #[error("backend `{spec}`: URL has no host")]
     MissingHost { spec: String },
@@ -40,9 +42,9 @@ impl BackendSpec {
             match option.split_once('=') {
                 Some(("kv-events", endpoint)) => {
                     let endpoint = endpoint.trim();
-                    let known_transport = ["tcp://", "ipc://", "inproc://"]
-                        .iter()
-                        .any(|prefix| endpoint.starts_with(prefix) && endpoint.len() > prefix.len());
+                    let known_transport = ["tcp://", "ipc://", "inproc://"].iter().any(|prefix| {
+                        endpoint.starts_with(prefix) && endpoint.len() > prefix.len()
+                    });
                     if !known_transport {
                         return Err(BackendSpecError::BadKvEventsEndpoint { spec: spec.into() });
                     }

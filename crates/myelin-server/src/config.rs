@@ -33,8 +33,9 @@ impl Defaults {
     pub const BREAKER_FAILURES: u32 = 5;
     pub const BREAKER_OPEN_MS: u64 = 5_000;
     pub const DRAIN_TIMEOUT_MS: u64 = 30_000;
-    pub const TOKENIZE_CACHE_ENTRIES: usize = 4_096;
-    pub const LOAD_BOUND_TOKENS: u64 = 0;
+    pub const TOKENIZE_CACHE_BYTES: usize = 16 * 1024 * 1024;
+    pub const SIM_SPEEDUP: f64 = 1.0;
+    pub const LOAD_BOUND_TOKENS: u64 = myelin_routing::DEFAULT_LOAD_BOUND_TOKENS;
 }
 
 /// Routing policy (`--routing`).
@@ -108,13 +109,22 @@ pub struct ServeArgs {
 
     /// An inference engine: `http://host:port[,kv-events=tcp://host:port]`. Repeat the flag
     /// for several; in MYELIN_BACKEND separate them with `;`. [default: none]
-    #[arg(long = "backend", env = "MYELIN_BACKEND", value_name = "SPEC", value_delimiter = ';')]
+    #[arg(
+        long = "backend",
+        env = "MYELIN_BACKEND",
+        value_name = "SPEC",
+        value_delimiter = ';'
+    )]
     pub backends: Vec<String>,
 
     /// Start N simulated vLLM engines in-process and use them as backends (added to any
     /// --backend). [default: 0]
     #[arg(long, env = "MYELIN_SIM", value_name = "N")]
     pub sim: Option<usize>,
+
+    /// Simulated time runs this many times faster than real time (with --sim). [default: 1]
+    #[arg(long, env = "MYELIN_SIM_SPEEDUP", value_name = "FACTOR")]
+    pub sim_speedup: Option<f64>,
 
     /// Routing policy. [default: prefix]
     #[arg(long, env = "MYELIN_ROUTING", value_enum)]
@@ -215,12 +225,14 @@ pub struct ServeArgs {
     #[arg(long, env = "MYELIN_DRAIN_TIMEOUT_MS", value_name = "MS")]
     pub drain_timeout_ms: Option<u64>,
 
-    /// Per-core cache of tokenized chat-message segments (0 disables). [default: 4096]
-    #[arg(long, env = "MYELIN_TOKENIZE_CACHE_ENTRIES", value_name = "N")]
-    pub tokenize_cache_entries: Option<usize>,
+    /// Memory per data core for cached token ids of prompt segments between special tokens
+    /// (system prompts, earlier turns); 0 disables. [default: 16777216]
+    #[arg(long, env = "MYELIN_TOKENIZE_CACHE_BYTES", value_name = "BYTES")]
+    pub tokenize_cache_bytes: Option<usize>,
 
-    /// Prefix policy: load difference (tokens) under which the longest match always wins;
-    /// 0 means pure expected-cost scoring. [default: 0]
+    /// Prefix policy: load differences up to this many tokens are treated as noise (a
+    /// backend's load counts only beyond the least-loaded one's plus this); 0 means pure
+    /// expected-cost scoring. [default: 2048]
     #[arg(long, env = "MYELIN_LOAD_BOUND_TOKENS", value_name = "TOKENS")]
     pub load_bound_tokens: Option<u64>,
 }
@@ -234,6 +246,7 @@ pub struct FileConfig {
     #[serde(default, alias = "backends")]
     pub backend: Vec<FileBackend>,
     pub sim: Option<usize>,
+    pub sim_speedup: Option<f64>,
     pub routing: Option<RoutingPolicy>,
     pub residency: Option<ResidencyMode>,
     pub tokenizer: Option<PathBuf>,
@@ -257,7 +270,7 @@ pub struct FileConfig {
     pub breaker_failures: Option<u32>,
     pub breaker_open_ms: Option<u64>,
     pub drain_timeout_ms: Option<u64>,
-    pub tokenize_cache_entries: Option<usize>,
+    pub tokenize_cache_bytes: Option<usize>,
     pub load_bound_tokens: Option<u64>,
 }
 
@@ -292,6 +305,7 @@ pub struct ServeConfig {
     pub metrics_listen: Option<SocketAddr>,
     pub backends: Vec<BackendSpec>,
     pub sim: usize,
+    pub sim_speedup: f64,
     pub routing: RoutingPolicy,
     pub residency: ResidencyMode,
     pub tokenizer: Option<PathBuf>,
@@ -306,7 +320,7 @@ pub struct ServeConfig {
     pub connect_timeout: Duration,
     pub health: HealthConfig,
     pub drain_timeout: Duration,
-    pub tokenize_cache_entries: usize,
+    pub tokenize_cache_bytes: usize,
     pub load_bound_tokens: u64,
 }
 
@@ -331,6 +345,8 @@ pub enum ConfigError {
     NoBackends,
     #[error("{0} must be at least 1")]
     MustBePositive(&'static str),
+    #[error("--sim-speedup must be a positive number")]
+    SimSpeedup,
     #[error("--health-path must start with `/`")]
     HealthPath,
 }
@@ -412,6 +428,13 @@ impl ServeConfig {
         if !health_path.starts_with('/') {
             return Err(ConfigError::HealthPath);
         }
+        let sim_speedup = args
+            .sim_speedup
+            .or(file.sim_speedup)
+            .unwrap_or(Defaults::SIM_SPEEDUP);
+        if !(sim_speedup.is_finite() && sim_speedup > 0.0) {
+            return Err(ConfigError::SimSpeedup);
+        }
         let millis = Duration::from_millis;
         let listen = match args.listen.or(file.listen) {
             Some(listen) => listen,
@@ -422,6 +445,7 @@ impl ServeConfig {
             metrics_listen: args.metrics_listen.or(file.metrics_listen),
             backends,
             sim,
+            sim_speedup,
             routing: args
                 .routing
                 .or(file.routing)
@@ -513,10 +537,10 @@ impl ServeConfig {
                     .or(file.drain_timeout_ms)
                     .unwrap_or(Defaults::DRAIN_TIMEOUT_MS),
             ),
-            tokenize_cache_entries: args
-                .tokenize_cache_entries
-                .or(file.tokenize_cache_entries)
-                .unwrap_or(Defaults::TOKENIZE_CACHE_ENTRIES),
+            tokenize_cache_bytes: args
+                .tokenize_cache_bytes
+                .or(file.tokenize_cache_bytes)
+                .unwrap_or(Defaults::TOKENIZE_CACHE_BYTES),
             load_bound_tokens: args
                 .load_bound_tokens
                 .or(file.load_bound_tokens)
@@ -584,7 +608,10 @@ mod tests {
         assert_eq!(config.listen.to_string(), "127.0.0.1:9000");
         assert_eq!(config.max_body_bytes, 1000);
         assert_eq!(config.backends.len(), 2);
-        assert_eq!(config.backends[1].kv_events.as_deref(), Some("tcp://b:5557"));
+        assert_eq!(
+            config.backends[1].kv_events.as_deref(),
+            Some("tcp://b:5557")
+        );
         assert_eq!(config.layout.shard_count(), 2);
     }
 

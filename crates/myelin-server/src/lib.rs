@@ -1,10 +1,313 @@
-//! glommio data plane and control core of the myelin router.
+//! glommio data plane and control core of the myelin router: `myelin serve`.
+//!
+//! [`run`] resolves the configuration, starts one executor per data core (each with its own
+//! listener on the shared port, its own prefix shard, connection pool and tokenizer) and one
+//! control core, prints `listening on http://ADDR` on stdout, and drains on SIGTERM/SIGINT.
+//! [`start`] does the same without signals or printing, for embedding and tests.
 
-/// Command-line arguments (placeholder until the crate lands).
-#[derive(Debug, clap::Args)]
-pub struct ServeArgs {}
+mod admin;
+pub mod backend_spec;
+mod backends;
+pub mod config;
+mod control;
+pub mod cores;
+mod data_core;
+pub mod health;
+mod mesh;
+mod messages;
+pub mod metrics;
+pub mod openai;
+mod proxy;
+mod relay;
+mod request_path;
+pub mod route_tokens;
+mod routing_glue;
+mod sim;
 
-/// Runs the command.
-pub fn run(_args: ServeArgs) -> Result<std::process::ExitCode, Box<dyn std::error::Error>> {
-    Err("not implemented yet".into())
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+
+use glommio::ExecutorJoinHandle;
+use myelin_http::executor::{ExecutorSpec, spawn_executor};
+use myelin_http::server::ServeReport;
+use myelin_tokenize::{ChatTemplate, Tokenizer};
+
+pub use config::{ServeArgs, ServeConfig};
+
+use crate::backends::{BackendInfo, BackendState};
+use crate::data_core::{CoreReady, DataCoreSetup, run_data_core};
+use crate::mesh::build_mesh;
+use crate::route_tokens::AddedTokens;
+
+/// Why the server could not start or stop cleanly.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Config(#[from] config::ConfigError),
+    #[error("tokenizer: {0}")]
+    Tokenizer(#[from] myelin_tokenize::TokenizeError),
+    #[error("chat template: {0}")]
+    Template(#[from] myelin_tokenize::TemplateError),
+    #[error("starting executor {name}: {source}")]
+    Executor {
+        name: String,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Startup(String),
+    #[error("simulated engines: {0}")]
+    Sim(#[from] myelin_sim::SimError),
+    #[error("installing signal handlers: {0}")]
+    Signals(std::io::Error),
+}
+
+/// A running router.
+pub struct Server {
+    /// Address the data cores listen on (port 0 resolved).
+    pub addr: SocketAddr,
+    /// Address of the `--metrics-listen` server, when configured.
+    pub metrics_addr: Option<SocketAddr>,
+    /// Number of data shards.
+    pub shards: usize,
+    stop: Arc<AtomicBool>,
+    control_stop: Arc<AtomicBool>,
+    data_cores: Vec<ExecutorJoinHandle<ServeReport>>,
+    control_core: Option<ExecutorJoinHandle<()>>,
+    _sim: Option<sim::SimEngines>,
+}
+
+/// How a drain ended.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DrainReport {
+    /// Connections still open when the drain deadline passed, over all data cores.
+    pub abandoned_connections: usize,
+}
+
+impl Server {
+    /// Starts the drain (as SIGTERM does).
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
+    }
+
+    /// Waits for every data core to drain, then stops the control core.
+    pub fn wait(mut self) -> Result<DrainReport, ServeError> {
+        let mut report = DrainReport::default();
+        let mut failure = None;
+        for handle in self.data_cores.drain(..) {
+            match handle.join() {
+                Ok(serve_report) => report.abandoned_connections += serve_report.abandoned,
+                Err(error) => {
+                    failure = Some(ServeError::Startup(format!("data core failed: {error}")))
+                }
+            }
+        }
+        self.control_stop.store(true, Ordering::Release);
+        if let Some(handle) = self.control_core.take()
+            && let Err(error) = handle.join()
+        {
+            failure = Some(ServeError::Startup(format!("control core failed: {error}")));
+        }
+        match failure {
+            Some(error) => Err(error),
+            None => Ok(report),
+        }
+    }
+}
+
+/// Starts the router. Setting `stop` (or calling [`Server::stop`]) begins a graceful drain.
+pub fn start(config: ServeConfig, stop: Arc<AtomicBool>) -> Result<Server, ServeError> {
+    let tokenizer_path = match &config.tokenizer {
+        Some(path) => path.clone(),
+        None => myelin_tokenize::bundled_tokenizer_path()?,
+    };
+    let tokenizer = Tokenizer::from_file(&tokenizer_path)?;
+    let template = Arc::new(match &config.chat_template {
+        Some(path) => ChatTemplate::from_path(path)?,
+        None => ChatTemplate::chatml(),
+    });
+    let added_tokens = AddedTokens::from_tokenizer_json(&tokenizer_path).map(Arc::new);
+
+    let mut config = config;
+    let sim = if config.sim > 0 {
+        let engines = sim::SimEngines::start(
+            config.sim,
+            config.sim_speedup,
+            &tokenizer_path,
+            config.chat_template.as_deref(),
+        )?;
+        config.backends.extend(engines.backend_specs());
+        Some(engines)
+    } else {
+        None
+    };
+    let config = Arc::new(config);
+    let metrics = metrics::install();
+
+    let shards = config.layout.shard_count();
+    let initial_backends: Vec<BackendInfo> = config
+        .backends
+        .iter()
+        .enumerate()
+        .map(|(index, spec)| BackendInfo {
+            id: index as u32,
+            spec: spec.clone(),
+            state: BackendState::Up,
+        })
+        .collect();
+    let mut mesh_ends = build_mesh(shards + 1).into_iter();
+    let control_stop = Arc::new(AtomicBool::new(false));
+    let (ready_sender, ready) = mpsc::channel();
+
+    let mut data_cores = Vec::with_capacity(shards);
+    let mut listen = config.listen;
+    let mut startup_error = None;
+    for shard in 0..shards {
+        let name = format!("myelin-data-{shard}");
+        let spec = match config.layout.data_cpus[shard] {
+            Some(cpu) => ExecutorSpec::pinned(name.clone(), cpu),
+            None => ExecutorSpec::unpinned(name.clone()),
+        };
+        let Some(ends) = mesh_ends.next() else {
+            return Err(ServeError::Startup("mesh has too few ends".into()));
+        };
+        let setup = DataCoreSetup {
+            shard,
+            shards,
+            config: config.clone(),
+            listen,
+            mesh_ends: ends,
+            initial_backends: initial_backends.clone(),
+            tokenizer: tokenizer.clone(),
+            template: template.clone(),
+            added_tokens: added_tokens.clone(),
+            metrics: metrics.clone(),
+            stop: stop.clone(),
+            ready: ready_sender.clone(),
+        };
+        let handle = spawn_executor(spec, move || run_data_core(setup))
+            .map_err(|source| ServeError::Executor { name, source })?;
+        data_cores.push(handle);
+        // Port 0: the first shard picks the port, the others join it (SO_REUSEPORT).
+        match ready.recv() {
+            Ok(CoreReady::Bound(addr)) => listen = addr,
+            Ok(CoreReady::Failed(message)) => {
+                startup_error = Some(message);
+                stop.store(true, Ordering::Release);
+            }
+            Ok(CoreReady::Serving) | Err(_) => {
+                startup_error = Some(format!("shard {shard} did not report its address"));
+                stop.store(true, Ordering::Release);
+            }
+        }
+    }
+
+    let (control_ready_sender, control_ready) = mpsc::channel();
+    let control_spec = match config.layout.control_cpu {
+        Some(cpu) => ExecutorSpec::pinned("myelin-control", cpu),
+        None => ExecutorSpec::unpinned("myelin-control"),
+    };
+    let Some(control_ends) = mesh_ends.next() else {
+        return Err(ServeError::Startup("mesh has too few ends".into()));
+    };
+    let control_config = config.clone();
+    let control_metrics = metrics.clone();
+    let control_flag = control_stop.clone();
+    let control_core = spawn_executor(control_spec, move || {
+        control::run_control(
+            control_config,
+            shards,
+            control_ends,
+            initial_backends,
+            control_metrics,
+            control_flag,
+            control_ready_sender,
+        )
+    })
+    .map_err(|source| ServeError::Executor {
+        name: "myelin-control".into(),
+        source,
+    })?;
+
+    let mut serving = 0;
+    while serving < shards && startup_error.is_none() {
+        match ready.recv() {
+            Ok(CoreReady::Serving) => serving += 1,
+            Ok(CoreReady::Failed(message)) => startup_error = Some(message),
+            Ok(CoreReady::Bound(_)) => {}
+            Err(_) => startup_error = Some("a data core stopped during startup".into()),
+        }
+    }
+    let metrics_addr = match control_ready.recv() {
+        Ok(Ok(addr)) => addr,
+        Ok(Err(message)) => {
+            startup_error.get_or_insert(message);
+            None
+        }
+        Err(_) => {
+            startup_error.get_or_insert("the control core stopped during startup".into());
+            None
+        }
+    };
+    let server = Server {
+        addr: listen,
+        metrics_addr,
+        shards,
+        stop,
+        control_stop,
+        data_cores,
+        control_core: Some(control_core),
+        _sim: sim,
+    };
+    if let Some(message) = startup_error {
+        server.stop();
+        let _ = server.wait();
+        return Err(ServeError::Startup(message));
+    }
+    Ok(server)
+}
+
+/// `myelin serve`: runs until SIGTERM/SIGINT, drains, exits 0. A second signal during the
+/// drain exits at once with status 1.
+pub fn run(args: ServeArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let config = ServeConfig::resolve(args)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register_conditional_shutdown(signal, 1, stop.clone())
+            .map_err(ServeError::Signals)?;
+        signal_hook::flag::register(signal, stop.clone()).map_err(ServeError::Signals)?;
+    }
+    let summary = format!(
+        "{} shards, {} backends{}, routing {}, residency {}",
+        config.layout.shard_count(),
+        config.backends.len(),
+        if config.sim > 0 {
+            format!(" + {} simulated", config.sim)
+        } else {
+            String::new()
+        },
+        config.routing.as_str(),
+        config.residency.as_str(),
+    );
+    let server = start(config, stop)?;
+    let metrics_note = server
+        .metrics_addr
+        .map(|addr| format!(", metrics on http://{addr}/metrics"))
+        .unwrap_or_default();
+    println!(
+        "myelin: listening on http://{} ({summary}{metrics_note})",
+        server.addr
+    );
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let report = server.wait()?;
+    if report.abandoned_connections > 0 {
+        eprintln!(
+            "myelin: drain deadline passed with {} connections still open",
+            report.abandoned_connections
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }

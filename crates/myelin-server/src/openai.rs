@@ -22,19 +22,12 @@ impl Endpoint {
     }
 }
 
-/// One chat message reduced to what a chat template needs.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChatMessage {
-    pub role: String,
-    /// Text content; structured content parts are joined (non-text parts are skipped).
-    pub content: String,
-}
-
 /// What the router tokenizes for routing.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PromptInput {
-    /// Chat messages, rendered with the chat template before tokenizing.
-    Chat(Vec<ChatMessage>),
+    /// The validated `messages` array, rendered with the chat template before tokenizing
+    /// (passed whole, so templates see tool calls and every other field the engine sees).
+    Chat(Value),
     /// Completion prompt text (the first prompt of a batch).
     Text(String),
     /// Completion prompt given as token ids (the first prompt of a batch).
@@ -64,7 +57,11 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    pub fn invalid_request(message: impl Into<String>, param: Option<&str>, code: &'static str) -> Self {
+    pub fn invalid_request(
+        message: impl Into<String>,
+        param: Option<&str>,
+        code: &'static str,
+    ) -> Self {
         ApiError {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
@@ -168,7 +165,10 @@ impl ApiError {
 }
 
 /// Validates a generation request body.
-pub fn parse_generation_request(endpoint: Endpoint, body: &[u8]) -> Result<GenerationRequest, ApiError> {
+pub fn parse_generation_request(
+    endpoint: Endpoint,
+    body: &[u8],
+) -> Result<GenerationRequest, ApiError> {
     let value: Value = serde_json::from_slice(body).map_err(|error| {
         ApiError::invalid_request(
             format!("We could not parse the JSON body of your request: {error}"),
@@ -176,7 +176,7 @@ pub fn parse_generation_request(endpoint: Endpoint, body: &[u8]) -> Result<Gener
             "invalid_json",
         )
     })?;
-    let Value::Object(object) = value else {
+    let Value::Object(mut object) = value else {
         return Err(ApiError::invalid_request(
             "The request body must be a JSON object",
             None,
@@ -210,7 +210,7 @@ pub fn parse_generation_request(endpoint: Endpoint, body: &[u8]) -> Result<Gener
         .or(optional_count(&object, "max_completion_tokens")?);
     optional_count(&object, "n")?;
     let prompt = match endpoint {
-        Endpoint::ChatCompletions => PromptInput::Chat(parse_messages(&object)?),
+        Endpoint::ChatCompletions => PromptInput::Chat(parse_messages(&mut object)?),
         Endpoint::Completions => parse_prompt(&object)?,
     };
     Ok(GenerationRequest {
@@ -241,7 +241,8 @@ fn optional_count(object: &Map<String, Value>, param: &str) -> Result<Option<u64
     }
 }
 
-fn parse_messages(object: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
+/// Validates and takes the `messages` array out of the body object (no copy).
+fn parse_messages(object: &mut Map<String, Value>) -> Result<Value, ApiError> {
     let messages = match object.get("messages") {
         None | Some(Value::Null) => {
             return Err(ApiError::invalid_request(
@@ -260,53 +261,56 @@ fn parse_messages(object: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiEr
             "invalid_value",
         ));
     }
-    messages
-        .iter()
-        .enumerate()
-        .map(|(index, message)| {
-            let Value::Object(message) = message else {
-                return Err(wrong_type(&format!("messages[{index}]"), "an object"));
-            };
-            let role = match message.get("role") {
-                Some(Value::String(role)) if !role.is_empty() => role.clone(),
-                None | Some(Value::Null) => {
-                    return Err(ApiError::invalid_request(
-                        format!("Missing required parameter: 'messages[{index}].role'"),
-                        Some(&format!("messages[{index}].role")),
-                        "missing_required_parameter",
-                    ));
-                }
-                Some(_) => {
-                    return Err(wrong_type(&format!("messages[{index}].role"), "a non-empty string"));
-                }
-            };
-            let content = match message.get("content") {
-                None | Some(Value::Null) => String::new(),
-                Some(Value::String(text)) => text.clone(),
-                Some(Value::Array(parts)) => join_text_parts(parts, index)?,
-                Some(_) => {
-                    return Err(wrong_type(
-                        &format!("messages[{index}].content"),
-                        "a string or an array of content parts",
-                    ));
-                }
-            };
-            Ok(ChatMessage { role, content })
-        })
-        .collect()
+    for (index, message) in messages.iter().enumerate() {
+        let Value::Object(message) = message else {
+            return Err(wrong_type(&format!("messages[{index}]"), "an object"));
+        };
+        match message.get("role") {
+            Some(Value::String(role)) if !role.is_empty() => {}
+            None | Some(Value::Null) => {
+                return Err(ApiError::invalid_request(
+                    format!("Missing required parameter: 'messages[{index}].role'"),
+                    Some(&format!("messages[{index}].role")),
+                    "missing_required_parameter",
+                ));
+            }
+            Some(_) => {
+                return Err(wrong_type(
+                    &format!("messages[{index}].role"),
+                    "a non-empty string",
+                ));
+            }
+        };
+        match message.get("content") {
+            None | Some(Value::Null) | Some(Value::String(_)) => {}
+            Some(Value::Array(parts)) => check_content_parts(parts, index)?,
+            Some(_) => {
+                return Err(wrong_type(
+                    &format!("messages[{index}].content"),
+                    "a string or an array of content parts",
+                ));
+            }
+        }
+    }
+    Ok(object.remove("messages").unwrap_or_default())
 }
 
-fn join_text_parts(parts: &[Value], index: usize) -> Result<String, ApiError> {
-    let mut text = String::new();
+fn check_content_parts(parts: &[Value], index: usize) -> Result<(), ApiError> {
     for part in parts {
         let Value::Object(part) = part else {
-            return Err(wrong_type(&format!("messages[{index}].content"), "an array of objects"));
+            return Err(wrong_type(
+                &format!("messages[{index}].content"),
+                "an array of objects",
+            ));
         };
         match part.get("type") {
             Some(Value::String(kind)) if kind == "text" => match part.get("text") {
-                Some(Value::String(part_text)) => text.push_str(part_text),
+                Some(Value::String(_)) => {}
                 _ => {
-                    return Err(wrong_type(&format!("messages[{index}].content.text"), "a string"));
+                    return Err(wrong_type(
+                        &format!("messages[{index}].content.text"),
+                        "a string",
+                    ));
                 }
             },
             Some(Value::String(_)) => {}
@@ -319,11 +323,12 @@ fn join_text_parts(parts: &[Value], index: usize) -> Result<String, ApiError> {
             }
         }
     }
-    Ok(text)
+    Ok(())
 }
 
 fn parse_prompt(object: &Map<String, Value>) -> Result<PromptInput, ApiError> {
-    let expected = "a string, an array of strings, an array of token ids or an array of arrays of token ids";
+    let expected =
+        "a string, an array of strings, an array of token ids or an array of arrays of token ids";
     let prompt = match object.get("prompt") {
         None | Some(Value::Null) => {
             return Err(ApiError::invalid_request(
@@ -349,7 +354,9 @@ fn parse_prompt(object: &Map<String, Value>) -> Result<PromptInput, ApiError> {
                     Err(wrong_type("prompt", expected))
                 }
             }
-            Value::Number(_) => Ok(PromptInput::Tokens(token_ids(items).ok_or_else(|| wrong_type("prompt", expected))?)),
+            Value::Number(_) => Ok(PromptInput::Tokens(
+                token_ids(items).ok_or_else(|| wrong_type("prompt", expected))?,
+            )),
             Value::Array(first) => {
                 let mut first_ids = None;
                 for item in items {
@@ -404,20 +411,43 @@ mod tests {
         .unwrap();
         assert!(request.stream);
         assert_eq!(request.max_tokens, Some(5));
-        let PromptInput::Chat(messages) = request.prompt else { panic!("not chat") };
-        assert_eq!(messages[1].content, "hi there");
-        assert_eq!(messages[2].content, "");
+        let PromptInput::Chat(messages) = request.prompt else {
+            panic!("not chat")
+        };
+        assert_eq!(messages.as_array().map(Vec::len), Some(3));
     }
 
     #[test]
     fn completion_prompt_shapes() {
-        assert_eq!(completion(r#"{"model":"m","prompt":"abc"}"#).unwrap().prompt, PromptInput::Text("abc".into()));
-        assert_eq!(completion(r#"{"model":"m","prompt":["a","b"]}"#).unwrap().prompt, PromptInput::Text("a".into()));
-        assert_eq!(completion(r#"{"model":"m","prompt":[1,2,3]}"#).unwrap().prompt, PromptInput::Tokens(vec![1, 2, 3]));
-        assert_eq!(completion(r#"{"model":"m","prompt":[[4,5],[6]]}"#).unwrap().prompt, PromptInput::Tokens(vec![4, 5]));
+        assert_eq!(
+            completion(r#"{"model":"m","prompt":"abc"}"#)
+                .unwrap()
+                .prompt,
+            PromptInput::Text("abc".into())
+        );
+        assert_eq!(
+            completion(r#"{"model":"m","prompt":["a","b"]}"#)
+                .unwrap()
+                .prompt,
+            PromptInput::Text("a".into())
+        );
+        assert_eq!(
+            completion(r#"{"model":"m","prompt":[1,2,3]}"#)
+                .unwrap()
+                .prompt,
+            PromptInput::Tokens(vec![1, 2, 3])
+        );
+        assert_eq!(
+            completion(r#"{"model":"m","prompt":[[4,5],[6]]}"#)
+                .unwrap()
+                .prompt,
+            PromptInput::Tokens(vec![4, 5])
+        );
     }
 
-    fn code_of(result: Result<GenerationRequest, ApiError>) -> (u16, Option<String>, Option<&'static str>) {
+    fn code_of(
+        result: Result<GenerationRequest, ApiError>,
+    ) -> (u16, Option<String>, Option<&'static str>) {
         let error = result.unwrap_err();
         (error.status.as_u16(), error.param, error.code)
     }
@@ -426,22 +456,81 @@ mod tests {
     fn bad_inputs() {
         assert_eq!(code_of(chat("{")).2, Some("invalid_json"));
         assert_eq!(code_of(chat("[1]")).2, Some("invalid_type"));
-        assert_eq!(code_of(chat(r#"{"messages":[]}"#)).1.as_deref(), Some("model"));
-        assert_eq!(code_of(chat(r#"{"model":3,"messages":[]}"#)).2, Some("invalid_type"));
-        assert_eq!(code_of(chat(r#"{"model":"m"}"#)).1.as_deref(), Some("messages"));
-        assert_eq!(code_of(chat(r#"{"model":"m","messages":{}}"#)).2, Some("invalid_type"));
-        assert_eq!(code_of(chat(r#"{"model":"m","messages":[]}"#)).2, Some("invalid_value"));
-        assert_eq!(code_of(chat(r#"{"model":"m","messages":[{"content":"x"}]}"#)).2, Some("missing_required_parameter"));
-        assert_eq!(code_of(chat(r#"{"model":"m","messages":[{"role":"user","content":5}]}"#)).2, Some("invalid_type"));
-        assert_eq!(code_of(chat(r#"{"model":"m","stream":"yes","messages":[{"role":"user","content":"x"}]}"#)).1.as_deref(), Some("stream"));
-        assert_eq!(code_of(chat(r#"{"model":"m","max_tokens":-1,"messages":[{"role":"user","content":"x"}]}"#)).1.as_deref(), Some("max_tokens"));
-        assert_eq!(code_of(completion(r#"{"model":"m"}"#)).1.as_deref(), Some("prompt"));
-        assert_eq!(code_of(completion(r#"{"model":"m","prompt":5}"#)).2, Some("invalid_type"));
-        assert_eq!(code_of(completion(r#"{"model":"m","prompt":[]}"#)).2, Some("invalid_value"));
-        assert_eq!(code_of(completion(r#"{"model":"m","prompt":["a",1]}"#)).2, Some("invalid_type"));
-        assert_eq!(code_of(completion(r#"{"model":"m","prompt":[1,-2]}"#)).2, Some("invalid_type"));
-        assert_eq!(code_of(completion(r#"{"model":"m","prompt":[[]]}"#)).2, Some("invalid_value"));
-        assert_eq!(code_of(completion(r#"{"model":"m","prompt":[1,5000000000]}"#)).2, Some("invalid_type"));
+        assert_eq!(
+            code_of(chat(r#"{"messages":[]}"#)).1.as_deref(),
+            Some("model")
+        );
+        assert_eq!(
+            code_of(chat(r#"{"model":3,"messages":[]}"#)).2,
+            Some("invalid_type")
+        );
+        assert_eq!(
+            code_of(chat(r#"{"model":"m"}"#)).1.as_deref(),
+            Some("messages")
+        );
+        assert_eq!(
+            code_of(chat(r#"{"model":"m","messages":{}}"#)).2,
+            Some("invalid_type")
+        );
+        assert_eq!(
+            code_of(chat(r#"{"model":"m","messages":[]}"#)).2,
+            Some("invalid_value")
+        );
+        assert_eq!(
+            code_of(chat(r#"{"model":"m","messages":[{"content":"x"}]}"#)).2,
+            Some("missing_required_parameter")
+        );
+        assert_eq!(
+            code_of(chat(
+                r#"{"model":"m","messages":[{"role":"user","content":5}]}"#
+            ))
+            .2,
+            Some("invalid_type")
+        );
+        assert_eq!(
+            code_of(chat(
+                r#"{"model":"m","stream":"yes","messages":[{"role":"user","content":"x"}]}"#
+            ))
+            .1
+            .as_deref(),
+            Some("stream")
+        );
+        assert_eq!(
+            code_of(chat(
+                r#"{"model":"m","max_tokens":-1,"messages":[{"role":"user","content":"x"}]}"#
+            ))
+            .1
+            .as_deref(),
+            Some("max_tokens")
+        );
+        assert_eq!(
+            code_of(completion(r#"{"model":"m"}"#)).1.as_deref(),
+            Some("prompt")
+        );
+        assert_eq!(
+            code_of(completion(r#"{"model":"m","prompt":5}"#)).2,
+            Some("invalid_type")
+        );
+        assert_eq!(
+            code_of(completion(r#"{"model":"m","prompt":[]}"#)).2,
+            Some("invalid_value")
+        );
+        assert_eq!(
+            code_of(completion(r#"{"model":"m","prompt":["a",1]}"#)).2,
+            Some("invalid_type")
+        );
+        assert_eq!(
+            code_of(completion(r#"{"model":"m","prompt":[1,-2]}"#)).2,
+            Some("invalid_type")
+        );
+        assert_eq!(
+            code_of(completion(r#"{"model":"m","prompt":[[]]}"#)).2,
+            Some("invalid_value")
+        );
+        assert_eq!(
+            code_of(completion(r#"{"model":"m","prompt":[1,5000000000]}"#)).2,
+            Some("invalid_type")
+        );
         for result in [chat("{"), completion(r#"{"model":"m"}"#)] {
             assert_eq!(result.unwrap_err().status, StatusCode::BAD_REQUEST);
         }

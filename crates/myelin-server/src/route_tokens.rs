@@ -17,6 +17,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::rc::Rc;
+use std::sync::Arc;
 
 use myelin_tokenize::{ChatTemplate, Tokenizer};
 use serde_json::Value;
@@ -92,11 +93,14 @@ impl AddedTokens {
         let mut plain_start = 0;
         let mut position = 0;
         while position < bytes.len() {
-            let matched = self.by_first_byte.get(&bytes[position]).and_then(|candidates| {
-                candidates
-                    .iter()
-                    .find(|(content, _)| bytes[position..].starts_with(content.as_bytes()))
-            });
+            let matched = self
+                .by_first_byte
+                .get(&bytes[position])
+                .and_then(|candidates| {
+                    candidates
+                        .iter()
+                        .find(|(content, _)| bytes[position..].starts_with(content.as_bytes()))
+                });
             match matched {
                 Some((content, id)) => {
                     if plain_start < position {
@@ -176,8 +180,8 @@ pub struct TokenizeStats {
 /// Per-core tokenizer for routing: template rendering, tokenization, segment cache.
 pub struct RouteTokenizer {
     tokenizer: Tokenizer,
-    template: Rc<ChatTemplate>,
-    added_tokens: Option<Rc<AddedTokens>>,
+    template: Arc<ChatTemplate>,
+    added_tokens: Option<Arc<AddedTokens>>,
     /// Ids the tokenizer puts before a completion prompt (usually the BOS), when it only
     /// prepends: then a completion prompt is `prefix + segments` and can use the cache too.
     completion_prefix: Option<Vec<u32>>,
@@ -188,8 +192,8 @@ impl RouteTokenizer {
     /// Builds one core's tokenizer. `added_tokens` is `None` to disable segment caching.
     pub fn new(
         tokenizer: Tokenizer,
-        template: Rc<ChatTemplate>,
-        added_tokens: Option<Rc<AddedTokens>>,
+        template: Arc<ChatTemplate>,
+        added_tokens: Option<Arc<AddedTokens>>,
         cache_budget_bytes: usize,
     ) -> RouteTokenizer {
         let completion_prefix = Self::probe_completion_prefix(&tokenizer);
@@ -278,11 +282,11 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn bundled() -> (Tokenizer, Rc<AddedTokens>) {
+    fn bundled() -> (Tokenizer, Arc<AddedTokens>) {
         let path = myelin_tokenize::bundled_tokenizer_path().unwrap();
         let tokenizer = Tokenizer::from_file(&path).unwrap();
         let added = AddedTokens::from_tokenizer_json(&path).expect("deepseek-v3 splits exactly");
-        (tokenizer, Rc::new(added))
+        (tokenizer, Arc::new(added))
     }
 
     const DEEPSEEK_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}{% elif m.role == 'assistant' %}<｜Assistant｜>{{ m.content }}<｜end▁of▁sentence｜>{% else %}{{ m.content }}{% endif %}{% endfor %}{% if add_generation_prompt %}<｜Assistant｜>{% endif %}";
@@ -294,13 +298,16 @@ mod tests {
         assert_eq!(segments.len(), 3);
         assert_eq!(segments[1], Segment::Plain("hi"));
         assert!(matches!(segments[0], Segment::Added(_)));
-        assert_eq!(added.split("no special"), vec![Segment::Plain("no special")]);
+        assert_eq!(
+            added.split("no special"),
+            vec![Segment::Plain("no special")]
+        );
     }
 
     #[test]
     fn segmented_tokens_equal_whole_text_tokens() {
         let (tokenizer, added) = bundled();
-        let template = Rc::new(
+        let template = Arc::new(
             ChatTemplate::from_source(
                 DEEPSEEK_TEMPLATE.into(),
                 "<｜begin▁of▁sentence｜>".into(),
@@ -308,7 +315,8 @@ mod tests {
             )
             .unwrap(),
         );
-        let mut routed = RouteTokenizer::new(tokenizer.clone(), template.clone(), Some(added), 1 << 20);
+        let mut routed =
+            RouteTokenizer::new(tokenizer.clone(), template.clone(), Some(added), 1 << 20);
         let system = "You are a careful assistant. Answer in full sentences, cite sources, and  keep\n\n  whitespace   odd 12345 ünïcödé 漢字 テスト.";
         let messages = json!([
             {"role": "system", "content": system},
@@ -317,15 +325,21 @@ mod tests {
             {"role": "user", "content": "And <b>3+3</b>?  "}
         ]);
         for round in 0..2 {
-            let (ids, stats) = routed.prompt_tokens(&PromptInput::Chat(messages.clone())).unwrap();
-            let whole = tokenizer.encode(&template.render(&messages, true).unwrap(), false).unwrap();
+            let (ids, stats) = routed
+                .prompt_tokens(&PromptInput::Chat(messages.clone()))
+                .unwrap();
+            let whole = tokenizer
+                .encode(&template.render(&messages, true).unwrap(), false)
+                .unwrap();
             assert_eq!(ids, whole, "round {round}");
             if round == 1 {
                 assert!(stats.cached_segments >= 1, "{stats:?}");
             }
         }
         let text = format!("{system} and then some more text to complete");
-        let (ids, _) = routed.prompt_tokens(&PromptInput::Text(text.clone())).unwrap();
+        let (ids, _) = routed
+            .prompt_tokens(&PromptInput::Text(text.clone()))
+            .unwrap();
         assert_eq!(ids, tokenizer.encode(&text, true).unwrap());
     }
 

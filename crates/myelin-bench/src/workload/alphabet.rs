@@ -19,7 +19,10 @@ pub const TOKEN_ID_RANGE: std::ops::Range<u32> = 1_000..100_000;
 #[derive(Debug, thiserror::Error)]
 pub enum AlphabetError {
     #[error("reading tokenizer {path}: {source}")]
-    Read { path: String, source: std::io::Error },
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("tokenizer {path} is not a BPE tokenizer.json with a model.vocab map: {problem}")]
     Format { path: String, problem: String },
     #[error("tokenizer {path} has only {found} single-token words; need at least 256")]
@@ -49,10 +52,11 @@ impl TokenAlphabet {
             path: display.clone(),
             source,
         })?;
-        let document: serde_json::Value = serde_json::from_str(&text).map_err(|error| AlphabetError::Format {
-            path: display.clone(),
-            problem: error.to_string(),
-        })?;
+        let document: serde_json::Value =
+            serde_json::from_str(&text).map_err(|error| AlphabetError::Format {
+                path: display.clone(),
+                problem: error.to_string(),
+            })?;
         let vocab = document
             .get("model")
             .and_then(|model| model.get("vocab"))
@@ -65,7 +69,8 @@ impl TokenAlphabet {
             .iter()
             .filter_map(|(token, id)| {
                 let word = token.strip_prefix(BYTE_LEVEL_SPACE)?;
-                let plain = (3..=8).contains(&word.len()) && word.bytes().all(|byte| byte.is_ascii_lowercase());
+                let plain = (3..=8).contains(&word.len())
+                    && word.bytes().all(|byte| byte.is_ascii_lowercase());
                 let id = u32::try_from(id.as_u64()?).ok()?;
                 plain.then(|| (id, word.to_string()))
             })
@@ -115,7 +120,8 @@ mod tests {
     use super::*;
 
     fn bundled_tokenizer() -> std::path::PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tokenizers/deepseek-v3/tokenizer.json")
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../assets/tokenizers/deepseek-v3/tokenizer.json")
     }
 
     #[test]
@@ -132,9 +138,11 @@ mod tests {
         let path = bundled_tokenizer();
         let alphabet = TokenAlphabet::words_from_tokenizer(&path).unwrap();
         let tokenizer = myelin_tokenize::Tokenizer::from_file(&path).unwrap();
-        let planned: Vec<u32> = (0..2_000u64).map(|index| alphabet.pick(crate::rng::draw(42, 9, index))).collect();
+        let planned: Vec<u32> = (0..2_000u64)
+            .map(|index| alphabet.pick(crate::rng::draw(42, 9, index)))
+            .collect();
         let text = alphabet.render(&planned);
-        let encoded = tokenizer.encode(&text).unwrap();
+        let encoded = tokenizer.encode(&text, true).unwrap();
         // The tokenizer may add special tokens (a BOS) in front: the planned ids must be the
         // rest, exactly.
         assert!(encoded.len() >= planned.len());

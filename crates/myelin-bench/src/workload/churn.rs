@@ -34,7 +34,10 @@ impl ChurnWorkload {
     /// Builds the population. Panics only if the config was not validated (it always is: see
     /// `Workload::build`).
     pub fn new(config: &WorkloadConfig, alphabet: TokenAlphabet) -> Self {
-        let churn = config.churn.clone().unwrap_or_else(|| unreachable!("validated churn config"));
+        let churn = config
+            .churn
+            .clone()
+            .unwrap_or_else(|| unreachable!("validated churn config"));
         let seed = config.seed;
         let prefixes = (0..churn.population)
             .map(|prefix| {
@@ -46,7 +49,13 @@ impl ChurnWorkload {
                     u64::from(churn.prefix_tokens[1]),
                 );
                 (0..length)
-                    .map(|position| alphabet.pick(rng::draw(seed, stream::PREFIX_TOKENS | u64::from(prefix), position)))
+                    .map(|position| {
+                        alphabet.pick(rng::draw(
+                            seed,
+                            stream::PREFIX_TOKENS | u64::from(prefix),
+                            position,
+                        ))
+                    })
                     .collect::<Arc<[u32]>>()
             })
             .collect();
@@ -79,7 +88,9 @@ impl ChurnWorkload {
     pub fn active_set(&self, elapsed_s: f64) -> Vec<u32> {
         let start = self.epoch(elapsed_s) * u64::from(self.rotate);
         (0..u64::from(self.active))
-            .map(|offset| self.rotation_order[((start + offset) % u64::from(self.population)) as usize])
+            .map(|offset| {
+                self.rotation_order[((start + offset) % u64::from(self.population)) as usize]
+            })
             .collect()
     }
 
@@ -93,7 +104,12 @@ impl ChurnWorkload {
     pub fn request(&self, user: u32, seq: u64, elapsed_s: f64) -> PlannedRequest {
         let request_key = (u64::from(user) << 40) | seq;
         let active = self.active_set(elapsed_s);
-        let prefix = active[rng::draw_below(self.seed, stream::PREFIX_CHOICE, request_key, active.len() as u64) as usize];
+        let prefix = active[rng::draw_below(
+            self.seed,
+            stream::PREFIX_CHOICE,
+            request_key,
+            active.len() as u64,
+        ) as usize];
         let prefix_tokens = self.prefix_tokens(prefix);
         let suffix_len = rng::draw_between(
             self.seed,
@@ -105,7 +121,10 @@ impl ChurnWorkload {
         let mut tokens = Vec::with_capacity(prefix_tokens.len() + suffix_len as usize);
         tokens.extend_from_slice(prefix_tokens);
         let suffix_stream = stream::SUFFIX_TOKENS ^ request_key;
-        tokens.extend((0..suffix_len).map(|position| self.alphabet.pick(rng::draw(self.seed, suffix_stream, position))));
+        tokens.extend((0..suffix_len).map(|position| {
+            self.alphabet
+                .pick(rng::draw(self.seed, suffix_stream, position))
+        }));
         PlannedRequest {
             tokens,
             shared_len: prefix_tokens.len(),
@@ -141,7 +160,9 @@ mod tests {
     fn a_prefix_is_hot_sixty_seconds_then_idle_four_hundred_forty() {
         let churn = churn();
         let prefix = churn.active_set(0.0)[23]; // the newest at epoch 0
-        let hot_epochs: Vec<u64> = (0..50).filter(|epoch| churn.active_set(*epoch as f64 * 20.0).contains(&prefix)).collect();
+        let hot_epochs: Vec<u64> = (0..50)
+            .filter(|epoch| churn.active_set(*epoch as f64 * 20.0).contains(&prefix))
+            .collect();
         // Hot for 3 epochs (60 s), back 25 epochs (500 s) later.
         assert_eq!(hot_epochs, vec![0, 1, 2, 25, 26, 27]);
     }
@@ -149,7 +170,9 @@ mod tests {
     #[test]
     fn every_prefix_of_the_population_comes_around() {
         let churn = churn();
-        let seen: HashSet<u32> = (0..25).flat_map(|epoch| churn.active_set(epoch as f64 * 20.0)).collect();
+        let seen: HashSet<u32> = (0..25)
+            .flat_map(|epoch| churn.active_set(epoch as f64 * 20.0))
+            .collect();
         assert_eq!(seen.len(), 200);
     }
 
@@ -179,7 +202,10 @@ mod tests {
                 assert_eq!(&request.tokens[..request.shared_len], prefix);
                 let suffix = &request.tokens[request.shared_len..];
                 assert!((32..=256).contains(&suffix.len()));
-                assert!(suffixes.insert(suffix.to_vec()), "suffix repeated for user {user} seq {seq}");
+                assert!(
+                    suffixes.insert(suffix.to_vec()),
+                    "suffix repeated for user {user} seq {seq}"
+                );
                 assert_eq!(request.output_tokens, 400);
             }
         }
@@ -188,7 +214,9 @@ mod tests {
     #[test]
     fn prefix_lengths_span_the_configured_range() {
         let churn = churn();
-        let lengths: Vec<usize> = (0..200).map(|prefix| churn.prefix_tokens(prefix).len()).collect();
+        let lengths: Vec<usize> = (0..200)
+            .map(|prefix| churn.prefix_tokens(prefix).len())
+            .collect();
         assert!(lengths.iter().any(|&length| length < 3000));
         assert!(lengths.iter().any(|&length| length > 7000));
     }

@@ -6,7 +6,10 @@ use serde::{Deserialize, Serialize};
 /// The workloads shipped in `benches/`, compiled in so `myelin bench` runs from any directory.
 pub const BUILTIN_WORKLOADS: &[(&str, &str)] = &[
     ("churn", include_str!("../../../../benches/churn.toml")),
-    ("shared-prefix", include_str!("../../../../benches/shared-prefix.toml")),
+    (
+        "shared-prefix",
+        include_str!("../../../../benches/shared-prefix.toml"),
+    ),
     ("trace", include_str!("../../../../benches/trace.toml")),
 ];
 
@@ -23,7 +26,9 @@ pub enum WorkloadError {
         name: String,
         source: Box<toml::de::Error>,
     },
-    #[error("unknown workload `{0}` (built in: churn, shared-prefix, trace; or a path to a .toml file)")]
+    #[error(
+        "unknown workload `{0}` (built in: churn, shared-prefix, trace; or a path to a .toml file)"
+    )]
     Unknown(String),
     #[error("workload {name}: {problem}")]
     Invalid { name: String, problem: String },
@@ -198,7 +203,10 @@ pub struct WorkloadConfig {
 impl WorkloadConfig {
     /// Loads a built-in workload by name, or a workload file by path.
     pub fn load(name_or_path: &str) -> Result<Self, WorkloadError> {
-        if let Some((name, text)) = BUILTIN_WORKLOADS.iter().find(|(name, _)| *name == name_or_path) {
+        if let Some((name, text)) = BUILTIN_WORKLOADS
+            .iter()
+            .find(|(name, _)| *name == name_or_path)
+        {
             return Self::parse(name, text);
         }
         if !name_or_path.ends_with(".toml") && !std::path::Path::new(name_or_path).exists() {
@@ -213,10 +221,11 @@ impl WorkloadConfig {
 
     /// Parses and validates workload TOML.
     pub fn parse(name: &str, text: &str) -> Result<Self, WorkloadError> {
-        let config: WorkloadConfig = toml::from_str(text).map_err(|source| WorkloadError::Parse {
-            name: name.to_string(),
-            source: Box::new(source),
-        })?;
+        let config: WorkloadConfig =
+            toml::from_str(text).map_err(|source| WorkloadError::Parse {
+                name: name.to_string(),
+                source: Box::new(source),
+            })?;
         config.validate()?;
         Ok(config)
     }
@@ -270,7 +279,8 @@ impl WorkloadConfig {
         if !finite_positive(self.cluster.speedup) {
             return Err(self.invalid("cluster.speedup must be > 0"));
         }
-        if self.cluster.engines == 0 || self.cluster.kv_blocks == 0 || self.cluster.block_size == 0 {
+        if self.cluster.engines == 0 || self.cluster.kv_blocks == 0 || self.cluster.block_size == 0
+        {
             return Err(self.invalid("cluster.engines, kv_blocks and block_size must be > 0"));
         }
         if self.output_tokens == 0 {
@@ -297,15 +307,21 @@ impl WorkloadConfig {
                     return Err(self.invalid("churn: rotate_every_s must be > 0"));
                 }
                 if churn.prefix_tokens[0] == 0 || churn.prefix_tokens[0] > churn.prefix_tokens[1] {
-                    return Err(self.invalid("churn: prefix_tokens must be [min, max] with 0 < min <= max"));
+                    return Err(
+                        self.invalid("churn: prefix_tokens must be [min, max] with 0 < min <= max")
+                    );
                 }
                 if churn.suffix_tokens[0] == 0 || churn.suffix_tokens[0] > churn.suffix_tokens[1] {
-                    return Err(self.invalid("churn: suffix_tokens must be [min, max] with 0 < min <= max"));
+                    return Err(
+                        self.invalid("churn: suffix_tokens must be [min, max] with 0 < min <= max")
+                    );
                 }
             }
             WorkloadKind::SharedPrefix => {
                 let Some(shared) = &self.shared_prefix else {
-                    return Err(self.invalid("kind = \"shared-prefix\" needs a [shared_prefix] section"));
+                    return Err(
+                        self.invalid("kind = \"shared-prefix\" needs a [shared_prefix] section")
+                    );
                 };
                 if shared.groups == 0
                     || shared.prompts_per_group == 0
@@ -349,7 +365,10 @@ mod tests {
         let config = WorkloadConfig::load("churn").unwrap();
         let churn = config.churn.unwrap();
         assert_eq!(config.kind, WorkloadKind::Churn);
-        assert_eq!((config.users, config.output_tokens, config.seed), (60, 400, 42));
+        assert_eq!(
+            (config.users, config.output_tokens, config.seed),
+            (60, 400, 42)
+        );
         assert_eq!((churn.population, churn.active, churn.rotate), (200, 24, 8));
         assert_eq!(churn.rotate_every_s, 20.0);
         assert_eq!(churn.prefix_tokens, [2000, 8000]);
@@ -368,11 +387,18 @@ mod tests {
 
     #[test]
     fn invalid_files_are_rejected_with_the_reason() {
-        let text = include_str!("../../../../benches/churn.toml").replace("active = 24", "active = 400");
+        let text =
+            include_str!("../../../../benches/churn.toml").replace("active = 24", "active = 400");
         let error = WorkloadConfig::parse("bad", &text).unwrap_err();
-        assert!(error.to_string().contains("active <= population"), "{error}");
+        assert!(
+            error.to_string().contains("active <= population"),
+            "{error}"
+        );
         let error = WorkloadConfig::parse("typo", "name = \"x\"\nkindd = 1").unwrap_err();
         assert!(matches!(error, WorkloadError::Parse { .. }));
-        assert!(matches!(WorkloadConfig::load("nope"), Err(WorkloadError::Unknown(_))));
+        assert!(matches!(
+            WorkloadConfig::load("nope"),
+            Err(WorkloadError::Unknown(_))
+        ));
     }
 }

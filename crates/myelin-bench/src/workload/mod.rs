@@ -44,8 +44,7 @@ pub enum Workload {
 }
 
 impl Workload {
-    /// Builds the generator a validated config describes. `trace_override` replaces the
-    /// trace file path (`--trace`).
+    /// Builds the generator a config describes (validating it first).
     pub fn build(config: &WorkloadConfig, alphabet: TokenAlphabet) -> Result<Self, WorkloadError> {
         config.validate()?;
         Ok(match config.kind {
@@ -60,8 +59,12 @@ impl Workload {
     /// How requests arrive.
     pub fn arrival(&self) -> Arrival {
         match self {
-            Workload::Churn(churn) => Arrival::ClosedLoop { users: churn.users() },
-            Workload::SharedPrefix(shared) => Arrival::ClosedLoop { users: shared.users() },
+            Workload::Churn(churn) => Arrival::ClosedLoop {
+                users: churn.users(),
+            },
+            Workload::SharedPrefix(shared) => Arrival::ClosedLoop {
+                users: shared.users(),
+            },
             Workload::Trace(trace) => Arrival::OpenLoop {
                 requests: trace.len(),
             },
@@ -82,7 +85,9 @@ impl Workload {
     /// and what it is. `None` past the end, or for closed-loop workloads.
     pub fn open_loop_request(&self, index: usize) -> Option<(f64, PlannedRequest)> {
         match self {
-            Workload::Trace(trace) if index < trace.len() => Some((trace.send_at_s(index), trace.request(index))),
+            Workload::Trace(trace) if index < trace.len() => {
+                Some((trace.send_at_s(index), trace.request(index)))
+            }
             _ => None,
         }
     }

@@ -31,7 +31,13 @@ impl SharedPrefixWorkload {
         let system_prompts = (0..shared.groups)
             .map(|group| {
                 (0..u64::from(shared.system_tokens))
-                    .map(|position| alphabet.pick(rng::draw(seed, stream::SYSTEM_TOKENS | u64::from(group), position)))
+                    .map(|position| {
+                        alphabet.pick(rng::draw(
+                            seed,
+                            stream::SYSTEM_TOKENS | u64::from(group),
+                            position,
+                        ))
+                    })
                     .collect::<Arc<[u32]>>()
             })
             .collect();
@@ -55,7 +61,12 @@ impl SharedPrefixWorkload {
     /// The `seq`-th request of `user`.
     pub fn request(&self, user: u32, seq: u64) -> PlannedRequest {
         let request_key = (u64::from(user) << 40) | seq;
-        let group = rng::draw_below(self.seed, stream::GROUP_CHOICE, request_key, u64::from(self.groups));
+        let group = rng::draw_below(
+            self.seed,
+            stream::GROUP_CHOICE,
+            request_key,
+            u64::from(self.groups),
+        );
         let question = rng::draw_below(
             self.seed,
             stream::QUESTION_CHOICE,
@@ -66,10 +77,10 @@ impl SharedPrefixWorkload {
         let question_stream = stream::QUESTION_TOKENS ^ (group << 20 | question);
         let mut tokens = Vec::with_capacity(system.len() + self.question_tokens as usize);
         tokens.extend_from_slice(system);
-        tokens.extend(
-            (0..u64::from(self.question_tokens))
-                .map(|position| self.alphabet.pick(rng::draw(self.seed, question_stream, position))),
-        );
+        tokens.extend((0..u64::from(self.question_tokens)).map(|position| {
+            self.alphabet
+                .pick(rng::draw(self.seed, question_stream, position))
+        }));
         PlannedRequest {
             tokens,
             shared_len: system.len(),
@@ -87,14 +98,20 @@ mod tests {
     fn requests_of_a_group_share_the_system_prompt_and_questions_repeat() {
         let config = WorkloadConfig::load("shared-prefix").unwrap();
         let workload = SharedPrefixWorkload::new(&config, TokenAlphabet::token_ids());
-        let requests: Vec<PlannedRequest> = (0..400).map(|seq| workload.request(seq as u32 % 32, seq)).collect();
+        let requests: Vec<PlannedRequest> = (0..400)
+            .map(|seq| workload.request(seq as u32 % 32, seq))
+            .collect();
         for request in &requests {
             assert_eq!(request.tokens.len(), 2000 + 256);
             assert_eq!(request.shared_len, 2000);
-            let same_group = requests.iter().find(|other| other.label == request.label).unwrap();
+            let same_group = requests
+                .iter()
+                .find(|other| other.label == request.label)
+                .unwrap();
             assert_eq!(&request.tokens[..2000], &same_group.tokens[..2000]);
         }
-        let distinct: std::collections::HashSet<&Vec<u32>> = requests.iter().map(|request| &request.tokens).collect();
+        let distinct: std::collections::HashSet<&Vec<u32>> =
+            requests.iter().map(|request| &request.tokens).collect();
         // 400 draws over 32 x 16 = 512 distinct prompts must repeat some.
         assert!(distinct.len() < requests.len());
         assert_eq!(workload.request(3, 7), workload.request(3, 7));

@@ -1,0 +1,263 @@
+//! Block chain hashing: a fixed, portable 64-bit hash of each full block of a token sequence,
+//! chained through its parent so a hash names a whole prefix (vLLM-style), plus [`BlockChain`].
+//!
+//! The hash is stable across processes, platforms and releases (its test vectors are pinned in
+//! the tests): ownership of prefixes by shards and the verified residency mirror depend on every
+//! core and every peer computing the same value. It is fast (a few cycles per token), not
+//! cryptographic: a collision only mis-scores one request, it never breaks correctness.
+
+use std::num::NonZeroU32;
+
+/// Chain hash of the (virtual) empty prefix: the parent of every first block.
+pub const ROOT_CHAIN_HASH: u64 = 0x6d79_656c_696e_0001;
+
+/// Number of per-position secret pairs; positions beyond wrap with a per-lap offset.
+const SECRET_PAIRS: usize = 16;
+/// Golden-ratio increment, used to seed the secrets and to offset wrapped positions.
+const GOLDEN_GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
+/// Fixed seed of the secret table (never change: it would re-key every stored prefix).
+const SECRET_SEED: u64 = 0x243f_6a88_85a3_08d3;
+
+const SECRETS: [u64; 2 * SECRET_PAIRS] = make_secrets();
+const FINAL_MIX_A: u64 = 0xa076_1d64_78bd_642f;
+const FINAL_MIX_B: u64 = 0xe703_7ed1_a0b4_28db;
+const FINAL_MIX_C: u64 = 0x8ebc_6af0_9c88_c6e3;
+
+/// splitmix64 (Steele, Lea, Flood 2014) run at compile time: well-spread odd-ish constants.
+const fn make_secrets() -> [u64; 2 * SECRET_PAIRS] {
+    let mut out = [0u64; 2 * SECRET_PAIRS];
+    let mut state = SECRET_SEED;
+    let mut index = 0;
+    while index < out.len() {
+        state = state.wrapping_add(GOLDEN_GAMMA);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        out[index] = (z ^ (z >> 31)) | 1;
+        index += 1;
+    }
+    out
+}
+
+/// 64x64 -> 128-bit multiply folded back to 64 bits (the mixing step of wyhash/foldhash).
+#[inline(always)]
+fn folded_multiply(a: u64, b: u64) -> u64 {
+    let product = u128::from(a) * u128::from(b);
+    (product as u64) ^ ((product >> 64) as u64)
+}
+
+#[inline(always)]
+fn secret_pair(position: usize) -> (u64, u64) {
+    let slot = position % SECRET_PAIRS;
+    let lap_offset = ((position / SECRET_PAIRS) as u64).wrapping_mul(GOLDEN_GAMMA);
+    (
+        SECRETS[2 * slot].wrapping_add(lap_offset),
+        SECRETS[2 * slot + 1].wrapping_add(lap_offset),
+    )
+}
+
+/// Hash of `block` (the tokens of one block) chained onto the hash of its parent prefix.
+///
+/// Each group of four tokens is multiplied with its own position secrets, so groups are
+/// independent multiplies the CPU overlaps; only the final multiply depends on the parent.
+#[inline]
+pub fn chain_hash(parent: u64, block: &[u32]) -> u64 {
+    match <&[u32; 16]>::try_from(block) {
+        Ok(block16) => finish(parent, block_sum_16(block16), 16),
+        Err(_) => finish(parent, block_sum(block), block.len() as u64),
+    }
+}
+
+#[inline(always)]
+fn pack(low: u32, high: u32) -> u64 {
+    u64::from(low) | (u64::from(high) << 32)
+}
+
+/// The group sum of any block length (groups of four tokens, the last one zero-padded).
+#[inline(always)]
+fn block_sum(block: &[u32]) -> u64 {
+    let mut sum: u64 = 0;
+    let mut groups = block.chunks_exact(4);
+    let mut position = 0;
+    for group in &mut groups {
+        let (secret_low, secret_high) = secret_pair(position);
+        sum = sum.wrapping_add(folded_multiply(
+            pack(group[0], group[1]) ^ secret_low,
+            pack(group[2], group[3]) ^ secret_high,
+        ));
+        position += 1;
+    }
+    let remainder = groups.remainder();
+    if !remainder.is_empty() {
+        let mut padded = [0u32; 4];
+        padded[..remainder.len()].copy_from_slice(remainder);
+        let (secret_low, secret_high) = secret_pair(position);
+        sum = sum.wrapping_add(folded_multiply(
+            pack(padded[0], padded[1]) ^ secret_low,
+            pack(padded[2], padded[3]) ^ secret_high,
+        ));
+    }
+    sum
+}
+
+/// [`block_sum`] specialised to the default block size (same value; fully unrolled).
+#[inline(always)]
+fn block_sum_16(block: &[u32; 16]) -> u64 {
+    let group = |index: usize| {
+        folded_multiply(
+            pack(block[4 * index], block[4 * index + 1]) ^ SECRETS[2 * index],
+            pack(block[4 * index + 2], block[4 * index + 3]) ^ SECRETS[2 * index + 1],
+        )
+    };
+    (group(0).wrapping_add(group(1))).wrapping_add(group(2).wrapping_add(group(3)))
+}
+
+/// Folds the block's group sum into its parent's hash. One multiply depends on the parent, so
+/// hashing a long prompt is bound by multiply throughput, not by a latency chain; both factors
+/// carry the parent so no block value can make the result ignore its prefix.
+#[inline(always)]
+fn finish(parent: u64, sum: u64, length: u64) -> u64 {
+    let block_value = sum.wrapping_add(length.rotate_left(32) ^ FINAL_MIX_C);
+    folded_multiply(block_value ^ parent ^ FINAL_MIX_A, parent.rotate_left(29) ^ FINAL_MIX_B)
+}
+
+/// Appends the chain hash of every *full* block of `tokens` to `out` (a trailing partial block
+/// is not hashed: engines only cache full blocks).
+pub fn chain_hashes_into(tokens: &[u32], block_size: NonZeroU32, out: &mut Vec<u64>) {
+    let block_size = block_size.get() as usize;
+    out.reserve(tokens.len() / block_size);
+    let mut parent = ROOT_CHAIN_HASH;
+    for block in tokens.chunks_exact(block_size) {
+        parent = chain_hash(parent, block);
+        out.push(parent);
+    }
+}
+
+/// The block chain of one prompt: the chain hash of each full block, plus the key that decides
+/// which shard owns the prompt (the hash of its first block, or of its tokens when shorter).
+///
+/// Computed once per request on the accepting core; shards take it by reference. `Send`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockChain {
+    block_size: NonZeroU32,
+    hashes: Vec<u64>,
+    owner_key: u64,
+}
+
+impl BlockChain {
+    /// Hashes `tokens` block by block.
+    pub fn new(tokens: &[u32], block_size: NonZeroU32) -> Self {
+        let mut hashes = Vec::new();
+        chain_hashes_into(tokens, block_size, &mut hashes);
+        let owner_key = match hashes.first() {
+            Some(&first) => first,
+            None => chain_hash(ROOT_CHAIN_HASH, tokens),
+        };
+        Self {
+            block_size,
+            hashes,
+            owner_key,
+        }
+    }
+
+    /// Builds a chain from hashes computed elsewhere (e.g. from KV events' token ids).
+    pub fn from_hashes(hashes: Vec<u64>, block_size: NonZeroU32) -> Self {
+        let owner_key = hashes.first().copied().unwrap_or(ROOT_CHAIN_HASH);
+        Self {
+            block_size,
+            hashes,
+            owner_key,
+        }
+    }
+
+    /// Tokens per block this chain was hashed with.
+    pub fn block_size(&self) -> NonZeroU32 {
+        self.block_size
+    }
+
+    /// Chain hash of each full block, first block first.
+    pub fn hashes(&self) -> &[u64] {
+        &self.hashes
+    }
+
+    /// Number of full blocks.
+    pub fn len(&self) -> usize {
+        self.hashes.len()
+    }
+
+    /// True when the prompt is shorter than one block.
+    pub fn is_empty(&self) -> bool {
+        self.hashes.is_empty()
+    }
+
+    /// The hash that decides the owning shard: the first block's chain hash, or for a prompt
+    /// shorter than one block the chain hash of all its tokens.
+    pub fn owner_key(&self) -> u64 {
+        self.owner_key
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BLOCK_16: NonZeroU32 = NonZeroU32::new(16).unwrap();
+
+    #[test]
+    fn hash_is_pinned_across_releases() {
+        // Shards, peers and the residency mirror must agree on these values forever.
+        let block: Vec<u32> = (1..=16).collect();
+        assert_eq!(chain_hash(ROOT_CHAIN_HASH, &block), PINNED_FIRST_BLOCK);
+        assert_eq!(chain_hash(PINNED_FIRST_BLOCK, &block), PINNED_SECOND_BLOCK);
+        assert_eq!(chain_hash(ROOT_CHAIN_HASH, &[]), PINNED_EMPTY);
+    }
+
+    const PINNED_FIRST_BLOCK: u64 = 0x782e_82ce_67c6_2113;
+    const PINNED_SECOND_BLOCK: u64 = 0x6597_e8c1_727e_6bac;
+    const PINNED_EMPTY: u64 = 0x6877_9306_0eae_2a47;
+
+    #[test]
+    fn specialised_block_size_matches_the_generic_path() {
+        let block: Vec<u32> = (0..16).map(|token| token * 7_919 + 3).collect();
+        let generic = finish(42, block_sum(&block), 16);
+        assert_eq!(chain_hash(42, &block), generic);
+    }
+
+    #[test]
+    fn hash_depends_on_order_parent_and_length() {
+        let block: Vec<u32> = (1..=16).collect();
+        let mut swapped = block.clone();
+        swapped.swap(0, 4);
+        let base = chain_hash(ROOT_CHAIN_HASH, &block);
+        assert_ne!(base, chain_hash(ROOT_CHAIN_HASH, &swapped));
+        assert_ne!(base, chain_hash(ROOT_CHAIN_HASH ^ 1, &block));
+        assert_ne!(
+            chain_hash(ROOT_CHAIN_HASH, &[1, 2, 3]),
+            chain_hash(ROOT_CHAIN_HASH, &[1, 2, 3, 0])
+        );
+        // Groups must not commute: swapping two whole 4-token groups changes the hash.
+        let mut group_swapped = block.clone();
+        group_swapped[..4].copy_from_slice(&block[4..8]);
+        group_swapped[4..8].copy_from_slice(&block[..4]);
+        assert_ne!(base, chain_hash(ROOT_CHAIN_HASH, &group_swapped));
+    }
+
+    #[test]
+    fn chain_covers_only_full_blocks_and_chains_parents() {
+        let tokens: Vec<u32> = (0..40).collect();
+        let chain = BlockChain::new(&tokens, BLOCK_16);
+        assert_eq!(chain.len(), 2);
+        assert_eq!(
+            chain.hashes()[0],
+            chain_hash(ROOT_CHAIN_HASH, &tokens[..16])
+        );
+        assert_eq!(
+            chain.hashes()[1],
+            chain_hash(chain.hashes()[0], &tokens[16..32])
+        );
+        assert_eq!(chain.owner_key(), chain.hashes()[0]);
+        let short = BlockChain::new(&tokens[..5], BLOCK_16);
+        assert!(short.is_empty());
+        assert_eq!(short.owner_key(), chain_hash(ROOT_CHAIN_HASH, &tokens[..5]));
+    }
+}

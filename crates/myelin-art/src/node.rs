@@ -1,0 +1,233 @@
+//! Tree nodes: a path-compressed run of block hashes, adaptive child index, per-backend entries.
+//!
+//! Holds no tree-level logic (walks, splits, eviction live in `tree.rs`).
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+/// Index of a node in the tree's arena.
+pub(crate) type NodeId = u32;
+/// "No node" in parent and LRU links.
+pub(crate) const NIL: NodeId = u32::MAX;
+
+/// A backend (inference engine) as the router numbers it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct BackendId(pub u32);
+
+impl std::fmt::Display for BackendId {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(formatter, "backend-{}", self.0)
+    }
+}
+
+/// One backend's claim on a node: it was routed the first `covered_blocks` blocks of the run.
+///
+/// Claims are prefix-closed: a backend holding block k of a path holds every block before it,
+/// so one count per node says exactly which of the node's blocks it holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Entry {
+    pub(crate) backend: BackendId,
+    pub(crate) covered_blocks: u32,
+    pub(crate) last_routed_ms: u64,
+    pub(crate) residency_stamp: u64,
+}
+
+/// Children with at most this many entries live in a linear-scanned vector (Node4/Node16's
+/// role in Leis et al.); beyond it a hash map keyed by the child's first block hash (Node48/256).
+pub(crate) const SMALL_CHILDREN_MAX: usize = 16;
+/// A large index shrinks back to a vector at this size (hysteresis against flapping).
+const LARGE_CHILDREN_SHRINK_AT: usize = 8;
+
+/// Keys are already uniform 64-bit chain hashes: hashing them again would only cost time.
+#[derive(Default)]
+pub(crate) struct ChainHashKeyHasher(u64);
+
+impl Hasher for ChainHashKeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(byte);
+        }
+    }
+    fn write_u64(&mut self, value: u64) {
+        self.0 = value;
+    }
+}
+
+type LargeIndex = HashMap<u64, NodeId, BuildHasherDefault<ChainHashKeyHasher>>;
+
+/// Child index keyed by the chain hash of the child's first block. Sized to the fan-out: none
+/// and one child inline (most nodes: leaves and conversation chains), a vector up to
+/// [`SMALL_CHILDREN_MAX`], a hash map beyond.
+pub(crate) enum Children {
+    None,
+    One(u64, NodeId),
+    Small(Vec<(u64, NodeId)>),
+    Large(Box<LargeIndex>),
+}
+
+impl Children {
+    pub(crate) const fn new() -> Self {
+        Children::None
+    }
+
+    #[inline]
+    pub(crate) fn get(&self, key: u64) -> Option<NodeId> {
+        match self {
+            Children::None => None,
+            Children::One(only_key, id) => (*only_key == key).then_some(*id),
+            Children::Small(slots) => slots
+                .iter()
+                .find(|(slot_key, _)| *slot_key == key)
+                .map(|&(_, id)| id),
+            Children::Large(map) => map.get(&key).copied(),
+        }
+    }
+
+    pub(crate) fn insert(&mut self, key: u64, id: NodeId) {
+        match self {
+            Children::None => *self = Children::One(key, id),
+            Children::One(only_key, only_id) => {
+                if *only_key == key {
+                    *only_id = id;
+                } else {
+                    *self = Children::Small(vec![(*only_key, *only_id), (key, id)]);
+                }
+            }
+            Children::Small(slots) => {
+                if let Some(slot) = slots.iter_mut().find(|(slot_key, _)| *slot_key == key) {
+                    slot.1 = id;
+                } else if slots.len() < SMALL_CHILDREN_MAX {
+                    slots.push((key, id));
+                } else {
+                    let mut map = LargeIndex::with_capacity_and_hasher(
+                        2 * SMALL_CHILDREN_MAX,
+                        BuildHasherDefault::default(),
+                    );
+                    map.extend(slots.iter().copied());
+                    map.insert(key, id);
+                    *self = Children::Large(Box::new(map));
+                }
+            }
+            Children::Large(map) => {
+                map.insert(key, id);
+            }
+        }
+    }
+
+    pub(crate) fn remove(&mut self, key: u64) -> Option<NodeId> {
+        match self {
+            Children::None => None,
+            Children::One(only_key, id) => {
+                let id = *id;
+                (*only_key == key).then(|| {
+                    *self = Children::None;
+                    id
+                })
+            }
+            Children::Small(slots) => {
+                let position = slots.iter().position(|(slot_key, _)| *slot_key == key)?;
+                let (_, id) = slots.swap_remove(position);
+                if let [(only_key, only_id)] = slots.as_slice() {
+                    *self = Children::One(*only_key, *only_id);
+                }
+                Some(id)
+            }
+            Children::Large(map) => {
+                let removed = map.remove(&key);
+                if map.len() <= LARGE_CHILDREN_SHRINK_AT {
+                    let slots: Vec<(u64, NodeId)> = map.iter().map(|(&k, &v)| (k, v)).collect();
+                    *self = Children::Small(slots);
+                }
+                removed
+            }
+        }
+    }
+
+    /// Child ids, in no particular order.
+    pub(crate) fn ids(&self) -> Vec<NodeId> {
+        match self {
+            Children::None => Vec::new(),
+            Children::One(_, id) => vec![*id],
+            Children::Small(slots) => slots.iter().map(|&(_, id)| id).collect(),
+            Children::Large(map) => map.values().copied().collect(),
+        }
+    }
+
+    /// (key, id) pairs, in no particular order.
+    pub(crate) fn pairs(&self) -> Vec<(u64, NodeId)> {
+        match self {
+            Children::None => Vec::new(),
+            Children::One(key, id) => vec![(*key, *id)],
+            Children::Small(slots) => slots.clone(),
+            Children::Large(map) => map.iter().map(|(&k, &v)| (k, v)).collect(),
+        }
+    }
+
+    /// Heap bytes held by the index.
+    pub(crate) fn heap_bytes(&self) -> usize {
+        match self {
+            Children::None | Children::One(..) => 0,
+            Children::Small(slots) => slots.capacity() * std::mem::size_of::<(u64, NodeId)>(),
+            Children::Large(map) => {
+                // hashbrown: buckets = next_pow2(capacity * 8 / 7), one control byte per bucket.
+                let buckets = (map.capacity() * 8 / 7).next_power_of_two();
+                std::mem::size_of::<LargeIndex>()
+                    + buckets * (std::mem::size_of::<(u64, NodeId)>() + 1)
+            }
+        }
+    }
+}
+
+/// A node: the run of blocks on the edge into it, its children and who holds its blocks.
+///
+/// Invariants (checked by `PrefixTree::check_invariants`): a non-root node's run is non-empty
+/// and as long as its longest entry; entries are sorted by backend, each covers 1..=run blocks;
+/// every backend with an entry in a child covers the whole run of this node.
+pub(crate) struct Node {
+    /// Chain hashes of this node's blocks (path compression: one node per branch-free run).
+    pub(crate) hashes: Vec<u64>,
+    pub(crate) children: Children,
+    /// Sorted by backend id.
+    pub(crate) entries: Vec<Entry>,
+    pub(crate) parent: NodeId,
+    /// Recency list links (more recent towards the head); root and free nodes are unlinked.
+    pub(crate) lru_prev: NodeId,
+    pub(crate) lru_next: NodeId,
+    pub(crate) live: bool,
+}
+
+impl Node {
+    pub(crate) const fn empty() -> Self {
+        Node {
+            hashes: Vec::new(),
+            children: Children::new(),
+            entries: Vec::new(),
+            parent: NIL,
+            lru_prev: NIL,
+            lru_next: NIL,
+            live: false,
+        }
+    }
+
+    pub(crate) fn entry_index(&self, backend: BackendId) -> Result<usize, usize> {
+        self.entries
+            .binary_search_by_key(&backend, |entry| entry.backend)
+    }
+
+    pub(crate) fn max_covered(&self) -> u32 {
+        self.entries
+            .iter()
+            .map(|entry| entry.covered_blocks)
+            .max()
+            .unwrap_or(0)
+    }
+
+    pub(crate) fn heap_bytes(&self) -> usize {
+        self.hashes.capacity() * std::mem::size_of::<u64>()
+            + self.entries.capacity() * std::mem::size_of::<Entry>()
+            + self.children.heap_bytes()
+    }
+}

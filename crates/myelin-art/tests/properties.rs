@@ -1,0 +1,254 @@
+//! Property tests: the tree against the naive reference model over random operation sequences,
+//! and the fuzz target's byte-script driver run on random bytes (so it is exercised on stable).
+
+use std::collections::BTreeMap;
+
+use myelin_art::model::{ReferenceModel, check_script};
+use myelin_art::{BackendId, PrefixTree, TreeConfig};
+use proptest::prelude::*;
+
+const BLOCK_SIZE: u32 = 2;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Insert { tokens: Vec<u32>, backend: u32 },
+    Lookup { tokens: Vec<u32> },
+    RemoveBlock { tokens: Vec<u32>, backend: u32 },
+    RemoveBackend { backend: u32 },
+}
+
+/// Prompts over a 3-token alphabet, built from a few shared stems so prefixes overlap a lot.
+fn prompt() -> impl Strategy<Value = Vec<u32>> {
+    (0usize..3, prop::collection::vec(0u32..3, 0..14)).prop_map(|(stem, tail)| {
+        let mut tokens: Vec<u32> = match stem {
+            0 => vec![],
+            1 => vec![0, 1, 2, 0],
+            _ => vec![0, 1, 2, 1, 1, 1],
+        };
+        tokens.extend(tail);
+        tokens
+    })
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (prompt(), 0u32..4).prop_map(|(tokens, backend)| Op::Insert { tokens, backend }),
+        2 => prompt().prop_map(|tokens| Op::Lookup { tokens }),
+        2 => (prompt(), 0u32..4).prop_map(|(tokens, backend)| Op::RemoveBlock { tokens, backend }),
+        1 => (0u32..4).prop_map(|backend| Op::RemoveBackend { backend }),
+    ]
+}
+
+fn tree_lookup(tree: &PrefixTree, tokens: &[u32]) -> BTreeMap<BackendId, u32> {
+    tree.lookup(tokens)
+        .backends
+        .iter()
+        .map(|prefix| (prefix.backend, prefix.matched_blocks))
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    #[test]
+    fn tree_matches_reference_model(ops in prop::collection::vec(op(), 1..60)) {
+        let mut tree = PrefixTree::new(TreeConfig { block_size: BLOCK_SIZE, max_blocks: usize::MAX }).unwrap();
+        let mut model = ReferenceModel::new(BLOCK_SIZE as usize);
+        let mut probes: Vec<Vec<u32>> = Vec::new();
+        for (step, op) in ops.iter().enumerate() {
+            let now_ms = step as u64;
+            match op {
+                Op::Insert { tokens, backend } => {
+                    tree.insert(tokens, BackendId(*backend), now_ms);
+                    model.insert(tokens, BackendId(*backend));
+                    probes.push(tokens.clone());
+                }
+                Op::Lookup { tokens } => probes.push(tokens.clone()),
+                Op::RemoveBlock { tokens, backend } => {
+                    let chain = tree.chain(tokens);
+                    tree.remove_block(chain.hashes(), BackendId(*backend));
+                    model.remove_block(tokens, BackendId(*backend));
+                }
+                Op::RemoveBackend { backend } => {
+                    tree.remove_backend(BackendId(*backend));
+                    model.remove_backend(BackendId(*backend));
+                }
+            }
+            prop_assert_eq!(tree.check_invariants(), Ok(()));
+            for probe in &probes {
+                prop_assert_eq!(tree_lookup(&tree, probe), model.lookup(probe), "probe {:?}", probe);
+            }
+            let stats = tree.stats();
+            prop_assert_eq!(stats.stored_blocks, model.stored_blocks());
+            prop_assert_eq!(stats.backend_blocks, model.backend_blocks());
+        }
+    }
+
+    #[test]
+    fn evicting_tree_stays_bounded_and_never_invents_matches(
+        ops in prop::collection::vec(op(), 1..60),
+        max_blocks in 1usize..10,
+    ) {
+        let mut tree = PrefixTree::new(TreeConfig { block_size: BLOCK_SIZE, max_blocks }).unwrap();
+        let mut model = ReferenceModel::new(BLOCK_SIZE as usize);
+        for (step, op) in ops.iter().enumerate() {
+            match op {
+                Op::Insert { tokens, backend } => {
+                    tree.insert(tokens, BackendId(*backend), step as u64);
+                    model.insert(tokens, BackendId(*backend));
+                    // The chain just inserted is the hottest: it survives its own eviction pass.
+                    let want = (tokens.len() / BLOCK_SIZE as usize).min(max_blocks) as u32;
+                    prop_assert_eq!(tree.lookup(tokens).matched_blocks_of(BackendId(*backend)), want);
+                }
+                Op::Lookup { tokens } => {
+                    for prefix in tree.lookup(tokens).backends {
+                        prop_assert!(prefix.matched_blocks <= model.longest_match(tokens, prefix.backend));
+                    }
+                }
+                Op::RemoveBlock { tokens, backend } => {
+                    let chain = tree.chain(tokens);
+                    tree.remove_block(chain.hashes(), BackendId(*backend));
+                    model.remove_block(tokens, BackendId(*backend));
+                }
+                Op::RemoveBackend { backend } => {
+                    tree.remove_backend(BackendId(*backend));
+                    model.remove_backend(BackendId(*backend));
+                }
+            }
+            prop_assert!(tree.stored_blocks() <= max_blocks);
+            prop_assert_eq!(tree.check_invariants(), Ok(()));
+        }
+    }
+
+    #[test]
+    fn fuzz_script_holds_on_random_bytes(data in prop::collection::vec(any::<u8>(), 0..512)) {
+        prop_assert_eq!(check_script(&data), Ok(()));
+    }
+}
+
+#[test]
+fn lru_evicts_the_least_recently_inserted_leaf() {
+    let mut tree = PrefixTree::new(TreeConfig {
+        block_size: 2,
+        max_blocks: 6,
+    })
+    .unwrap();
+    let shared = [9, 9];
+    let branch =
+        |tail: u32| -> Vec<u32> { [shared[0], shared[1], tail, tail, tail, tail].to_vec() };
+    tree.insert(&branch(1), BackendId(0), 1); // blocks: shared + 2
+    tree.insert(&branch(2), BackendId(0), 2); // + 2 -> 5
+    tree.insert(&branch(1), BackendId(0), 3); // refresh branch 1
+    tree.insert(&branch(3), BackendId(0), 4); // + 2 -> 7 > 6: evict the coldest leaf (branch 2)
+    assert_eq!(tree.stored_blocks(), 5);
+    assert_eq!(tree.lookup(&branch(1)).matched_blocks_of(BackendId(0)), 3);
+    assert_eq!(tree.lookup(&branch(2)).matched_blocks_of(BackendId(0)), 1);
+    assert_eq!(tree.lookup(&branch(3)).matched_blocks_of(BackendId(0)), 3);
+    assert_eq!(tree.check_invariants(), Ok(()));
+}
+
+#[test]
+fn lookup_reports_every_backend_and_segments_in_one_walk() {
+    let mut tree = PrefixTree::new(TreeConfig {
+        block_size: 2,
+        max_blocks: 100,
+    })
+    .unwrap();
+    let long: Vec<u32> = (0..12).collect();
+    tree.insert(&long[..4], BackendId(7), 10);
+    tree.insert(&long, BackendId(3), 20);
+    tree.insert(&long[..8], BackendId(5), 30);
+    let found = tree.lookup(&long);
+    let summary: Vec<(u32, u32, u64)> = found
+        .backends
+        .iter()
+        .map(|prefix| {
+            (
+                prefix.backend.0,
+                prefix.matched_blocks,
+                prefix.last_routed_ms,
+            )
+        })
+        .collect();
+    assert_eq!(summary, vec![(3, 6, 20), (5, 4, 30), (7, 2, 10)]);
+    assert_eq!(found.matched_blocks, 6);
+    // Segments tile each backend's match without gaps.
+    for prefix in &found.backends {
+        let mut next_start = 0;
+        for segment in found
+            .segments
+            .iter()
+            .filter(|s| s.backend == prefix.backend)
+        {
+            assert_eq!(segment.start_block, next_start);
+            next_start = segment.end_block;
+        }
+        assert_eq!(next_start, prefix.matched_blocks);
+    }
+}
+
+#[test]
+fn remove_block_cuts_the_chain_below_and_frees_unheld_blocks() {
+    let mut tree = PrefixTree::new(TreeConfig {
+        block_size: 2,
+        max_blocks: 100,
+    })
+    .unwrap();
+    let long: Vec<u32> = (0..12).collect();
+    tree.insert(&long, BackendId(1), 1);
+    tree.insert(&long[..6], BackendId(2), 2);
+    let chain = tree.chain(&long);
+    // Backend 1 loses block index 2 (its third block) and everything below.
+    assert_eq!(tree.remove_block(&chain.hashes()[..3], BackendId(1)), 4);
+    assert_eq!(tree.lookup(&long).matched_blocks_of(BackendId(1)), 2);
+    assert_eq!(tree.lookup(&long).matched_blocks_of(BackendId(2)), 3);
+    // Blocks 4..6 were held by backend 1 only: gone.
+    assert_eq!(tree.stored_blocks(), 3);
+    assert_eq!(tree.remove_backend(BackendId(2)), 3);
+    assert_eq!(tree.stored_blocks(), 2);
+    assert_eq!(tree.remove_backend(BackendId(1)), 2);
+    assert_eq!(tree.stored_blocks(), 0);
+    assert_eq!(tree.node_count(), 1);
+    assert_eq!(tree.check_invariants(), Ok(()));
+}
+
+#[test]
+fn wide_fanout_switches_child_index_and_back() {
+    let mut tree = PrefixTree::new(TreeConfig {
+        block_size: 1,
+        max_blocks: 10_000,
+    })
+    .unwrap();
+    for tail in 0..100u32 {
+        tree.insert(&[5, tail], BackendId(tail % 3), u64::from(tail));
+    }
+    for tail in 0..100u32 {
+        assert_eq!(
+            tree.lookup(&[5, tail])
+                .matched_blocks_of(BackendId(tail % 3)),
+            2
+        );
+    }
+    tree.remove_backend(BackendId(0));
+    tree.remove_backend(BackendId(1));
+    assert_eq!(tree.check_invariants(), Ok(()));
+    for tail in 0..100u32 {
+        let want = if tail % 3 == 2 { 2 } else { 0 };
+        assert_eq!(
+            tree.lookup(&[5, tail])
+                .matched_blocks_of(BackendId(tail % 3)),
+            want
+        );
+    }
+}
+
+#[test]
+fn zero_block_size_is_a_typed_error() {
+    assert!(
+        PrefixTree::new(TreeConfig {
+            block_size: 0,
+            max_blocks: 1
+        })
+        .is_err()
+    );
+}

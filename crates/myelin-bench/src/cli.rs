@@ -1,0 +1,249 @@
+//! `myelin bench` flags, and how they override the workload file.
+
+use std::path::PathBuf;
+
+use crate::legs::DEFAULT_LEGS;
+use crate::workload::{PromptFormat, WorkloadConfig, WorkloadError, WorkloadKind};
+
+/// Run identical traffic through several router configurations on embedded simulated engines
+/// and compare them. With no flags: the churn workload, legs round-robin, least-load,
+/// prefix+off and oracle. Times in the workload and in reports are simulated (wall x speedup).
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// Workload: a built-in name (churn, shared-prefix, trace) or a path to a workload .toml
+    /// file (see benches/).
+    #[arg(long, default_value = "churn")]
+    pub workload: String,
+
+    /// Legs to run, comma-separated: round-robin, least-load, prefix+off, prefix+estimate,
+    /// prefix+verified, prefix+auto, oracle.
+    #[arg(long, default_value = DEFAULT_LEGS)]
+    pub legs: String,
+
+    /// An external router leg, NAME='COMMAND {port} {backends}' (repeatable). The command runs
+    /// under `sh -c` with {port} a free loopback port and {backends} the engine URLs separated
+    /// by spaces; it must answer GET /health on that port.
+    #[arg(long = "external", value_name = "NAME=COMMAND")]
+    pub external: Vec<String>,
+
+    /// Run every leg this many times, alternating the leg order between repeats.
+    #[arg(long, default_value_t = 1)]
+    pub repeat: u32,
+
+    /// The short version CI runs (the workload's [quick] section: under 2 minutes for the
+    /// default legs). Explicit flags still override it.
+    #[arg(long)]
+    pub quick: bool,
+
+    /// Simulated engines per leg [workload default: 8].
+    #[arg(long)]
+    pub engines: Option<u32>,
+
+    /// Closed-loop users [workload default: 60 for churn].
+    #[arg(long)]
+    pub users: Option<u32>,
+
+    /// Simulated seconds of traffic per leg (wall seconds = duration / speedup).
+    #[arg(long, value_name = "SECONDS")]
+    pub duration: Option<f64>,
+
+    /// Simulated seconds at the start of each leg left out of latency statistics.
+    #[arg(long, value_name = "SECONDS")]
+    pub warmup: Option<f64>,
+
+    /// Simulated time runs this many times faster than wall time [workload default: 10].
+    #[arg(long)]
+    pub speedup: Option<f64>,
+
+    /// Engine performance profile [workload default: a100-40gb-llama-3.1-8b].
+    #[arg(long)]
+    pub profile: Option<String>,
+
+    /// KV-cache capacity per engine, in blocks of 16 tokens [workload default].
+    #[arg(long)]
+    pub kv_blocks: Option<u32>,
+
+    /// Seed of every workload draw [workload default: 42].
+    #[arg(long)]
+    pub seed: Option<u64>,
+
+    /// Prompt format: token-ids (completions with token-id prompts) or text.
+    #[arg(long, value_parser = ["token-ids", "text"])]
+    pub prompt: Option<String>,
+
+    /// Mooncake-format trace to replay (selects the trace workload).
+    #[arg(long, value_name = "PATH")]
+    pub trace: Option<PathBuf>,
+
+    /// Multiply trace timestamps by this (0.5 replays twice as fast).
+    #[arg(long)]
+    pub time_scale: Option<f64>,
+
+    /// Replay only the first N requests of the trace.
+    #[arg(long)]
+    pub max_requests: Option<u32>,
+
+    /// Output directory [default: results/<UTC timestamp>].
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+
+    /// The myelin binary to run router legs with [default: this executable].
+    #[arg(long, value_name = "PATH")]
+    pub router_bin: Option<PathBuf>,
+
+    /// Wall-clock seconds one request may take before it counts as an error.
+    #[arg(long, default_value_t = 300)]
+    pub request_timeout: u64,
+
+    /// No progress bars.
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+impl BenchArgs {
+    /// The workload with `--quick` and every override applied, validated.
+    pub fn workload_config(&self) -> Result<WorkloadConfig, WorkloadError> {
+        let name = if self.trace.is_some() && self.workload == "churn" {
+            "trace"
+        } else {
+            self.workload.as_str()
+        };
+        let mut config = WorkloadConfig::load(name)?;
+        if self.quick {
+            config.apply_quick();
+        }
+        let invalid = |problem: &str| WorkloadError::Invalid {
+            name: config.name.clone(),
+            problem: problem.to_string(),
+        };
+        if let Some(engines) = self.engines {
+            config.cluster.engines = engines;
+        }
+        if let Some(users) = self.users {
+            config.users = users;
+        }
+        if let Some(duration) = self.duration {
+            config.duration_s = duration;
+            if self.warmup.is_none() && config.warmup_s >= duration {
+                config.warmup_s = duration / 10.0;
+            }
+        }
+        if let Some(warmup) = self.warmup {
+            config.warmup_s = warmup;
+        }
+        if let Some(speedup) = self.speedup {
+            config.cluster.speedup = speedup;
+        }
+        if let Some(profile) = &self.profile {
+            config.cluster.profile = profile.clone();
+        }
+        if let Some(kv_blocks) = self.kv_blocks {
+            config.cluster.kv_blocks = kv_blocks;
+        }
+        if let Some(seed) = self.seed {
+            config.seed = seed;
+        }
+        if let Some(prompt) = &self.prompt {
+            config.prompt = if prompt == "text" {
+                PromptFormat::Text
+            } else {
+                PromptFormat::TokenIds
+            };
+        }
+        let trace_flags =
+            self.trace.is_some() || self.time_scale.is_some() || self.max_requests.is_some();
+        if trace_flags {
+            let Some(trace) = config
+                .trace
+                .as_mut()
+                .filter(|_| config.kind == WorkloadKind::Trace)
+            else {
+                return Err(invalid(
+                    "--trace, --time-scale and --max-requests need a trace workload",
+                ));
+            };
+            if let Some(path) = &self.trace {
+                trace.path = Some(path.display().to_string());
+            }
+            if let Some(time_scale) = self.time_scale {
+                trace.time_scale = time_scale;
+            }
+            if let Some(max_requests) = self.max_requests {
+                trace.max_requests = Some(max_requests);
+            }
+        }
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Harness {
+        #[command(flatten)]
+        args: BenchArgs,
+    }
+
+    fn parse(flags: &[&str]) -> BenchArgs {
+        Harness::parse_from(std::iter::once("bench").chain(flags.iter().copied())).args
+    }
+
+    #[test]
+    fn no_flags_is_the_default_churn_comparison() {
+        let args = parse(&[]);
+        assert_eq!(args.legs, DEFAULT_LEGS);
+        let config = args.workload_config().unwrap();
+        assert_eq!(config.name, "churn");
+        assert_eq!(config.users, 60);
+    }
+
+    #[test]
+    fn flags_override_the_file_and_quick() {
+        let config = parse(&[
+            "--quick",
+            "--users",
+            "12",
+            "--engines",
+            "3",
+            "--duration",
+            "20",
+            "--speedup",
+            "5",
+        ])
+        .workload_config()
+        .unwrap();
+        assert_eq!((config.users, config.cluster.engines), (12, 3));
+        assert_eq!(config.duration_s, 20.0);
+        // The quick warm-up (30 s) would swallow a 20 s leg: it shrinks to a tenth.
+        assert_eq!(config.warmup_s, 2.0);
+        assert_eq!(config.cluster.speedup, 5.0);
+    }
+
+    #[test]
+    fn trace_flags_select_and_shape_the_trace_workload() {
+        let config = parse(&[
+            "--trace",
+            "x.jsonl",
+            "--max-requests",
+            "10",
+            "--time-scale",
+            "0.5",
+        ])
+        .workload_config()
+        .unwrap();
+        assert_eq!(config.kind, WorkloadKind::Trace);
+        let trace = config.trace.unwrap();
+        assert_eq!(trace.path.as_deref(), Some("x.jsonl"));
+        assert_eq!((trace.max_requests, trace.time_scale), (Some(10), 0.5));
+        assert!(
+            parse(&["--workload", "shared-prefix", "--max-requests", "3"])
+                .workload_config()
+                .is_err()
+        );
+    }
+}

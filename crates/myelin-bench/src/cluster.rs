@@ -1,0 +1,118 @@
+//! The embedded simulated cluster a leg runs on (crates/myelin-sim): started fresh for every
+//! leg (caches empty), exposing its engines as router backends, their counters, and the
+//! oracle's probe.
+
+use std::sync::Arc;
+
+use myelin_sim::{ClusterConfig, EngineConfig, KvEventsConfig, SimCluster};
+
+use crate::oracle::{CacheOracle, EngineTruth};
+use crate::router_process::BackendEndpoint;
+use crate::stats::EngineCounters;
+use crate::workload::config::ClusterSettings;
+
+/// Why the simulated cluster could not be started.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("starting the simulated engines: {0}")]
+    Start(#[from] myelin_sim::SimError),
+}
+
+/// A running simulated cluster; dropping it stops the engines.
+pub struct EmbeddedCluster {
+    sim: Arc<SimCluster>,
+}
+
+/// Starts `settings.engines` simulated engines on loopback ephemeral ports, publishing KV
+/// events when `kv_events` (the verified and auto residency legs read them).
+pub fn start_cluster(
+    settings: &ClusterSettings,
+    kv_events: bool,
+) -> Result<EmbeddedCluster, ClusterError> {
+    let engine = EngineConfig {
+        block_size: settings.block_size as usize,
+        num_gpu_blocks: settings.kv_blocks as usize,
+        ..EngineConfig::default()
+    };
+    let sim = SimCluster::start(ClusterConfig {
+        engines: settings.engines as usize,
+        base_port: 0,
+        profile: settings.profile.clone(),
+        speedup: settings.speedup,
+        engine,
+        kv_events: kv_events.then(KvEventsConfig::default),
+        ..ClusterConfig::default()
+    })?;
+    Ok(EmbeddedCluster { sim: Arc::new(sim) })
+}
+
+impl EmbeddedCluster {
+    /// The engines, in order, as router backends.
+    pub fn backends(&self) -> Vec<BackendEndpoint> {
+        let events = self.sim.kv_event_endpoints();
+        self.sim
+            .engine_urls()
+            .into_iter()
+            .enumerate()
+            .map(|(engine, url)| BackendEndpoint {
+                url,
+                kv_events: events
+                    .get(engine)
+                    .and_then(|endpoints| endpoints.as_ref())
+                    .map(|endpoints| endpoints.publish.clone()),
+            })
+            .collect()
+    }
+
+    /// Counters summed over the engines since they started.
+    pub fn counters(&self) -> EngineCounters {
+        self.sim
+            .counters()
+            .iter()
+            .fold(EngineCounters::default(), |sum, engine| EngineCounters {
+                prefix_cache_queries: sum.prefix_cache_queries + engine.prefix_cache_queries,
+                prefix_cache_hits: sum.prefix_cache_hits + engine.prefix_cache_hits,
+                evictions: sum.evictions + engine.evictions,
+                preemptions: sum.preemptions + engine.preemptions,
+            })
+    }
+
+    /// The oracle's view of the engines' true state.
+    pub fn oracle(&self) -> Arc<dyn CacheOracle> {
+        Arc::new(SimOracle {
+            sim: self.sim.clone(),
+        })
+    }
+
+    /// Stops every engine (waits for their threads).
+    pub fn stop(self) {
+        match Arc::try_unwrap(self.sim) {
+            Ok(sim) => sim.shutdown(),
+            // The oracle still holds it: dropping the last handle stops it.
+            Err(shared) => drop(shared),
+        }
+    }
+}
+
+/// The oracle over the embedded simulator's in-process probe.
+struct SimOracle {
+    sim: Arc<SimCluster>,
+}
+
+impl CacheOracle for SimOracle {
+    fn probe(&self, prompt_tokens: &[u32]) -> Vec<EngineTruth> {
+        self.sim
+            .probe(prompt_tokens)
+            .into_iter()
+            .map(|probe| EngineTruth {
+                // What this prompt would really be served from cache (the last token is always
+                // recomputed).
+                cached_tokens: probe.prompt_hit_tokens as u64,
+                // The router's load measure, in true values: prefill still to do (net of cache)
+                // plus output tokens still to generate.
+                queued_tokens: (probe.load.pending_prefill_tokens
+                    + probe.load.pending_decode_tokens) as u64,
+            })
+            .collect()
+    }
+}

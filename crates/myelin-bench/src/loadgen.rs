@@ -1,0 +1,366 @@
+//! The load generator: one glommio executor running the workload's users (closed loop) or
+//! arrivals (open loop), streaming every response over myelin-http's client pool, recording
+//! each request, and measuring its own cost (thread CPU, timer lateness).
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use futures_lite::future::or;
+use glommio::timer::Timer;
+use http_body_util::BodyExt;
+use myelin_http::client::{Pool, PoolConfig};
+use myelin_http::executor::{ExecutorSpec, spawn_executor};
+use myelin_http::sse::SseParser;
+
+use crate::oracle::{CacheOracle, choose_engine};
+use crate::record::{Outcome, RequestRecord};
+use crate::request_body::{endpoint_path, request_body};
+use crate::stats::HarnessCost;
+use crate::stream::StreamReader;
+use crate::workload::{Api, Arrival, PlannedRequest, PromptFormat, TokenAlphabet, Workload};
+
+/// How often the lateness probe wakes.
+const LAG_PROBE_INTERVAL: Duration = Duration::from_millis(5);
+
+/// Live counters the main thread shows in the progress bar.
+#[derive(Debug, Default)]
+pub struct LoadProgress {
+    pub sent: AtomicU64,
+    pub completed: AtomicU64,
+    pub errors: AtomicU64,
+    /// Set when the generator has stopped sending and every request has ended.
+    pub finished: AtomicBool,
+}
+
+/// Where requests go.
+#[derive(Clone)]
+pub enum Target {
+    /// Every request to one router.
+    Router { base_url: String },
+    /// The harness picks the engine per request from the simulator's truth.
+    Oracle {
+        engine_urls: Vec<String>,
+        oracle: Arc<dyn CacheOracle>,
+    },
+}
+
+/// Everything the generator needs for one leg.
+#[derive(Clone)]
+pub struct LoadPlan {
+    pub workload: Arc<Workload>,
+    pub alphabet: Arc<TokenAlphabet>,
+    pub api: Api,
+    pub prompt: PromptFormat,
+    pub model: String,
+    pub speedup: f64,
+    /// Simulated seconds during which requests are sent.
+    pub duration_s: f64,
+    /// Simulated seconds over which closed-loop users start (staggered, so they do not all
+    /// fire in the same millisecond).
+    pub stagger_s: f64,
+    /// Wall-clock limit for one request, first byte to last.
+    pub request_timeout: Duration,
+    pub progress: Arc<LoadProgress>,
+}
+
+/// What a leg's traffic produced.
+#[derive(Debug)]
+pub struct LoadOutcome {
+    pub records: Vec<RequestRecord>,
+    pub harness: HarnessCost,
+    /// Wall time from the first send to the end of the last request.
+    pub wall: Duration,
+}
+
+/// Starts the generator on its own executor thread; join the handle for the outcome.
+pub fn start(
+    plan: LoadPlan,
+    target: Target,
+) -> std::io::Result<glommio::ExecutorJoinHandle<LoadOutcome>> {
+    spawn_executor(ExecutorSpec::unpinned("myelin-bench-load"), move || {
+        drive(plan, target)
+    })
+}
+
+/// State shared by the tasks of one generator (single thread, so `Rc`).
+struct Shared {
+    plan: LoadPlan,
+    target: Target,
+    pool: Pool,
+    started: Instant,
+    records: RefCell<Vec<RequestRecord>>,
+    /// Oracle only: requests in flight per engine, as the harness sent them.
+    in_flight: RefCell<Vec<u32>>,
+    /// Oracle only: how long each probe of the simulator took, microseconds.
+    probe_us: RefCell<Vec<u64>>,
+}
+
+impl Shared {
+    fn elapsed_sim_s(&self) -> f64 {
+        self.started.elapsed().as_secs_f64() * self.plan.speedup
+    }
+
+    fn wall_at_sim_s(&self, sim_s: f64) -> Instant {
+        self.started + Duration::from_secs_f64((sim_s / self.plan.speedup).max(0.0))
+    }
+}
+
+async fn drive(plan: LoadPlan, target: Target) -> LoadOutcome {
+    let cpu_at_start = thread_cpu_us();
+    let engines = match &target {
+        Target::Oracle { engine_urls, .. } => engine_urls.len(),
+        Target::Router { .. } => 0,
+    };
+    let users_hint = match plan.workload.arrival() {
+        Arrival::ClosedLoop { users } => users as usize,
+        Arrival::OpenLoop { .. } => 256,
+    };
+    let shared = Rc::new(Shared {
+        pool: Pool::new(PoolConfig {
+            connect_timeout: Duration::from_secs(5),
+            max_idle_per_host: users_hint + 8,
+        }),
+        plan,
+        target,
+        started: Instant::now(),
+        records: RefCell::new(Vec::new()),
+        in_flight: RefCell::new(vec![0; engines]),
+        probe_us: RefCell::new(Vec::new()),
+    });
+
+    let lag_samples = Rc::new(RefCell::new(Vec::new()));
+    let stop_probe = Rc::new(std::cell::Cell::new(false));
+    let probe = glommio::spawn_local({
+        let lag_samples = lag_samples.clone();
+        let stop_probe = stop_probe.clone();
+        async move {
+            while !stop_probe.get() {
+                let due = Instant::now() + LAG_PROBE_INTERVAL;
+                Timer::new(LAG_PROBE_INTERVAL).await;
+                let late = Instant::now().saturating_duration_since(due);
+                lag_samples.borrow_mut().push(late.as_micros() as u64);
+            }
+        }
+    });
+
+    let mut tasks = Vec::new();
+    match shared.plan.workload.arrival() {
+        Arrival::ClosedLoop { users } => {
+            for user in 0..users {
+                let shared = shared.clone();
+                tasks.push(glommio::spawn_local(async move {
+                    let start_s = shared.plan.stagger_s * f64::from(user) / f64::from(users.max(1));
+                    sleep_until(shared.wall_at_sim_s(start_s)).await;
+                    let mut seq = 0u64;
+                    loop {
+                        let elapsed_s = shared.elapsed_sim_s();
+                        if elapsed_s >= shared.plan.duration_s {
+                            break;
+                        }
+                        let request = shared
+                            .plan
+                            .workload
+                            .closed_loop_request(user, seq, elapsed_s);
+                        let record = exchange(&shared, user, seq, request).await;
+                        shared.records.borrow_mut().push(record);
+                        seq += 1;
+                    }
+                }));
+            }
+        }
+        Arrival::OpenLoop { .. } => {
+            let mut index = 0;
+            while let Some((send_at_s, request)) = shared.plan.workload.open_loop_request(index) {
+                if send_at_s >= shared.plan.duration_s {
+                    break;
+                }
+                sleep_until(shared.wall_at_sim_s(send_at_s)).await;
+                let shared = shared.clone();
+                tasks.push(glommio::spawn_local(async move {
+                    let record = exchange(&shared, 0, index as u64, request).await;
+                    shared.records.borrow_mut().push(record);
+                }));
+                index += 1;
+            }
+        }
+    }
+    for task in tasks {
+        task.await;
+    }
+    let wall = shared.started.elapsed();
+    stop_probe.set(true);
+    probe.await;
+
+    let records = std::mem::take(&mut *shared.records.borrow_mut());
+    let cpu_us = thread_cpu_us().saturating_sub(cpu_at_start);
+    shared.plan.progress.finished.store(true, Ordering::Release);
+    let loop_lag_us = std::mem::take(&mut *lag_samples.borrow_mut());
+    LoadOutcome {
+        harness: HarnessCost {
+            cpu_us,
+            requests: records.len() as u64,
+            loop_lag_us,
+            oracle_probe_us: std::mem::take(&mut *shared.probe_us.borrow_mut()),
+        },
+        records,
+        wall,
+    }
+}
+
+async fn sleep_until(deadline: Instant) {
+    let now = Instant::now();
+    if deadline > now {
+        Timer::new(deadline - now).await;
+    }
+}
+
+/// Sends one request, streams the answer, and records it.
+async fn exchange(shared: &Shared, user: u32, seq: u64, request: PlannedRequest) -> RequestRecord {
+    let plan = &shared.plan;
+    let path = endpoint_path(plan.api);
+    let (url, chosen_engine) = match &shared.target {
+        Target::Router { base_url } => (format!("{base_url}{path}"), None),
+        Target::Oracle {
+            engine_urls,
+            oracle,
+        } => {
+            let probe_started = Instant::now();
+            let truths = oracle.probe(&request.tokens);
+            shared
+                .probe_us
+                .borrow_mut()
+                .push(probe_started.elapsed().as_micros() as u64);
+            let engine = choose_engine(request.tokens.len(), &truths, &shared.in_flight.borrow())
+                .unwrap_or(0);
+            (format!("{}{path}", engine_urls[engine]), Some(engine))
+        }
+    };
+    let body = request_body(plan.api, plan.prompt, &plan.model, &request, &plan.alphabet);
+    let mut record = RequestRecord {
+        user,
+        seq,
+        label: request.label,
+        sent_at_us: shared.started.elapsed().as_micros() as u64,
+        ttft_us: None,
+        e2e_us: None,
+        prompt_tokens: request.tokens.len() as u32,
+        output_tokens: 0,
+        cached_tokens: None,
+        backend: match (&shared.target, chosen_engine) {
+            (Target::Oracle { engine_urls, .. }, Some(engine)) => Some(engine_urls[engine].clone()),
+            _ => None,
+        },
+        outcome: Outcome::Ok,
+    };
+    if let Some(engine) = chosen_engine {
+        shared.in_flight.borrow_mut()[engine] += 1;
+    }
+    plan.progress.sent.fetch_add(1, Ordering::Relaxed);
+
+    let sent_at = Instant::now();
+    let timeout = plan.request_timeout;
+    let result = or(
+        async { Some(stream_response(shared, &url, body, &mut record, sent_at).await) },
+        async {
+            Timer::new(timeout).await;
+            None
+        },
+    )
+    .await;
+    record.outcome = match result {
+        Some(Ok(())) => Outcome::Ok,
+        Some(Err(outcome)) => outcome,
+        None => Outcome::TimedOut,
+    };
+    if record.outcome.is_error() {
+        plan.progress.errors.fetch_add(1, Ordering::Relaxed);
+    }
+    if let Some(engine) = chosen_engine {
+        let mut in_flight = shared.in_flight.borrow_mut();
+        in_flight[engine] = in_flight[engine].saturating_sub(1);
+    }
+    plan.progress.completed.fetch_add(1, Ordering::Relaxed);
+    record
+}
+
+async fn stream_response(
+    shared: &Shared,
+    url: &str,
+    body: String,
+    record: &mut RequestRecord,
+    sent_at: Instant,
+) -> Result<(), Outcome> {
+    let request = http::Request::post(url)
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .header(http::header::ACCEPT, "text/event-stream")
+        .body(myelin_http::body::full(body))
+        .map_err(|error| Outcome::Failed(format!("building request: {error}")))?;
+    let response = shared
+        .pool
+        .send(request)
+        .await
+        .map_err(|error| Outcome::Failed(error.to_string()))?;
+    if let Some(backend) = response
+        .headers()
+        .get("x-myelin-backend")
+        .and_then(|value| value.to_str().ok())
+    {
+        record.backend = Some(backend.to_string());
+    }
+    let status = response.status();
+    let mut body = response.into_body();
+    if !status.is_success() {
+        // Drain the error body so the connection can be reused; the status is what counts.
+        while let Some(Ok(_)) = body.frame().await {}
+        return Err(Outcome::HttpStatus(status.as_u16()));
+    }
+    let mut parser = SseParser::new();
+    let mut reader = StreamReader::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|error| Outcome::Failed(format!("reading stream: {error}")))?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        let now = Instant::now();
+        for event in parser.feed(&data) {
+            reader.on_event(&event, now).map_err(Outcome::Failed)?;
+        }
+    }
+    let ended_at = Instant::now();
+    record.e2e_us = Some(ended_at.duration_since(sent_at).as_micros() as u64);
+    let summary = match reader.finish() {
+        Ok(summary) => summary,
+        Err((reason, summary)) => {
+            record.ttft_us = summary
+                .first_token_at
+                .map(|first| first.duration_since(sent_at).as_micros() as u64);
+            return Err(Outcome::Failed(reason));
+        }
+    };
+    record.ttft_us = summary
+        .first_token_at
+        .map(|first| first.duration_since(sent_at).as_micros() as u64);
+    record.output_tokens = summary.completion_tokens.unwrap_or(summary.content_chunks);
+    if let Some(prompt_tokens) = summary.prompt_tokens {
+        record.prompt_tokens = prompt_tokens;
+    }
+    record.cached_tokens = summary.cached_tokens;
+    Ok(())
+}
+
+/// CPU time consumed by the calling thread, microseconds.
+fn thread_cpu_us() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec through a valid pointer to a local.
+    let status = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
+    if status != 0 {
+        return 0;
+    }
+    now.tv_sec as u64 * 1_000_000 + now.tv_nsec as u64 / 1_000
+}

@@ -1,0 +1,307 @@
+//! Router legs as subprocesses: `myelin serve` (this same binary) or an external router from a
+//! command line, started on a free loopback port, waited for, scraped, and stopped. Every
+//! process is started in its own process group and only that group is signalled.
+
+use std::fs::File;
+use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::blocking_http;
+use crate::legs::{LegKind, external_command};
+
+/// How long a router gets to answer its health check.
+pub const ROUTER_START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long a router gets to exit after SIGTERM before SIGKILL.
+const ROUTER_STOP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why a router could not be run.
+#[derive(Debug, thiserror::Error)]
+pub enum RouterError {
+    #[error("finding a free port: {0}")]
+    Port(std::io::Error),
+    #[error("creating router log {path}: {source}")]
+    Log {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("starting router `{command}`: {source}")]
+    Spawn {
+        command: String,
+        source: std::io::Error,
+    },
+    #[error("router `{name}` exited before it was ready ({status}); last lines of {log}:\n{tail}")]
+    ExitedEarly {
+        name: String,
+        status: String,
+        log: String,
+        tail: String,
+    },
+    #[error("router `{name}` did not answer GET /health within {seconds} s; see {log}")]
+    NotReady {
+        name: String,
+        seconds: u64,
+        log: String,
+    },
+}
+
+/// One engine as a router backend.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackendEndpoint {
+    /// `http://127.0.0.1:PORT`.
+    pub url: String,
+    /// The engine's KV-event publisher, when it has one.
+    pub kv_events: Option<String>,
+}
+
+/// A running router.
+pub struct RouterProcess {
+    name: String,
+    child: Child,
+    base_url: String,
+    log_path: PathBuf,
+}
+
+/// A loopback port nobody listens on right now.
+pub fn free_port() -> Result<u16, RouterError> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(RouterError::Port)?;
+    listener
+        .local_addr()
+        .map(|address| address.port())
+        .map_err(RouterError::Port)
+}
+
+/// The `myelin serve` arguments for a leg.
+pub fn serve_args(kind: LegKind, port: u16, backends: &[BackendEndpoint]) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "serve",
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+        "--shards",
+        "2",
+        "--no-pin",
+    ]
+    .iter()
+    .map(|arg| arg.to_string())
+    .collect();
+    args.extend(kind.router_flags().iter().map(|flag| flag.to_string()));
+    for backend in backends {
+        args.push("--backend".into());
+        match (&backend.kv_events, kind.wants_kv_events()) {
+            (Some(kv_events), true) => args.push(format!("{},kv-events={kv_events}", backend.url)),
+            _ => args.push(backend.url.clone()),
+        }
+    }
+    args
+}
+
+impl RouterProcess {
+    /// Starts `myelin serve` for a router leg and waits until it is healthy.
+    pub fn start_myelin(
+        exe: &Path,
+        name: &str,
+        kind: LegKind,
+        backends: &[BackendEndpoint],
+        log_path: &Path,
+    ) -> Result<Self, RouterError> {
+        let port = free_port()?;
+        let mut command = Command::new(exe);
+        command.args(serve_args(kind, port, backends));
+        let description = format!(
+            "{} {}",
+            exe.display(),
+            serve_args(kind, port, backends).join(" ")
+        );
+        Self::spawn(name, command, description, port, log_path)
+    }
+
+    /// Starts an external router from its command template (run by `sh -c`) and waits until
+    /// it is healthy.
+    pub fn start_external(
+        name: &str,
+        template: &str,
+        backends: &[BackendEndpoint],
+        log_path: &Path,
+    ) -> Result<Self, RouterError> {
+        let port = free_port()?;
+        let urls: Vec<String> = backends.iter().map(|backend| backend.url.clone()).collect();
+        let line = external_command(template, port, &urls);
+        let mut command = Command::new("sh");
+        command.arg("-c").arg(&line);
+        Self::spawn(name, command, line, port, log_path)
+    }
+
+    fn spawn(
+        name: &str,
+        mut command: Command,
+        description: String,
+        port: u16,
+        log_path: &Path,
+    ) -> Result<Self, RouterError> {
+        let log_error = |source| RouterError::Log {
+            path: log_path.display().to_string(),
+            source,
+        };
+        let log = File::create(log_path).map_err(log_error)?;
+        let log_for_stderr = log.try_clone().map_err(log_error)?;
+        command
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(log_for_stderr))
+            // Its own process group, so stopping it reaches the children a shell starts.
+            .process_group(0);
+        let child = command.spawn().map_err(|source| RouterError::Spawn {
+            command: description,
+            source,
+        })?;
+        let mut router = RouterProcess {
+            name: name.to_string(),
+            child,
+            base_url: format!("http://127.0.0.1:{port}"),
+            log_path: log_path.to_path_buf(),
+        };
+        router.wait_ready()?;
+        Ok(router)
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn base_url(&self) -> &str {
+        &self.base_url
+    }
+
+    fn wait_ready(&mut self) -> Result<(), RouterError> {
+        let deadline = Instant::now() + ROUTER_START_TIMEOUT;
+        let health = format!("{}/health", self.base_url);
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Err(RouterError::ExitedEarly {
+                    name: self.name.clone(),
+                    status: status.to_string(),
+                    log: self.log_path.display().to_string(),
+                    tail: log_tail(&self.log_path, 20),
+                });
+            }
+            if let Ok(response) = blocking_http::get(&health, Duration::from_secs(2))
+                && response.status == 200
+            {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Err(RouterError::NotReady {
+            name: self.name.clone(),
+            seconds: ROUTER_START_TIMEOUT.as_secs(),
+            log: self.log_path.display().to_string(),
+        })
+    }
+
+    /// The router's /metrics text, or `None` if it has none or did not answer.
+    pub fn scrape_metrics(&self) -> Option<String> {
+        let response = blocking_http::get(
+            &format!("{}/metrics", self.base_url),
+            Duration::from_secs(5),
+        )
+        .ok()?;
+        (response.status == 200).then_some(response.body)
+    }
+
+    /// Stops the router: SIGTERM to its process group, SIGKILL if it is still there after the
+    /// drain deadline.
+    pub fn stop(mut self) {
+        self.terminate();
+    }
+
+    fn terminate(&mut self) {
+        if matches!(self.child.try_wait(), Ok(Some(_))) {
+            return;
+        }
+        let group = self.child.id() as libc::pid_t;
+        // SAFETY: kill(2) on the process group this harness created for its own child.
+        unsafe {
+            libc::kill(-group, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + ROUTER_STOP_TIMEOUT;
+        while Instant::now() < deadline {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // SAFETY: as above; the leader has not been reaped, so the group id is still ours.
+        unsafe {
+            libc::kill(-group, libc::SIGKILL);
+        }
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for RouterProcess {
+    fn drop(&mut self) {
+        self.terminate();
+    }
+}
+
+/// The last `lines` lines of a log file.
+fn log_tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::legs::Residency;
+
+    fn backends() -> Vec<BackendEndpoint> {
+        vec![
+            BackendEndpoint {
+                url: "http://127.0.0.1:9001".into(),
+                kv_events: Some("tcp://127.0.0.1:5557".into()),
+            },
+            BackendEndpoint {
+                url: "http://127.0.0.1:9002".into(),
+                kv_events: None,
+            },
+        ]
+    }
+
+    #[test]
+    fn serve_args_name_the_policy_and_kv_events_only_where_used() {
+        let args = serve_args(LegKind::Prefix(Residency::Off), 8000, &backends()).join(" ");
+        assert_eq!(
+            args,
+            "serve --listen 127.0.0.1:8000 --shards 2 --no-pin --routing prefix --residency off \
+             --backend http://127.0.0.1:9001 --backend http://127.0.0.1:9002"
+        );
+        let verified =
+            serve_args(LegKind::Prefix(Residency::Verified), 8000, &backends()).join(" ");
+        assert!(
+            verified.contains("--backend http://127.0.0.1:9001,kv-events=tcp://127.0.0.1:5557")
+        );
+    }
+
+    #[test]
+    fn a_router_that_dies_is_reported_with_its_log() {
+        let log =
+            std::env::temp_dir().join(format!("myelin-bench-test-{}.log", std::process::id()));
+        let error = RouterProcess::start_external(
+            "broken",
+            "echo no such router {port}; exit 3",
+            &backends(),
+            &log,
+        )
+        .err()
+        .unwrap();
+        match error {
+            RouterError::ExitedEarly { tail, .. } => {
+                assert!(tail.starts_with("no such router "), "{tail}")
+            }
+            other => panic!("unexpected {other}"),
+        }
+        let _ = std::fs::remove_file(log);
+    }
+}

@@ -1,0 +1,506 @@
+//! Running a benchmark: for every repeat and every leg, a fresh simulated cluster, the leg's
+//! router, the load generator and a progress bar; then the summaries, gates, report files and
+//! plots. The only module that sequences processes and threads.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::cluster::{ClusterError, start_cluster};
+use crate::gates;
+use crate::legs::{LegError, LegKind, LegSpec, all_legs, leg_order};
+use crate::loadgen::{self, LoadPlan, LoadProgress, Target};
+use crate::plot::{self, LegSeries, PlotError};
+use crate::prometheus;
+use crate::record::{LegRecords, write_csv};
+use crate::report::{self, REPORT_SCHEMA_VERSION, Report};
+use crate::router_process::{RouterError, RouterProcess};
+use crate::stats::{self, EngineCounters, LegRun};
+use crate::workload::alphabet::AlphabetError;
+use crate::workload::{
+    Api, Arrival, PromptFormat, TokenAlphabet, Workload, WorkloadConfig, WorkloadError,
+};
+use crate::{BenchArgs, blocking_http};
+
+/// The router's residency-downgrade counter.
+pub const DOWNGRADES_METRIC: &str = "myelin_router_residency_route_downgrades_total";
+
+/// How often the progress bar refreshes.
+const PROGRESS_TICK: Duration = Duration::from_millis(250);
+
+/// Why a run could not be carried out (a run that completes but fails its gates is not an
+/// error: it reports and exits non-zero).
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error(transparent)]
+    Workload(#[from] WorkloadError),
+    #[error(transparent)]
+    Legs(#[from] LegError),
+    #[error(transparent)]
+    Alphabet(#[from] AlphabetError),
+    #[error("finding the tokenizer: {0}")]
+    Tokenizer(#[from] myelin_tokenize::TokenizeError),
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
+    #[error(transparent)]
+    Router(#[from] RouterError),
+    #[error(transparent)]
+    Plot(#[from] PlotError),
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("the load generator failed: {0}")]
+    LoadGenerator(String),
+    #[error("asking engine {url} for its model: {problem}")]
+    Model { url: String, problem: String },
+    #[error(
+        "the oracle leg needs api = \"completions\": it probes the engines with the prompt's \
+         exact token ids, which a chat template would change"
+    )]
+    OracleNeedsCompletions,
+    #[error("interrupted")]
+    Interrupted,
+}
+
+fn io_error(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> BenchError + use<> {
+    let path = path.display().to_string();
+    move |source| BenchError::Io { what, path, source }
+}
+
+/// Everything a run needs, resolved from the flags.
+struct RunContext {
+    config: WorkloadConfig,
+    legs: Vec<LegSpec>,
+    repeat: u32,
+    quick: bool,
+    out_dir: PathBuf,
+    router_exe: PathBuf,
+    request_timeout: Duration,
+    show_progress: bool,
+    command_line: String,
+    workload: Arc<Workload>,
+    alphabet: Arc<TokenAlphabet>,
+    interrupted: Arc<AtomicBool>,
+}
+
+/// `myelin bench`.
+pub fn run(args: BenchArgs) -> Result<ExitCode, BenchError> {
+    let context = prepare(&args)?;
+    let runs = run_all_legs(&context)?;
+    finish(&context, &runs)
+}
+
+fn prepare(args: &BenchArgs) -> Result<RunContext, BenchError> {
+    let config = args.workload_config()?;
+    let legs = all_legs(&args.legs, &args.external)?;
+    if config.api == Api::Chat && legs.iter().any(|leg| leg.kind == LegKind::Oracle) {
+        return Err(BenchError::OracleNeedsCompletions);
+    }
+    // Text prompts use the bundled tokenizer's single-token words: the simulated engines and
+    // the router tokenize with the same file, and it adds no special tokens to completions
+    // prompts, so the ids the engines cache are exactly the planned ones (the oracle relies
+    // on this; the alphabet's tests check it).
+    let alphabet = match config.prompt {
+        PromptFormat::TokenIds => TokenAlphabet::token_ids(),
+        PromptFormat::Text => {
+            TokenAlphabet::words_from_tokenizer(&myelin_tokenize::bundled_tokenizer_path()?)?
+        }
+    };
+    let workload = Workload::build(&config, alphabet.clone())?;
+    let out_dir = match &args.out {
+        Some(out) => out.clone(),
+        None => PathBuf::from("results").join(report::utc_now().1),
+    };
+    std::fs::create_dir_all(out_dir.join("logs")).map_err(io_error("creating", &out_dir))?;
+    let router_exe = match &args.router_bin {
+        Some(path) => path.clone(),
+        None => std::env::current_exe()
+            .map_err(io_error("locating", Path::new("the myelin executable")))?,
+    };
+    let interrupted = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(signal, interrupted.clone()).map_err(io_error(
+            "installing a handler for",
+            Path::new("SIGINT/SIGTERM"),
+        ))?;
+    }
+    Ok(RunContext {
+        legs,
+        repeat: args.repeat.max(1),
+        quick: args.quick,
+        out_dir,
+        router_exe,
+        request_timeout: Duration::from_secs(args.request_timeout.max(1)),
+        show_progress: !args.no_progress,
+        command_line: std::env::args().collect::<Vec<_>>().join(" "),
+        workload: Arc::new(workload),
+        alphabet: Arc::new(alphabet),
+        interrupted,
+        config,
+    })
+}
+
+fn run_all_legs(context: &RunContext) -> Result<Vec<LegRun>, BenchError> {
+    let config = &context.config;
+    eprintln!(
+        "myelin bench: workload {} ({}), {} engines, speedup {}, {} simulated s per leg (~{:.0} wall s), legs: {}{}; \
+         output in {}",
+        config.name,
+        config.description,
+        config.cluster.engines,
+        config.cluster.speedup,
+        config.duration_s,
+        config.wall_duration_s(),
+        context
+            .legs
+            .iter()
+            .map(|leg| leg.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", "),
+        if context.repeat > 1 {
+            format!(" x{} repeats", context.repeat)
+        } else {
+            String::new()
+        },
+        context.out_dir.display(),
+    );
+    let mut runs = Vec::new();
+    for repeat in 0..context.repeat {
+        for index in leg_order(context.legs.len(), repeat) {
+            let run = run_leg(context, &context.legs[index], repeat)?;
+            let summary = stats::summarize(&[&run]);
+            eprintln!(
+                "  {} (run {}): {} requests, {} errors, TTFT p50 {:.0} ms p99 {:.0} ms, hit rate {}, {} evictions{}",
+                run.name,
+                repeat + 1,
+                summary.requests,
+                summary.errors,
+                summary.ttft_ms.p50,
+                summary.ttft_ms.p99,
+                summary
+                    .cache_hit_rate
+                    .map_or("-".into(), |rate| format!("{:.1}%", rate * 100.0)),
+                summary.evictions,
+                summary
+                    .downgrades
+                    .map_or(String::new(), |count| format!(", {count} downgrades")),
+            );
+            runs.push(run);
+        }
+    }
+    Ok(runs)
+}
+
+fn file_safe(name: &str) -> String {
+    name.chars()
+        .map(|character| {
+            if character.is_ascii_alphanumeric() || character == '-' {
+                character
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+fn progress_bar(context: &RunContext, leg: &LegSpec, repeat: u32) -> ProgressBar {
+    let wall_ms = (context.config.wall_duration_s() * 1000.0) as u64;
+    let bar = ProgressBar::with_draw_target(
+        Some(wall_ms.max(1)),
+        if context.show_progress {
+            ProgressDrawTarget::stderr()
+        } else {
+            ProgressDrawTarget::hidden()
+        },
+    );
+    if let Ok(style) = ProgressStyle::with_template("{prefix:>22} [{bar:30}] {percent:>3}% {msg}") {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_prefix(if context.repeat > 1 {
+        format!("{} #{}", leg.name, repeat + 1)
+    } else {
+        leg.name.clone()
+    });
+    bar
+}
+
+fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, BenchError> {
+    let config = &context.config;
+    let speedup = config.cluster.speedup;
+    let kv_events = context.legs.iter().any(|spec| spec.kind.wants_kv_events());
+    let cluster = start_cluster(&config.cluster, kv_events)?;
+    let backends = cluster.backends();
+    let model = match &config.model {
+        Some(model) => model.clone(),
+        None => engine_model(backends.first().map_or("", |backend| backend.url.as_str()))?,
+    };
+    let log_path =
+        context
+            .out_dir
+            .join("logs")
+            .join(format!("{}-{}.log", file_safe(&leg.name), repeat + 1));
+    let router = match leg.kind {
+        LegKind::Oracle => None,
+        LegKind::External => Some(RouterProcess::start_external(
+            &leg.name,
+            leg.command.as_deref().unwrap_or_default(),
+            &backends,
+            &log_path,
+        )?),
+        kind => Some(RouterProcess::start_myelin(
+            &context.router_exe,
+            &leg.name,
+            kind,
+            &backends,
+            &log_path,
+        )?),
+    };
+    let target = match &router {
+        Some(router) => Target::Router {
+            base_url: router.base_url().to_string(),
+        },
+        None => Target::Oracle {
+            engine_urls: backends.iter().map(|backend| backend.url.clone()).collect(),
+            oracle: cluster.oracle(),
+        },
+    };
+    let progress = Arc::new(LoadProgress::default());
+    let plan = LoadPlan {
+        workload: context.workload.clone(),
+        alphabet: context.alphabet.clone(),
+        api: config.api,
+        prompt: config.prompt,
+        model,
+        speedup,
+        duration_s: config.duration_s,
+        stagger_s: config.warmup_s.min(10.0),
+        request_timeout: context.request_timeout,
+        progress: progress.clone(),
+    };
+    let handle = loadgen::start(plan, target)
+        .map_err(io_error("starting", Path::new("the load generator")))?;
+
+    let bar = progress_bar(context, leg, repeat);
+    let started = Instant::now();
+    let warmup_wall = Duration::from_secs_f64(config.warmup_s / speedup);
+    let mut at_warmup: Option<EngineCounters> = None;
+    while !progress.finished.load(Ordering::Acquire) {
+        if context.interrupted.load(Ordering::Relaxed) {
+            bar.abandon_with_message("interrupted");
+            drop(router);
+            return Err(BenchError::Interrupted);
+        }
+        std::thread::sleep(PROGRESS_TICK);
+        let elapsed = started.elapsed();
+        if at_warmup.is_none() && elapsed >= warmup_wall {
+            at_warmup = Some(cluster.counters());
+        }
+        bar.set_position(elapsed.as_millis() as u64);
+        bar.set_message(format!(
+            "{} done, {} in flight, {} errors{}",
+            progress.completed.load(Ordering::Relaxed),
+            progress
+                .sent
+                .load(Ordering::Relaxed)
+                .saturating_sub(progress.completed.load(Ordering::Relaxed)),
+            progress.errors.load(Ordering::Relaxed),
+            if elapsed.as_secs_f64() > config.wall_duration_s() {
+                " (draining)"
+            } else {
+                ""
+            }
+        ));
+    }
+    let outcome = handle
+        .join()
+        .map_err(|error| BenchError::LoadGenerator(error.to_string()))?;
+    bar.finish_and_clear();
+
+    let engines_total = cluster.counters();
+    let engines_measured = engines_total.since(&at_warmup.unwrap_or_default());
+    let downgrades = match (&router, leg.kind.uses_myelin_router()) {
+        // A counter that never moved may not be exported yet: a scrape without it means 0.
+        (Some(router), true) => router
+            .scrape_metrics()
+            .map(|text| prometheus::sum_count(&text, DOWNGRADES_METRIC).unwrap_or(0)),
+        _ => None,
+    };
+    if let Some(router) = router {
+        router.stop();
+    }
+    cluster.stop();
+
+    let window_s = match context.workload.arrival() {
+        Arrival::ClosedLoop { .. } => config.duration_s - config.warmup_s,
+        Arrival::OpenLoop { .. } => {
+            let last_send_s = outcome
+                .records
+                .iter()
+                .map(|record| record.sent_at_us as f64 * speedup / 1e6)
+                .fold(0.0, f64::max);
+            (last_send_s - config.warmup_s).max(1.0)
+        }
+    };
+    Ok(LegRun {
+        name: leg.name.clone(),
+        kind: leg.kind,
+        repeat,
+        speedup,
+        warmup_s: config.warmup_s,
+        window_s,
+        records: outcome.records,
+        engines_measured,
+        engines_total,
+        downgrades,
+        harness: outcome.harness,
+    })
+}
+
+/// The model the engines serve (the first one `GET /v1/models` lists).
+fn engine_model(engine_url: &str) -> Result<String, BenchError> {
+    let url = format!("{engine_url}/v1/models");
+    let problem = |problem: String| BenchError::Model {
+        url: engine_url.to_string(),
+        problem,
+    };
+    let response = blocking_http::get(&url, Duration::from_secs(10))
+        .map_err(|error| problem(error.to_string()))?;
+    let document: serde_json::Value = serde_json::from_str(&response.body)
+        .map_err(|error| problem(format!("bad JSON: {error}")))?;
+    document["data"][0]["id"]
+        .as_str()
+        .map(str::to_string)
+        .ok_or_else(|| problem("no data[0].id in the answer".into()))
+}
+
+fn finish(context: &RunContext, runs: &[LegRun]) -> Result<ExitCode, BenchError> {
+    let config = &context.config;
+    let summaries = stats::summarize_all(runs);
+    let residency_legs: Vec<&str> = context
+        .legs
+        .iter()
+        .filter(|leg| leg.kind.weights_residency())
+        .map(|leg| leg.name.as_str())
+        .collect();
+    let gates = gates::evaluate(&summaries, &residency_legs);
+    let passed = gates::all_passed(&gates);
+    let report = Report {
+        schema_version: REPORT_SCHEMA_VERSION,
+        myelin_version: env!("CARGO_PKG_VERSION"),
+        generated_at: report::utc_now().0,
+        command: context.command_line.clone(),
+        time_unit: "simulated",
+        speedup: config.cluster.speedup,
+        repeat: context.repeat,
+        quick: context.quick,
+        workload: config,
+        legs: &summaries,
+        gates: &gates,
+        passed,
+    };
+    let out = &context.out_dir;
+
+    let json_path = out.join("report.json");
+    let json = serde_json::to_string_pretty(&report).map_err(|error| BenchError::Io {
+        what: "serialising",
+        path: json_path.display().to_string(),
+        source: std::io::Error::other(error),
+    })?;
+    std::fs::write(&json_path, json + "\n").map_err(io_error("writing", &json_path))?;
+
+    let csv_path = out.join("requests.csv");
+    let csv_file = std::fs::File::create(&csv_path).map_err(io_error("creating", &csv_path))?;
+    let leg_records: Vec<LegRecords<'_>> = runs
+        .iter()
+        .map(|run| LegRecords {
+            leg: &run.name,
+            repeat: run.repeat,
+            speedup: run.speedup,
+            warmup_s: run.warmup_s,
+            records: &run.records,
+        })
+        .collect();
+    write_csv(std::io::BufWriter::new(csv_file), &leg_records)
+        .map_err(io_error("writing", &csv_path))?;
+
+    let series: Vec<LegSeries> = summaries
+        .iter()
+        .map(|summary| LegSeries {
+            name: summary.name.clone(),
+            points: runs
+                .iter()
+                .filter(|run| run.name == summary.name)
+                .flat_map(|run| {
+                    run.records
+                        .iter()
+                        .filter(|record| !record.outcome.is_error())
+                        .filter_map(move |record| {
+                            let send_s = record.sent_at_us as f64 * run.speedup / 1e6;
+                            record
+                                .ttft_us
+                                .map(|ttft| (send_s, ttft as f64 * run.speedup / 1000.0))
+                        })
+                })
+                .collect(),
+        })
+        .collect();
+    let measured_series: Vec<LegSeries> = series
+        .iter()
+        .map(|leg| LegSeries {
+            name: leg.name.clone(),
+            points: leg
+                .points
+                .iter()
+                .copied()
+                .filter(|point| point.0 >= config.warmup_s)
+                .collect(),
+        })
+        .collect();
+    let window_s = (config.duration_s / 40.0).max(5.0);
+    plot::ttft_cdf(
+        &out.join("ttft_cdf.png"),
+        &measured_series,
+        &format!("TTFT CDF, {} workload (after warm-up)", config.name),
+    )?;
+    plot::ttft_over_time(
+        &out.join("ttft_over_time.png"),
+        &series,
+        window_s,
+        &format!("TTFT P99 over time, {} workload", config.name),
+    )?;
+
+    let markdown_path = out.join("report.md");
+    let markdown = report::render_markdown(
+        &report,
+        &[
+            ("TTFT CDF", "ttft_cdf.png"),
+            ("TTFT P99 over time", "ttft_over_time.png"),
+        ],
+    );
+    std::fs::write(&markdown_path, markdown).map_err(io_error("writing", &markdown_path))?;
+
+    print!("{}", report::render_text(&report));
+    println!(
+        "report: {}, {}, {}, plots: {}, {}",
+        json_path.display(),
+        markdown_path.display(),
+        csv_path.display(),
+        out.join("ttft_cdf.png").display(),
+        out.join("ttft_over_time.png").display()
+    );
+    if passed {
+        Ok(ExitCode::SUCCESS)
+    } else {
+        eprintln!(
+            "myelin bench: the run is INVALID (a validity gate failed; see above); exiting with status 1"
+        );
+        Ok(ExitCode::FAILURE)
+    }
+}

@@ -1,0 +1,428 @@
+//! Per-leg statistics: latency percentiles from hdrhistogram, throughput, cache and engine
+//! counters, the harness's own cost. Pure: takes records and counters, returns summaries.
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+use crate::legs::LegKind;
+use crate::record::RequestRecord;
+
+/// Largest latency the histograms hold, in wall microseconds (one hour).
+const MAX_TRACKED_US: u64 = 3_600_000_000;
+
+/// Latency percentiles in simulated milliseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Percentiles {
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+    pub p999: f64,
+    pub max: f64,
+    pub mean: f64,
+}
+
+/// Engine counters summed over a leg's engines.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct EngineCounters {
+    /// Prompt tokens looked up in the prefix caches (`vllm:prefix_cache_queries_total`).
+    pub prefix_cache_queries: u64,
+    /// Of those, tokens found cached (`vllm:prefix_cache_hits_total`).
+    pub prefix_cache_hits: u64,
+    /// Cached blocks dropped to make room.
+    pub evictions: u64,
+    /// Running requests preempted for lack of blocks (`vllm:num_preemptions_total`).
+    pub preemptions: u64,
+}
+
+impl EngineCounters {
+    /// The counters accumulated between `earlier` and `self`.
+    pub fn since(&self, earlier: &EngineCounters) -> EngineCounters {
+        EngineCounters {
+            prefix_cache_queries: self
+                .prefix_cache_queries
+                .saturating_sub(earlier.prefix_cache_queries),
+            prefix_cache_hits: self
+                .prefix_cache_hits
+                .saturating_sub(earlier.prefix_cache_hits),
+            evictions: self.evictions.saturating_sub(earlier.evictions),
+            preemptions: self.preemptions.saturating_sub(earlier.preemptions),
+        }
+    }
+
+    fn add(&mut self, other: &EngineCounters) {
+        self.prefix_cache_queries += other.prefix_cache_queries;
+        self.prefix_cache_hits += other.prefix_cache_hits;
+        self.evictions += other.evictions;
+        self.preemptions += other.preemptions;
+    }
+}
+
+/// The load generator's own cost during a run.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HarnessCost {
+    /// CPU time of the load generator's thread, microseconds.
+    pub cpu_us: u64,
+    /// Requests it handled (sent, streamed, recorded).
+    pub requests: u64,
+    /// How late its 1 ms ticker woke, microseconds: a busy harness wakes late and would
+    /// inflate the latencies it measures.
+    pub loop_lag_us: Vec<u64>,
+    /// Oracle legs: wall time of each probe of the simulator, microseconds (the probe takes
+    /// each engine's lock, so it also briefly holds the engines up).
+    pub oracle_probe_us: Vec<u64>,
+}
+
+/// The harness's cost, summarised.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct HarnessSummary {
+    /// Load-generator CPU per request, microseconds (wall clock, not simulated).
+    pub cpu_us_per_request: f64,
+    /// Ticker lateness P99 and max, microseconds (wall clock).
+    pub loop_lag_p99_us: u64,
+    pub loop_lag_max_us: u64,
+    /// Oracle legs: probe time P50 and P99, microseconds (wall clock).
+    pub oracle_probe_p50_us: Option<u64>,
+    pub oracle_probe_p99_us: Option<u64>,
+}
+
+/// One run of one leg: everything measured.
+#[derive(Debug, Clone)]
+pub struct LegRun {
+    pub name: String,
+    pub kind: LegKind,
+    pub repeat: u32,
+    pub speedup: f64,
+    pub warmup_s: f64,
+    /// Simulated seconds over which throughput is measured (after warm-up).
+    pub window_s: f64,
+    pub records: Vec<RequestRecord>,
+    /// Engine counters over the measured window (after warm-up).
+    pub engines_measured: EngineCounters,
+    /// Engine counters over the whole run.
+    pub engines_total: EngineCounters,
+    /// Residency downgrades from the router's /metrics (`None`: no myelin router in the leg).
+    pub downgrades: Option<u64>,
+    pub harness: HarnessCost,
+}
+
+impl LegRun {
+    /// Whether a record is in the measured window (sent after warm-up).
+    pub fn is_measured(&self, record: &RequestRecord) -> bool {
+        record.sent_at_us as f64 * self.speedup / 1e6 >= self.warmup_s
+    }
+}
+
+/// A leg over all its runs.
+#[derive(Debug, Clone, Serialize)]
+pub struct LegSummary {
+    pub name: String,
+    pub kind: String,
+    pub runs: u32,
+    /// Successful requests in the measured windows.
+    pub requests: u64,
+    /// All requests sent, warm-up included.
+    pub requests_sent: u64,
+    /// Failed requests, warm-up included.
+    pub errors: u64,
+    pub downgrades: Option<u64>,
+    /// Downgrades per request sent.
+    pub downgrade_rate: Option<f64>,
+    pub ttft_ms: Percentiles,
+    pub e2e_ms: Percentiles,
+    /// Successful measured requests per simulated second.
+    pub throughput_rps: f64,
+    /// Output tokens per simulated second.
+    pub output_tokens_per_s: f64,
+    /// Engine prefix-cache hit rate over the measured window (hits / queries, in tokens).
+    pub cache_hit_rate: Option<f64>,
+    /// Sum of engine-reported cached tokens over sum of prompt tokens, measured requests.
+    pub cached_token_ratio: Option<f64>,
+    /// Over the whole run(s), warm-up included.
+    pub evictions: u64,
+    pub preemptions: u64,
+    /// This leg's TTFT P99 divided by the oracle leg's (set when an oracle leg ran).
+    pub p99_ttft_vs_oracle: Option<f64>,
+    pub harness: HarnessSummary,
+}
+
+/// Percentiles of wall-microsecond samples, in simulated milliseconds.
+pub fn percentiles(samples_us: impl IntoIterator<Item = u64>, speedup: f64) -> Percentiles {
+    let Some(histogram) = histogram_of(samples_us) else {
+        return Percentiles::default();
+    };
+    let to_ms = |us: u64| us as f64 * speedup / 1000.0;
+    Percentiles {
+        p50: to_ms(histogram.value_at_quantile(0.50)),
+        p90: to_ms(histogram.value_at_quantile(0.90)),
+        p99: to_ms(histogram.value_at_quantile(0.99)),
+        p999: to_ms(histogram.value_at_quantile(0.999)),
+        max: to_ms(histogram.max()),
+        mean: histogram.mean() * speedup / 1000.0,
+    }
+}
+
+/// A histogram of microsecond samples (3 significant digits: values within 0.1%), or `None`
+/// when there are no samples.
+pub fn histogram_of(samples_us: impl IntoIterator<Item = u64>) -> Option<Histogram<u64>> {
+    let mut histogram = Histogram::<u64>::new_with_bounds(1, MAX_TRACKED_US, 3).ok()?;
+    for sample in samples_us {
+        histogram.saturating_record(sample.clamp(1, MAX_TRACKED_US));
+    }
+    (!histogram.is_empty()).then_some(histogram)
+}
+
+/// Summarises all runs of one leg (same name). `runs` must not be empty.
+pub fn summarize(runs: &[&LegRun]) -> LegSummary {
+    let first = runs[0];
+    let speedup = first.speedup;
+    let measured_ok = || {
+        runs.iter()
+            .flat_map(|run| {
+                run.records
+                    .iter()
+                    .filter(move |record| run.is_measured(record))
+            })
+            .filter(|record| !record.outcome.is_error())
+    };
+    let requests = measured_ok().count() as u64;
+    let requests_sent: u64 = runs.iter().map(|run| run.records.len() as u64).sum();
+    let errors = runs
+        .iter()
+        .flat_map(|run| run.records.iter())
+        .filter(|record| record.outcome.is_error())
+        .count() as u64;
+    let window_s: f64 = runs.iter().map(|run| run.window_s).sum();
+    let output_tokens: u64 = measured_ok()
+        .map(|record| u64::from(record.output_tokens))
+        .sum();
+    let prompt_tokens: u64 = measured_ok()
+        .map(|record| u64::from(record.prompt_tokens))
+        .sum();
+    let cached_tokens: Option<u64> = measured_ok()
+        .map(|record| record.cached_tokens.map(u64::from))
+        .sum::<Option<u64>>();
+    let mut measured = EngineCounters::default();
+    let mut total = EngineCounters::default();
+    for run in runs {
+        measured.add(&run.engines_measured);
+        total.add(&run.engines_total);
+    }
+    let downgrades = runs.iter().map(|run| run.downgrades).sum::<Option<u64>>();
+    let cpu_us: u64 = runs.iter().map(|run| run.harness.cpu_us).sum();
+    let harness_requests: u64 = runs.iter().map(|run| run.harness.requests).sum();
+    let lag = histogram_of(
+        runs.iter()
+            .flat_map(|run| run.harness.loop_lag_us.iter().copied()),
+    );
+    let probes = histogram_of(
+        runs.iter()
+            .flat_map(|run| run.harness.oracle_probe_us.iter().copied()),
+    );
+    let per_second = |count: f64| {
+        if window_s > 0.0 {
+            count / window_s
+        } else {
+            0.0
+        }
+    };
+    LegSummary {
+        name: first.name.clone(),
+        kind: first.kind.describe().to_string(),
+        runs: runs.len() as u32,
+        requests,
+        requests_sent,
+        errors,
+        downgrades,
+        downgrade_rate: downgrades
+            .filter(|_| requests_sent > 0)
+            .map(|count| count as f64 / requests_sent as f64),
+        ttft_ms: percentiles(measured_ok().filter_map(|record| record.ttft_us), speedup),
+        e2e_ms: percentiles(measured_ok().filter_map(|record| record.e2e_us), speedup),
+        throughput_rps: per_second(requests as f64),
+        output_tokens_per_s: per_second(output_tokens as f64),
+        cache_hit_rate: (measured.prefix_cache_queries > 0)
+            .then(|| measured.prefix_cache_hits as f64 / measured.prefix_cache_queries as f64),
+        cached_token_ratio: cached_tokens
+            .filter(|_| prompt_tokens > 0)
+            .map(|cached| cached as f64 / prompt_tokens as f64),
+        evictions: total.evictions,
+        preemptions: total.preemptions,
+        p99_ttft_vs_oracle: None,
+        harness: HarnessSummary {
+            cpu_us_per_request: if harness_requests > 0 {
+                cpu_us as f64 / harness_requests as f64
+            } else {
+                0.0
+            },
+            loop_lag_p99_us: lag
+                .as_ref()
+                .map_or(0, |histogram| histogram.value_at_quantile(0.99)),
+            loop_lag_max_us: lag.as_ref().map_or(0, |histogram| histogram.max()),
+            oracle_probe_p50_us: probes
+                .as_ref()
+                .map(|histogram| histogram.value_at_quantile(0.5)),
+            oracle_probe_p99_us: probes
+                .as_ref()
+                .map(|histogram| histogram.value_at_quantile(0.99)),
+        },
+    }
+}
+
+/// Summaries of every leg, in first-run order, with each leg's P99 TTFT against the oracle's.
+pub fn summarize_all(runs: &[LegRun]) -> Vec<LegSummary> {
+    let mut names: Vec<&str> = Vec::new();
+    for run in runs {
+        if !names.contains(&run.name.as_str()) {
+            names.push(&run.name);
+        }
+    }
+    let mut summaries: Vec<LegSummary> = names
+        .iter()
+        .map(|name| {
+            let leg_runs: Vec<&LegRun> = runs.iter().filter(|run| run.name == *name).collect();
+            summarize(&leg_runs)
+        })
+        .collect();
+    let oracle_p99 = summaries
+        .iter()
+        .find(|summary| summary.kind == LegKind::Oracle.describe())
+        .map(|oracle| oracle.ttft_ms.p99)
+        .filter(|p99| *p99 > 0.0);
+    if let Some(oracle_p99) = oracle_p99 {
+        for summary in &mut summaries {
+            if summary.requests > 0 {
+                summary.p99_ttft_vs_oracle = Some(summary.ttft_ms.p99 / oracle_p99);
+            }
+        }
+    }
+    summaries
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::record::Outcome;
+
+    pub fn record(sent_at_us: u64, ttft_us: u64, outcome: Outcome) -> RequestRecord {
+        RequestRecord {
+            user: 0,
+            seq: 0,
+            label: 0,
+            sent_at_us,
+            ttft_us: Some(ttft_us),
+            e2e_us: Some(ttft_us * 10),
+            prompt_tokens: 1000,
+            output_tokens: 100,
+            cached_tokens: Some(500),
+            backend: None,
+            outcome,
+        }
+    }
+
+    pub fn run(name: &str, kind: LegKind, ttfts_us: &[u64]) -> LegRun {
+        LegRun {
+            name: name.into(),
+            kind,
+            repeat: 0,
+            speedup: 10.0,
+            warmup_s: 10.0,
+            window_s: 100.0,
+            // Sent at 2 simulated seconds (warm-up) and at 20 (measured).
+            records: ttfts_us
+                .iter()
+                .flat_map(|&ttft| {
+                    [
+                        record(200_000, 1, Outcome::Ok),
+                        record(2_000_000, ttft, Outcome::Ok),
+                    ]
+                })
+                .collect(),
+            engines_measured: EngineCounters {
+                prefix_cache_queries: 1000,
+                prefix_cache_hits: 250,
+                evictions: 5,
+                preemptions: 0,
+            },
+            engines_total: EngineCounters {
+                prefix_cache_queries: 2000,
+                prefix_cache_hits: 300,
+                evictions: 7,
+                preemptions: 1,
+            },
+            downgrades: kind.uses_myelin_router().then_some(2),
+            harness: HarnessCost {
+                cpu_us: 5_000,
+                requests: 2 * ttfts_us.len() as u64,
+                loop_lag_us: vec![10, 20, 30],
+                oracle_probe_us: Vec::new(),
+            },
+        }
+    }
+
+    #[test]
+    fn percentiles_are_exact_to_a_tenth_of_a_percent_and_scaled_to_simulated_time() {
+        // 1..=1000 ms in wall microseconds, speedup 1.
+        let samples: Vec<u64> = (1..=1000).map(|ms| ms * 1000).collect();
+        let result = percentiles(samples.iter().copied(), 1.0);
+        for (value, expected) in [
+            (result.p50, 500.0),
+            (result.p90, 900.0),
+            (result.p99, 990.0),
+            (result.p999, 999.0),
+        ] {
+            assert!(
+                (value - expected).abs() <= expected * 0.001,
+                "{value} vs {expected}"
+            );
+        }
+        let scaled = percentiles(samples.iter().copied(), 10.0);
+        assert!((scaled.p50 - 5000.0).abs() <= 5.0);
+        assert_eq!(percentiles(std::iter::empty(), 1.0), Percentiles::default());
+    }
+
+    #[test]
+    fn summary_excludes_warmup_from_latency_but_counts_its_errors() {
+        let mut leg = run(
+            "round-robin",
+            LegKind::RoundRobin,
+            &[100_000, 200_000, 300_000],
+        );
+        leg.records.push(record(100, 1, Outcome::HttpStatus(503)));
+        let summary = summarize(&[&leg]);
+        assert_eq!(summary.requests, 3);
+        assert_eq!(summary.requests_sent, 7);
+        assert_eq!(summary.errors, 1);
+        // Warm-up TTFTs of 1 us would pull P50 down; measured ones are 100..300 ms wall.
+        assert!(
+            (summary.ttft_ms.p50 - 2000.0).abs() < 3.0,
+            "{}",
+            summary.ttft_ms.p50
+        );
+        assert!((summary.throughput_rps - 0.03).abs() < 1e-9);
+        assert!((summary.output_tokens_per_s - 3.0).abs() < 1e-9);
+        assert_eq!(summary.cache_hit_rate, Some(0.25));
+        assert_eq!(summary.cached_token_ratio, Some(0.5));
+        assert_eq!((summary.evictions, summary.preemptions), (7, 1));
+        assert_eq!(summary.downgrades, Some(2));
+        assert!((summary.harness.cpu_us_per_request - 5000.0 / 6.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn repeats_merge_and_oracle_ratio_is_set() {
+        let runs = vec![
+            run("round-robin", LegKind::RoundRobin, &[400_000]),
+            run("oracle", LegKind::Oracle, &[100_000]),
+            run("round-robin", LegKind::RoundRobin, &[400_000]),
+        ];
+        let summaries = summarize_all(&runs);
+        assert_eq!(summaries.len(), 2);
+        assert_eq!(summaries[0].name, "round-robin");
+        assert_eq!(summaries[0].runs, 2);
+        assert_eq!(summaries[0].requests, 2);
+        assert_eq!(summaries[0].downgrades, Some(4));
+        assert_eq!(summaries[1].downgrades, None);
+        let ratio = summaries[0].p99_ttft_vs_oracle.unwrap();
+        assert!((ratio - 4.0).abs() < 0.01, "{ratio}");
+        assert_eq!(summaries[1].p99_ttft_vs_oracle, Some(1.0));
+    }
+}

@@ -1,0 +1,244 @@
+//! Mooncake-format trace replay: one JSON object per line with `timestamp` (ms),
+//! `input_length`, `output_length` and `hash_ids` (ids of 512-token prefix blocks). Each block
+//! id always expands to the same tokens, so equal ids at the same positions give equal
+//! prefixes; the last block is cut to `input_length`.
+
+use serde::Deserialize;
+
+use super::config::{WorkloadConfig, WorkloadError};
+use super::{PlannedRequest, TokenAlphabet};
+use crate::rng::{self, stream};
+
+/// The 300-request slice of the Mooncake conversation trace shipped with the repository
+/// (benches/data/mooncake-slice.jsonl; Apache-2.0, benches/data/mooncake-LICENSE).
+pub const BUILTIN_SLICE: &str = include_str!("../../../../benches/data/mooncake-slice.jsonl");
+
+/// The name the built-in slice goes by in reports.
+pub const BUILTIN_SLICE_NAME: &str = "benches/data/mooncake-slice.jsonl (built in)";
+
+/// One trace line.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct TraceRecord {
+    /// Arrival time in milliseconds from the start of the trace.
+    pub timestamp: u64,
+    pub input_length: u32,
+    pub output_length: u32,
+    pub hash_ids: Vec<u64>,
+}
+
+/// Parses JSONL trace text, keeping at most `max_requests` lines (blank lines skipped).
+pub fn parse_trace(
+    source_name: &str,
+    text: &str,
+    max_requests: Option<u32>,
+) -> Result<Vec<TraceRecord>, WorkloadError> {
+    let limit = max_requests.map_or(usize::MAX, |max| max as usize);
+    let mut records = Vec::new();
+    for (index, line) in text.lines().enumerate() {
+        if records.len() >= limit {
+            break;
+        }
+        if line.trim().is_empty() {
+            continue;
+        }
+        let line_error = |problem: String| WorkloadError::TraceLine {
+            path: source_name.to_string(),
+            line: index + 1,
+            problem,
+        };
+        let record: TraceRecord =
+            serde_json::from_str(line).map_err(|error| line_error(error.to_string()))?;
+        if record.input_length == 0 || record.hash_ids.is_empty() {
+            return Err(line_error(
+                "input_length and hash_ids must not be empty".into(),
+            ));
+        }
+        if record.output_length == 0 {
+            return Err(line_error("output_length must be > 0".into()));
+        }
+        records.push(record);
+    }
+    if records.is_empty() {
+        return Err(WorkloadError::TraceLine {
+            path: source_name.to_string(),
+            line: 0,
+            problem: "no requests".into(),
+        });
+    }
+    Ok(records)
+}
+
+/// The trace generator.
+#[derive(Debug)]
+pub struct TraceWorkload {
+    seed: u64,
+    block_tokens: u32,
+    time_scale: f64,
+    source_name: String,
+    records: Vec<TraceRecord>,
+    alphabet: TokenAlphabet,
+}
+
+impl TraceWorkload {
+    /// Reads the trace the config names (or the built-in slice).
+    pub fn load(config: &WorkloadConfig, alphabet: TokenAlphabet) -> Result<Self, WorkloadError> {
+        let trace = config
+            .trace
+            .clone()
+            .unwrap_or_else(|| unreachable!("validated trace config"));
+        let (source_name, records) = match &trace.path {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| WorkloadError::Read {
+                    path: path.clone(),
+                    source,
+                })?;
+                (path.clone(), parse_trace(path, &text, trace.max_requests)?)
+            }
+            None => (
+                BUILTIN_SLICE_NAME.to_string(),
+                parse_trace(BUILTIN_SLICE_NAME, BUILTIN_SLICE, trace.max_requests)?,
+            ),
+        };
+        Ok(Self {
+            seed: config.seed,
+            block_tokens: trace.block_tokens,
+            time_scale: trace.time_scale,
+            source_name,
+            records,
+            alphabet,
+        })
+    }
+
+    /// Where the trace came from.
+    pub fn source_name(&self) -> &str {
+        &self.source_name
+    }
+
+    /// Requests in the replay.
+    pub fn len(&self) -> usize {
+        self.records.len()
+    }
+
+    /// Whether the replay is empty (never, once loaded).
+    pub fn is_empty(&self) -> bool {
+        self.records.is_empty()
+    }
+
+    /// Simulated seconds from the start of the leg at which request `index` is sent.
+    pub fn send_at_s(&self, index: usize) -> f64 {
+        let first = self.records.first().map_or(0, |record| record.timestamp);
+        (self.records[index].timestamp.saturating_sub(first)) as f64 / 1000.0 * self.time_scale
+    }
+
+    /// The simulated seconds the whole replay spans.
+    pub fn span_s(&self) -> f64 {
+        self.send_at_s(self.records.len() - 1)
+    }
+
+    /// The tokens of one block id: the same id always gives the same tokens.
+    pub fn block_tokens(&self, block_id: u64) -> impl Iterator<Item = u32> + '_ {
+        (0..u64::from(self.block_tokens)).map(move |position| {
+            self.alphabet.pick(rng::draw(
+                self.seed,
+                stream::TRACE_BLOCK_TOKENS ^ block_id,
+                position,
+            ))
+        })
+    }
+
+    /// Request `index`: its blocks' tokens, cut to `input_length`. A line whose input is longer
+    /// than its blocks (outside the format's guarantee) gets the missing tail from tokens unique
+    /// to that line.
+    pub fn request(&self, index: usize) -> PlannedRequest {
+        let record = &self.records[index];
+        let input_length = record.input_length as usize;
+        let mut tokens = Vec::with_capacity(input_length);
+        for &block_id in &record.hash_ids {
+            if tokens.len() >= input_length {
+                break;
+            }
+            tokens.extend(self.block_tokens(block_id));
+        }
+        tokens.truncate(input_length);
+        let tail_stream = stream::SUFFIX_TOKENS ^ (u64::MAX - index as u64);
+        let mut position = 0;
+        while tokens.len() < input_length {
+            tokens.push(
+                self.alphabet
+                    .pick(rng::draw(self.seed, tail_stream, position)),
+            );
+            position += 1;
+        }
+        // The shared part: every full block (the last, partial one is this line's own).
+        let shared_len = (input_length / self.block_tokens as usize) * self.block_tokens as usize;
+        PlannedRequest {
+            tokens,
+            shared_len: shared_len.min(input_length),
+            output_tokens: record.output_length,
+            label: index as u64,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn workload(max_requests: Option<u32>) -> TraceWorkload {
+        let mut config = WorkloadConfig::load("trace").unwrap();
+        if let Some(trace) = config.trace.as_mut() {
+            trace.max_requests = max_requests;
+        }
+        TraceWorkload::load(&config, TokenAlphabet::token_ids()).unwrap()
+    }
+
+    #[test]
+    fn builtin_slice_parses_and_slices() {
+        assert_eq!(workload(None).len(), 300);
+        assert_eq!(workload(Some(25)).len(), 25);
+        let replay = workload(None);
+        assert_eq!(replay.send_at_s(0), 0.0);
+        assert!(replay.span_s() > 60.0);
+        assert!(
+            (1..replay.len()).all(|index| replay.send_at_s(index) >= replay.send_at_s(index - 1))
+        );
+    }
+
+    #[test]
+    fn requests_have_the_trace_lengths_and_shared_blocks_give_shared_tokens() {
+        let replay = workload(Some(50));
+        let first = replay.request(0);
+        let second = replay.request(1);
+        assert_eq!(first.tokens.len(), 6758);
+        assert_eq!(second.tokens.len(), 7322);
+        assert_eq!(first.output_tokens, 500);
+        // Both lines start with block id 0 and then differ.
+        assert_eq!(&first.tokens[..512], &second.tokens[..512]);
+        assert_ne!(&first.tokens[512..1024], &second.tokens[512..1024]);
+        assert_eq!(replay.request(7), workload(Some(50)).request(7));
+    }
+
+    #[test]
+    fn time_scale_stretches_the_schedule() {
+        let mut config = WorkloadConfig::load("trace").unwrap();
+        if let Some(trace) = config.trace.as_mut() {
+            trace.time_scale = 0.5;
+        }
+        let fast = TraceWorkload::load(&config, TokenAlphabet::token_ids()).unwrap();
+        let normal = workload(None);
+        assert_eq!(fast.send_at_s(200) * 2.0, normal.send_at_s(200));
+    }
+
+    #[test]
+    fn malformed_lines_are_reported_with_their_number() {
+        let text =
+            "{\"timestamp\":0,\"input_length\":10,\"output_length\":1,\"hash_ids\":[1]}\n{oops}\n";
+        let error = parse_trace("t.jsonl", text, None).unwrap_err();
+        assert!(
+            matches!(error, WorkloadError::TraceLine { line: 2, .. }),
+            "{error}"
+        );
+        let cut = parse_trace("t.jsonl", text, Some(1)).unwrap();
+        assert_eq!(cut.len(), 1);
+    }
+}

@@ -1,0 +1,144 @@
+//! Verified residency mirror: which blocks each backend reports holding (vLLM KV events), keyed
+//! by the block's chain hash, with a per-backend "mirror live" flag.
+//!
+//! Holds state only; decoding events and detecting gaps is the KV-events crate's job.
+
+use std::collections::{BTreeSet, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
+
+use crate::backend::BackendId;
+
+/// Keys are uniform 64-bit chain hashes already.
+#[derive(Default)]
+struct ChainHashKeyHasher(u64);
+
+impl Hasher for ChainHashKeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(byte);
+        }
+    }
+    fn write_u64(&mut self, value: u64) {
+        self.0 = value;
+    }
+}
+
+/// Copies of one block per backend (vLLM can hold several physical copies of one hash).
+type Holders = Vec<(BackendId, u32)>;
+
+/// Per block chain hash, which backends hold how many copies; per backend, whether its event
+/// stream is live (in sync) so its mirror may be trusted.
+#[derive(Default)]
+pub struct ResidencyMirror {
+    blocks: HashMap<u64, Holders, BuildHasherDefault<ChainHashKeyHasher>>,
+    live: BTreeSet<BackendId>,
+}
+
+impl ResidencyMirror {
+    /// Marks `backend`'s mirror live (events in sync) or not (gap, restart, subscriber down).
+    /// A mirror that is not live is ignored by routing; its contents are kept for when it
+    /// resynchronises (call [`Self::clear_backend`] to drop them).
+    pub fn set_live(&mut self, backend: BackendId, live: bool) {
+        if live {
+            self.live.insert(backend);
+        } else {
+            self.live.remove(&backend);
+        }
+    }
+
+    pub fn is_live(&self, backend: BackendId) -> bool {
+        self.live.contains(&backend)
+    }
+
+    /// Backends whose mirror is live, ascending.
+    pub fn live_backends(&self) -> impl Iterator<Item = BackendId> + '_ {
+        self.live.iter().copied()
+    }
+
+    /// `backend` stored one copy of the block with chain hash `block_hash`.
+    pub fn block_stored(&mut self, backend: BackendId, block_hash: u64) {
+        let holders = self.blocks.entry(block_hash).or_default();
+        match holders.iter_mut().find(|(holder, _)| *holder == backend) {
+            Some((_, copies)) => *copies = copies.saturating_add(1),
+            None => holders.push((backend, 1)),
+        }
+    }
+
+    /// `backend` evicted one copy of the block; unknown blocks are ignored.
+    pub fn block_removed(&mut self, backend: BackendId, block_hash: u64) {
+        let Some(holders) = self.blocks.get_mut(&block_hash) else {
+            return;
+        };
+        if let Some(position) = holders.iter().position(|(holder, _)| *holder == backend) {
+            holders[position].1 -= 1;
+            if holders[position].1 == 0 {
+                holders.swap_remove(position);
+            }
+        }
+        if holders.is_empty() {
+            self.blocks.remove(&block_hash);
+        }
+    }
+
+    /// Drops every block of `backend` (vLLM AllBlocksCleared, or a mirror being rebuilt).
+    pub fn clear_backend(&mut self, backend: BackendId) {
+        self.blocks.retain(|_, holders| {
+            holders.retain(|(holder, _)| *holder != backend);
+            !holders.is_empty()
+        });
+    }
+
+    /// Whether `backend` holds the block.
+    pub fn holds(&self, backend: BackendId, block_hash: u64) -> bool {
+        self.blocks
+            .get(&block_hash)
+            .is_some_and(|holders| holders.iter().any(|(holder, _)| *holder == backend))
+    }
+
+    /// For each live backend, how many leading blocks of `chain` it holds (stops at the first
+    /// block it lacks: later blocks are unusable without it). Probes each block once for all
+    /// backends and stops as soon as no live backend is still matching.
+    pub fn resident_prefixes(&self, chain: &[u64]) -> Vec<(BackendId, u32)> {
+        let mut prefixes: Vec<(BackendId, u32)> = self.live.iter().map(|&b| (b, 0)).collect();
+        let mut still_matching: Vec<usize> = (0..prefixes.len()).collect();
+        for &block_hash in chain {
+            if still_matching.is_empty() {
+                break;
+            }
+            let holders = self.blocks.get(&block_hash);
+            still_matching.retain(|&index| {
+                let backend = prefixes[index].0;
+                let held = holders.is_some_and(|h| h.iter().any(|(holder, _)| *holder == backend));
+                if held {
+                    prefixes[index].1 += 1;
+                }
+                held
+            });
+        }
+        prefixes
+    }
+
+    /// Distinct blocks mirrored.
+    pub fn block_count(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Approximate bytes held (hash table plus holder lists).
+    pub fn memory_bytes(&self) -> usize {
+        let buckets = match self.blocks.capacity() {
+            0 => 0,
+            capacity => (capacity * 8 / 7).next_power_of_two(),
+        };
+        std::mem::size_of::<Self>()
+            + buckets * (std::mem::size_of::<(u64, Holders)>() + 1)
+            + self
+                .blocks
+                .values()
+                .map(|holders| holders.capacity() * std::mem::size_of::<(BackendId, u32)>())
+                .sum::<usize>()
+            + self.live.len() * std::mem::size_of::<BackendId>() * 2
+    }
+}

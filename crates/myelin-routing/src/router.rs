@@ -1,0 +1,301 @@
+//! Scoring and choice: turns a [`PrefixMatch`] and the backends' health and load into a
+//! [`Decision`], under a [`Policy`] and a [`ResidencyMode`]. Holds only the round-robin /
+//! tie-break cursor; one router per deciding core.
+
+use crate::backend::{BackendId, BackendView};
+use crate::error::NoBackend;
+use crate::policy::Policy;
+use crate::residency::{
+    EstimateInput, PlaceholderEstimator, ResidencyEstimator, ResidencyMode, expected_cached_tokens,
+};
+use crate::shard::{BackendMatch, PrefixMatch};
+
+/// Load differences up to this many tokens are treated as noise by the prefix policy unless
+/// configured (about one 2k-token prompt of prefill).
+pub const DEFAULT_LOAD_BOUND_TOKENS: u64 = 2048;
+
+/// Tunables of a [`Router`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RouterConfig {
+    /// Load slack of the prefix policy, in tokens: a backend's load counts only beyond
+    /// `min_load + load_bound_tokens` (see [`Router::decide`]). 0 = pure expected cost.
+    pub load_bound_tokens: u64,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            load_bound_tokens: DEFAULT_LOAD_BOUND_TOKENS,
+        }
+    }
+}
+
+/// The outcome of one routing decision.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Decision {
+    /// Where the request goes.
+    pub backend: BackendId,
+    /// Historical matched blocks of the chosen backend.
+    pub matched_blocks: u32,
+    /// Prompt tokens expected to be served from the chosen backend's cache (under the
+    /// router's residency mode).
+    pub expected_cached_tokens: f64,
+    /// The chosen backend's score: uncached prefill + counted load, in tokens.
+    pub expected_cost_tokens: f64,
+    /// The eligible backend with the longest historical match (None when nobody matched);
+    /// among equals, the one history-only scoring prefers.
+    pub historical_best: Option<BackendId>,
+    /// True when `historical_best` would have been chosen with every resident probability
+    /// forced to 1.0 but was not: its residency was discounted. Feeds
+    /// `myelin_router_residency_route_downgrades_total`.
+    pub residency_downgrade: bool,
+}
+
+/// Per-eligible-backend scores of one decision.
+#[derive(Debug, Clone, Copy)]
+struct Candidate {
+    id: BackendId,
+    load_tokens: u64,
+    matched_blocks: u32,
+    expected_cached_tokens: f64,
+    cost_tokens: f64,
+    history_cost_tokens: f64,
+}
+
+/// Chooses backends. `E` supplies resident probabilities for the `estimate`/`auto` modes.
+pub struct Router<E = PlaceholderEstimator> {
+    policy: Policy,
+    residency: ResidencyMode,
+    config: RouterConfig,
+    estimator: E,
+    /// Last backend chosen: round-robin continues after it, ties rotate after it.
+    last_chosen: Option<BackendId>,
+    candidates: Vec<Candidate>,
+    probabilities: Vec<f64>,
+}
+
+impl Router<PlaceholderEstimator> {
+    /// A router with the [`PlaceholderEstimator`] (every matched block resident).
+    pub fn new(policy: Policy, residency: ResidencyMode, config: RouterConfig) -> Self {
+        Self::with_estimator(policy, residency, config, PlaceholderEstimator)
+    }
+}
+
+impl<E: ResidencyEstimator> Router<E> {
+    pub fn with_estimator(
+        policy: Policy,
+        residency: ResidencyMode,
+        config: RouterConfig,
+        estimator: E,
+    ) -> Self {
+        Self {
+            policy,
+            residency,
+            config,
+            estimator,
+            last_chosen: None,
+            candidates: Vec::new(),
+            probabilities: Vec::new(),
+        }
+    }
+
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    pub fn residency(&self) -> ResidencyMode {
+        self.residency
+    }
+
+    pub fn config(&self) -> RouterConfig {
+        self.config
+    }
+
+    /// Picks a backend for a prompt of `prompt_tokens` tokens.
+    ///
+    /// Only `Up` backends are eligible (draining and down ones never get new requests). For
+    /// each eligible backend b, with block size B and m(b) its historical matched blocks:
+    ///
+    /// - expected_cached(b) = Σ_{i<n} B · Π_{j≤i} p_j(b), where p is 1 for `off` over the m(b)
+    ///   history blocks; the estimator's probabilities over them for `estimate`; for `verified`
+    ///   1 over the verified resident blocks when b's mirror is live, nothing otherwise; `auto`
+    ///   = verified where live, estimate elsewhere. Capped at `prompt_tokens`.
+    /// - counted_load(b) = max(load(b) − load_bound, min_load), min_load over eligible
+    ///   backends: differences within the bound are noise, beyond it they count in full.
+    /// - cost(b) = (prompt_tokens − expected_cached(b)) + counted_load(b).
+    ///
+    /// `prefix` takes the lowest cost; `least-load` the lowest load; `round-robin` the next id
+    /// after the last chosen. Ties go to the first tied id after the last chosen backend,
+    /// wrapping (deterministic, and spreads cold prompts instead of piling them on one id).
+    pub fn decide(
+        &mut self,
+        prompt_tokens: u64,
+        matched: &PrefixMatch,
+        backends: &[BackendView],
+    ) -> Result<Decision, NoBackend> {
+        let mut candidates = std::mem::take(&mut self.candidates);
+        candidates.clear();
+        let mut draining = 0usize;
+        let mut down = 0usize;
+        let min_load = backends
+            .iter()
+            .filter(|view| view.state.accepts_new_requests())
+            .map(|view| view.load_tokens)
+            .min();
+        let prompt = prompt_tokens as f64;
+        let block_size = u64::from(matched.block_size);
+        for view in backends {
+            match view.state {
+                crate::BackendState::Up => {}
+                crate::BackendState::Draining => {
+                    draining += 1;
+                    continue;
+                }
+                crate::BackendState::Down => {
+                    down += 1;
+                    continue;
+                }
+            }
+            let min_load = min_load.unwrap_or(0);
+            let entry = matched.backend(view.id);
+            let matched_blocks = entry.map_or(0, |entry| entry.matched_blocks);
+            let history_cached = (u64::from(matched_blocks) * block_size).min(prompt_tokens) as f64;
+            let expected_cached = self
+                .expected_cached(view, entry, matched)
+                .min(prompt)
+                .max(0.0);
+            let counted_load = view
+                .load_tokens
+                .saturating_sub(self.config.load_bound_tokens)
+                .max(min_load) as f64;
+            candidates.push(Candidate {
+                id: view.id,
+                load_tokens: view.load_tokens,
+                matched_blocks,
+                expected_cached_tokens: expected_cached,
+                cost_tokens: prompt - expected_cached + counted_load,
+                history_cost_tokens: prompt - history_cached + counted_load,
+            });
+        }
+        if candidates.is_empty() {
+            self.candidates = candidates;
+            return Err(NoBackend { draining, down });
+        }
+        candidates.sort_by_key(|candidate| candidate.id);
+        let after = self.last_chosen;
+        let chosen_index = match self.policy {
+            Policy::RoundRobin => rotate_pick(&candidates, after, |_| true),
+            Policy::LeastLoad => {
+                let least = candidates.iter().map(|c| c.load_tokens).min().unwrap_or(0);
+                rotate_pick(&candidates, after, |c| c.load_tokens == least)
+            }
+            Policy::Prefix => lowest(&candidates, after, |c| c.cost_tokens, |_| true),
+        };
+        let longest = candidates
+            .iter()
+            .map(|c| c.matched_blocks)
+            .max()
+            .unwrap_or(0);
+        let historical_best = (longest > 0).then(|| {
+            let index = lowest(
+                &candidates,
+                after,
+                |c| c.history_cost_tokens,
+                |c| c.matched_blocks == longest,
+            );
+            candidates[index].id
+        });
+        let chosen = candidates[chosen_index];
+        let residency_downgrade = match historical_best {
+            Some(best) if self.policy == Policy::Prefix && self.residency != ResidencyMode::Off => {
+                let history_winner =
+                    lowest(&candidates, after, |c| c.history_cost_tokens, |_| true);
+                candidates[history_winner].id == best && chosen.id != best
+            }
+            _ => false,
+        };
+        self.last_chosen = Some(chosen.id);
+        self.candidates = candidates;
+        Ok(Decision {
+            backend: chosen.id,
+            matched_blocks: chosen.matched_blocks,
+            expected_cached_tokens: chosen.expected_cached_tokens,
+            expected_cost_tokens: chosen.cost_tokens,
+            historical_best,
+            residency_downgrade,
+        })
+    }
+
+    fn expected_cached(
+        &mut self,
+        view: &BackendView,
+        entry: Option<&BackendMatch>,
+        matched: &PrefixMatch,
+    ) -> f64 {
+        let block_size = matched.block_size;
+        let Some(entry) = entry else {
+            return 0.0;
+        };
+        let verified = entry
+            .verified_resident_blocks
+            .map(|blocks| f64::from(blocks) * f64::from(block_size));
+        let history = f64::from(entry.matched_blocks) * f64::from(block_size);
+        match (self.residency, verified) {
+            (ResidencyMode::Off, _) => history,
+            (ResidencyMode::Verified, verified) => verified.unwrap_or(0.0),
+            (ResidencyMode::Auto, Some(verified)) => verified,
+            (ResidencyMode::Estimate | ResidencyMode::Auto, _) => {
+                self.probabilities.clear();
+                self.estimator.block_probabilities(
+                    EstimateInput {
+                        view,
+                        matched: entry,
+                        segments: &matched.segments,
+                        now_ms: matched.looked_up_at_ms,
+                    },
+                    &mut self.probabilities,
+                );
+                // Only the historically matched blocks can count, whatever the estimator wrote.
+                self.probabilities.truncate(entry.matched_blocks as usize);
+                expected_cached_tokens(block_size, &self.probabilities)
+            }
+        }
+    }
+}
+
+/// Index of the first candidate (sorted by id) satisfying `eligible` whose id is after
+/// `after`, wrapping to the first one satisfying it. Candidates must be non-empty and at
+/// least one must satisfy `eligible`.
+fn rotate_pick(
+    candidates: &[Candidate],
+    after: Option<BackendId>,
+    eligible: impl Fn(&Candidate) -> bool,
+) -> usize {
+    let mut first = None;
+    for (index, candidate) in candidates.iter().enumerate() {
+        if !eligible(candidate) {
+            continue;
+        }
+        if after.is_none_or(|after| candidate.id > after) {
+            return index;
+        }
+        first.get_or_insert(index);
+    }
+    first.unwrap_or(0)
+}
+
+/// Index of the lowest `score` among candidates satisfying `eligible`, ties rotated.
+fn lowest(
+    candidates: &[Candidate],
+    after: Option<BackendId>,
+    score: impl Fn(&Candidate) -> f64,
+    eligible: impl Fn(&Candidate) -> bool,
+) -> usize {
+    let best = candidates
+        .iter()
+        .filter(|c| eligible(c))
+        .map(&score)
+        .min_by(f64::total_cmp)
+        .unwrap_or(0.0);
+    rotate_pick(candidates, after, |c| eligible(c) && score(c) == best)
+}

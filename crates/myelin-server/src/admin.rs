@@ -1,0 +1,148 @@
+//! The admin API: list, add, remove and drain backends at run time. Changes go through the
+//! control core, which answers once every data core has applied them.
+
+use std::rc::Rc;
+
+use http::{Request, Response, StatusCode};
+use hyper::body::Incoming;
+use myelin_http::body::Body;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::backend_spec::BackendSpec;
+use crate::backends::{BackendEntry, BackendId, BackendInfo};
+use crate::data_core::DataCore;
+use crate::messages::{AdminOp, AdminOutcome};
+use crate::openai::ApiError;
+use crate::request_path::{error_response, json_response};
+
+/// Largest admin request body.
+const MAX_ADMIN_BODY_BYTES: usize = 64 * 1024;
+
+/// Body of POST /admin/backends.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AddBackend {
+    url: String,
+    #[serde(default, alias = "kv-events")]
+    kv_events: Option<String>,
+}
+
+/// One backend as the admin API shows it.
+fn backend_json(core: &DataCore, entry: &BackendEntry) -> Value {
+    let load = entry.total_load();
+    let residency = core.routing.borrow().residency_of(entry.info.id);
+    json!({
+        "id": entry.info.id,
+        "url": entry.info.spec.url,
+        "kv_events": entry.info.spec.kv_events,
+        "state": entry.info.state.as_str(),
+        "in_flight_requests": load.requests,
+        "in_flight_tokens": load.tokens,
+        "residency": residency,
+        // Known only from a live KV-event mirror, which this build does not subscribe to yet.
+        "resident_blocks": Value::Null,
+    })
+}
+
+fn info_json(core: &DataCore, info: &BackendInfo) -> Value {
+    let backends = core.backends.borrow();
+    match backends.get(info.id) {
+        Some(entry) => backend_json(core, entry),
+        None => json!({
+            "id": info.id,
+            "url": info.spec.url,
+            "kv_events": info.spec.kv_events,
+            "state": info.state.as_str(),
+        }),
+    }
+}
+
+/// GET /admin/backends.
+pub fn list(core: &DataCore) -> Response<Body> {
+    let backends = core.backends.borrow();
+    let list: Vec<Value> = backends
+        .iter()
+        .map(|entry| backend_json(core, entry))
+        .collect();
+    json_response(StatusCode::OK, &json!({ "backends": list }))
+}
+
+/// POST /admin/backends with `{"url": "...", "kv_events": "..."}`.
+pub async fn add(core: &Rc<DataCore>, request: Request<Incoming>) -> Response<Body> {
+    let body = match crate::request_path::read_admin_body(request, MAX_ADMIN_BODY_BYTES).await {
+        Ok(body) => body,
+        Err(error) => return error_response(&error),
+    };
+    let add: AddBackend = match serde_json::from_slice(&body) {
+        Ok(add) => add,
+        Err(error) => {
+            return error_response(&ApiError::invalid_request(
+                format!(
+                    "expected {{\"url\": \"http://host:port\", \"kv_events\": optional}}: {error}"
+                ),
+                None,
+                "invalid_json",
+            ));
+        }
+    };
+    let spec = match BackendSpec::from_parts(&add.url, &add.url, add.kv_events) {
+        Ok(spec) => spec,
+        Err(error) => {
+            return error_response(&ApiError::invalid_request(
+                error.to_string(),
+                Some("url"),
+                "invalid_value",
+            ));
+        }
+    };
+    respond(core, AdminOp::Add(spec)).await
+}
+
+/// DELETE /admin/backends/{id}.
+pub async fn remove(core: &Rc<DataCore>, id: BackendId) -> Response<Body> {
+    respond(core, AdminOp::Remove(id)).await
+}
+
+/// POST /admin/backends/{id}/drain.
+pub async fn drain(core: &Rc<DataCore>, id: BackendId) -> Response<Body> {
+    respond(core, AdminOp::Drain(id)).await
+}
+
+async fn respond(core: &Rc<DataCore>, op: AdminOp) -> Response<Body> {
+    match core.admin(op).await {
+        Some(AdminOutcome::Added(info)) => {
+            json_response(StatusCode::CREATED, &info_json(core, &info))
+        }
+        Some(AdminOutcome::Draining(info)) => {
+            json_response(StatusCode::OK, &info_json(core, &info))
+        }
+        Some(AdminOutcome::Removed(info)) => json_response(
+            StatusCode::OK,
+            &json!({
+                "id": info.id,
+                "url": info.spec.url,
+                "kv_events": info.spec.kv_events,
+                "state": "removed",
+            }),
+        ),
+        Some(AdminOutcome::NotFound(id)) => error_response(&ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!("no backend with id {id}"),
+            error_type: "invalid_request_error",
+            param: Some("id".into()),
+            code: Some("backend_not_found"),
+        }),
+        Some(AdminOutcome::Duplicate(url)) => error_response(&ApiError {
+            status: StatusCode::CONFLICT,
+            message: format!("backend {url} already exists"),
+            error_type: "invalid_request_error",
+            param: Some("url".into()),
+            code: Some("backend_exists"),
+        }),
+        None => error_response(&ApiError::upstream(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the control core did not confirm the change in time",
+        )),
+    }
+}

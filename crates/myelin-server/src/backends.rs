@@ -1,0 +1,232 @@
+//! Backend identity and each data core's table of backends: state, this core's load on each,
+//! and the load the other cores last reported (the load view).
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::backend_spec::BackendSpec;
+
+/// Stable id of a backend within one router process (never reused after removal).
+pub type BackendId = u32;
+
+/// Whether a backend takes new requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendState {
+    /// Takes requests.
+    Up,
+    /// Removed from routing by the operator; in-flight requests finish.
+    Draining,
+    /// Failing health checks or its circuit breaker is open.
+    Down,
+}
+
+impl BackendState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendState::Up => "up",
+            BackendState::Draining => "draining",
+            BackendState::Down => "down",
+        }
+    }
+}
+
+/// What every core knows about a backend (sent across cores).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackendInfo {
+    pub id: BackendId,
+    pub spec: BackendSpec,
+    pub state: BackendState,
+}
+
+/// Load on a backend from one core: requests in flight and their tokens (prompt + expected
+/// output), as used by the load part of routing scores.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Load {
+    pub requests: u32,
+    pub tokens: u64,
+}
+
+/// One data core's view of one backend.
+#[derive(Debug, Clone)]
+pub struct BackendEntry {
+    pub info: BackendInfo,
+    /// Load this core put on the backend.
+    pub local: Load,
+    /// Load each other core last reported, by core index.
+    pub peers: Vec<Load>,
+}
+
+impl BackendEntry {
+    /// Total load over all cores, as this core last heard it.
+    pub fn total_load(&self) -> Load {
+        let mut total = self.local;
+        for peer in &self.peers {
+            total.requests += peer.requests;
+            total.tokens += peer.tokens;
+        }
+        total
+    }
+}
+
+/// A data core's backends, by id.
+#[derive(Debug)]
+pub struct BackendTable {
+    shards: usize,
+    entries: BTreeMap<BackendId, BackendEntry>,
+}
+
+impl BackendTable {
+    pub fn new(shards: usize) -> Self {
+        BackendTable {
+            shards,
+            entries: BTreeMap::new(),
+        }
+    }
+
+    pub fn upsert(&mut self, info: BackendInfo) {
+        match self.entries.get_mut(&info.id) {
+            Some(entry) => entry.info = info,
+            None => {
+                let entry = BackendEntry {
+                    info: info.clone(),
+                    local: Load::default(),
+                    peers: vec![Load::default(); self.shards],
+                };
+                self.entries.insert(info.id, entry);
+            }
+        }
+    }
+
+    pub fn remove(&mut self, id: BackendId) -> Option<BackendEntry> {
+        self.entries.remove(&id)
+    }
+
+    pub fn set_state(&mut self, id: BackendId, state: BackendState) {
+        if let Some(entry) = self.entries.get_mut(&id) {
+            entry.info.state = state;
+        }
+    }
+
+    pub fn get(&self, id: BackendId) -> Option<&BackendEntry> {
+        self.entries.get(&id)
+    }
+
+    pub fn get_mut(&mut self, id: BackendId) -> Option<&mut BackendEntry> {
+        self.entries.get_mut(&id)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &BackendEntry> {
+        self.entries.values()
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Records the load another core reported (absolute values: a lost update heals with the
+    /// next one).
+    pub fn apply_peer_load(&mut self, from: usize, id: BackendId, load: Load) {
+        if let Some(peer) = self
+            .entries
+            .get_mut(&id)
+            .and_then(|entry| entry.peers.get_mut(from))
+        {
+            *peer = load;
+        }
+    }
+}
+
+/// A load update in flight between cores, stamped to measure the view's staleness.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadUpdate {
+    pub from: usize,
+    pub backend: BackendId,
+    pub load: Load,
+    pub sent_at: Instant,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(id: BackendId) -> BackendInfo {
+        BackendInfo {
+            id,
+            spec: BackendSpec::parse("http://127.0.0.1:1").unwrap(),
+            state: BackendState::Up,
+        }
+    }
+
+    #[test]
+    fn total_load_sums_local_and_peers() {
+        let mut table = BackendTable::new(3);
+        table.upsert(info(7));
+        table.get_mut(7).unwrap().local = Load {
+            requests: 1,
+            tokens: 100,
+        };
+        table.apply_peer_load(
+            1,
+            7,
+            Load {
+                requests: 2,
+                tokens: 50,
+            },
+        );
+        table.apply_peer_load(
+            2,
+            7,
+            Load {
+                requests: 1,
+                tokens: 10,
+            },
+        );
+        table.apply_peer_load(
+            1,
+            7,
+            Load {
+                requests: 0,
+                tokens: 0,
+            },
+        );
+        assert_eq!(
+            table.get(7).unwrap().total_load(),
+            Load {
+                requests: 2,
+                tokens: 110
+            }
+        );
+        table.apply_peer_load(
+            9,
+            7,
+            Load {
+                requests: 5,
+                tokens: 5,
+            },
+        );
+        table.apply_peer_load(
+            1,
+            99,
+            Load {
+                requests: 5,
+                tokens: 5,
+            },
+        );
+        assert_eq!(table.get(7).unwrap().total_load().requests, 2);
+    }
+
+    #[test]
+    fn states() {
+        let mut table = BackendTable::new(1);
+        table.upsert(info(1));
+        table.set_state(1, BackendState::Draining);
+        assert_eq!(table.get(1).unwrap().info.state, BackendState::Draining);
+        table.upsert(info(1));
+        assert_eq!(table.get(1).unwrap().info.state, BackendState::Up);
+        assert!(table.remove(1).is_some());
+        assert_eq!(table.len(), 0);
+    }
+}

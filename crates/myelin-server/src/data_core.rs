@@ -1,0 +1,459 @@
+//! One data core: its state (shard, backend table, pool, tokenizer, mesh), its message
+//! handling, its periodic broadcasts, and its HTTP server. The request path itself is in
+//! `request_path.rs`.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, Instant};
+
+use futures_lite::future::or;
+use glommio::channels::shared_channel::ConnectedReceiver;
+use glommio::timer::Timer;
+use metrics_exporter_prometheus::PrometheusHandle;
+use myelin_http::client::{Pool, PoolConfig};
+use myelin_http::server::{ServeReport, ServerConfig, Shutdown};
+use myelin_tokenize::{ChatTemplate, Tokenizer};
+
+use crate::backends::{BackendId, BackendInfo, BackendTable, Load, LoadUpdate};
+use crate::config::ServeConfig;
+use crate::mesh::{Mesh, MeshEnds, OneShot, SendError};
+use crate::messages::{AdminOp, AdminOutcome, Message};
+use crate::metrics as names;
+use crate::route_tokens::{AddedTokens, RouteTokenizer};
+use crate::routing_glue::{LookupAnswer, LookupQuery, RouteLesson, RoutingShard};
+
+/// How long a request waits for the owner shard's lookup reply before routing without it
+/// (the owner is normally microseconds away; this only matters while cores shut down).
+const LOOKUP_TIMEOUT: Duration = Duration::from_millis(50);
+/// How long an admin request waits for the control core and every data core.
+const ADMIN_TIMEOUT: Duration = Duration::from_secs(5);
+/// Period of the full load and shard-stats broadcast that heals dropped updates.
+const RESYNC_INTERVAL: Duration = Duration::from_secs(1);
+/// How often the server loop looks at the process-wide stop flag.
+const STOP_POLL_INTERVAL: Duration = Duration::from_millis(20);
+
+/// Progress of a data core's startup, reported to the main thread.
+#[derive(Debug)]
+pub enum CoreReady {
+    /// The listener is bound (to this address: port 0 resolved).
+    Bound(SocketAddr),
+    /// Mesh connected; accepting requests.
+    Serving,
+    /// Startup failed.
+    Failed(String),
+}
+
+/// Everything a data core is started with (all `Send`).
+pub struct DataCoreSetup {
+    pub shard: usize,
+    pub shards: usize,
+    pub config: Arc<ServeConfig>,
+    pub listen: SocketAddr,
+    pub mesh_ends: MeshEnds<Message>,
+    pub initial_backends: Vec<BackendInfo>,
+    pub tokenizer: Tokenizer,
+    pub template: Arc<ChatTemplate>,
+    pub added_tokens: Option<Arc<AddedTokens>>,
+    pub metrics: PrometheusHandle,
+    pub stop: Arc<AtomicBool>,
+    pub ready: std::sync::mpsc::Sender<CoreReady>,
+}
+
+/// A data core's state, shared by its tasks (same thread, no locks; borrows never span an
+/// `.await`).
+pub struct DataCore {
+    pub shard: usize,
+    pub shards: usize,
+    pub config: Arc<ServeConfig>,
+    pub pool: Pool,
+    pub tokenizer: RefCell<RouteTokenizer>,
+    pub routing: RefCell<RoutingShard>,
+    pub backends: RefCell<BackendTable>,
+    pub metrics: PrometheusHandle,
+    pub shutdown: Shutdown,
+    mesh: Mesh<Message>,
+    shard_label: String,
+    pending_lookups: RefCell<HashMap<u64, OneShot<LookupAnswer>>>,
+    pending_admin: RefCell<HashMap<u64, OneShot<AdminOutcome>>>,
+    next_request_id: Cell<u64>,
+    in_flight: Cell<usize>,
+}
+
+/// Runs a data core until shutdown and drain complete.
+pub async fn run_data_core(setup: DataCoreSetup) -> ServeReport {
+    let routing = match RoutingShard::new(&setup.config, setup.shards) {
+        Ok(routing) => routing,
+        Err(error) => {
+            let _ = setup
+                .ready
+                .send(CoreReady::Failed(format!("shard {}: {error}", setup.shard)));
+            let _ = setup.mesh_ends.connect().await;
+            return ServeReport::default();
+        }
+    };
+    let listener = match glommio::net::TcpListener::bind(setup.listen) {
+        Ok(listener) => listener,
+        Err(error) => {
+            let _ = setup.ready.send(CoreReady::Failed(format!(
+                "shard {}: cannot listen on {}: {error}",
+                setup.shard, setup.listen
+            )));
+            // Connect anyway: every other core waits for its peers before it can stop.
+            let _ = setup.mesh_ends.connect().await;
+            return ServeReport::default();
+        }
+    };
+    match listener.local_addr() {
+        Ok(addr) => {
+            let _ = setup.ready.send(CoreReady::Bound(addr));
+        }
+        Err(error) => {
+            let _ = setup
+                .ready
+                .send(CoreReady::Failed(format!("shard {}: {error}", setup.shard)));
+            let _ = setup.mesh_ends.connect().await;
+            return ServeReport::default();
+        }
+    }
+    let (mesh, receivers) = setup.mesh_ends.connect().await;
+    let mut backends = BackendTable::new(setup.shards);
+    let mut routing = routing;
+    for info in setup.initial_backends {
+        routing.add_backend(&info);
+        backends.upsert(info);
+    }
+    let tokenizer = RouteTokenizer::new(
+        setup.tokenizer,
+        setup.template,
+        setup.added_tokens,
+        setup.config.tokenize_cache_bytes,
+    );
+    let shutdown = Shutdown::new();
+    shutdown.follow(setup.stop.clone(), STOP_POLL_INTERVAL);
+    let core = Rc::new(DataCore {
+        shard: setup.shard,
+        shards: setup.shards,
+        pool: Pool::new(PoolConfig {
+            connect_timeout: setup.config.connect_timeout,
+            ..PoolConfig::default()
+        }),
+        tokenizer: RefCell::new(tokenizer),
+        routing: RefCell::new(routing),
+        backends: RefCell::new(backends),
+        metrics: setup.metrics,
+        shutdown: shutdown.clone(),
+        mesh,
+        shard_label: setup.shard.to_string(),
+        pending_lookups: RefCell::new(HashMap::new()),
+        pending_admin: RefCell::new(HashMap::new()),
+        next_request_id: Cell::new(1),
+        in_flight: Cell::new(0),
+        config: setup.config.clone(),
+    });
+    for (_, receiver) in receivers {
+        glommio::spawn_local(receive_loop(core.clone(), receiver)).detach();
+    }
+    glommio::spawn_local(resync_loop(core.clone())).detach();
+    let _ = setup.ready.send(CoreReady::Serving);
+
+    let handler_core = core.clone();
+    let server_config = ServerConfig {
+        drain_timeout: setup.config.drain_timeout,
+        ..ServerConfig::default()
+    };
+    myelin_http::server::serve(
+        listener,
+        move |request| crate::request_path::handle(handler_core.clone(), request),
+        server_config,
+        shutdown,
+    )
+    .await
+}
+
+async fn receive_loop(core: Rc<DataCore>, receiver: ConnectedReceiver<Message>) {
+    while let Some(message) = receiver.recv().await {
+        core.on_message(message);
+    }
+}
+
+/// Re-broadcasts this core's load on every backend: absolute values, so a dropped update is
+/// healed within one interval.
+async fn resync_loop(core: Rc<DataCore>) {
+    loop {
+        Timer::new(RESYNC_INTERVAL).await;
+        let loads: Vec<(BackendId, Load)> = core
+            .backends
+            .borrow()
+            .iter()
+            .map(|entry| (entry.info.id, entry.local))
+            .collect();
+        for (backend, load) in loads {
+            core.broadcast_load(backend, load);
+        }
+    }
+}
+
+/// A slot in the core's in-flight budget; released on drop.
+pub struct InFlightPermit {
+    core: Rc<DataCore>,
+}
+
+impl Drop for InFlightPermit {
+    fn drop(&mut self) {
+        self.core
+            .in_flight
+            .set(self.core.in_flight.get().saturating_sub(1));
+    }
+}
+
+/// Load one request puts on a backend, from admission to the end of its response.
+pub struct LoadGuard {
+    core: Rc<DataCore>,
+    backend: BackendId,
+    tokens: u64,
+    label: String,
+}
+
+impl LoadGuard {
+    pub fn backend(&self) -> BackendId {
+        self.backend
+    }
+}
+
+impl Drop for LoadGuard {
+    fn drop(&mut self) {
+        metrics::gauge!(names::BACKEND_IN_FLIGHT, "backend" => self.label.clone()).decrement(1.0);
+        let load = {
+            let mut backends = self.core.backends.borrow_mut();
+            let Some(entry) = backends.get_mut(self.backend) else {
+                return;
+            };
+            entry.local.requests = entry.local.requests.saturating_sub(1);
+            entry.local.tokens = entry.local.tokens.saturating_sub(self.tokens);
+            entry.local
+        };
+        self.core
+            .routing
+            .borrow_mut()
+            .set_load(self.backend, self.core.shard, load);
+        self.core.broadcast_load(self.backend, load);
+    }
+}
+
+impl DataCore {
+    fn on_message(&self, message: Message) {
+        match message {
+            Message::Lookup {
+                request_id,
+                reply_to,
+                query,
+            } => {
+                let answer = self.routing.borrow_mut().lookup(&query);
+                self.send(reply_to, Message::LookupReply { request_id, answer });
+            }
+            Message::LookupReply { request_id, answer } => {
+                if let Some(slot) = self.pending_lookups.borrow_mut().remove(&request_id) {
+                    slot.fill(answer);
+                }
+            }
+            Message::Learn(lesson) => self.routing.borrow_mut().learn(lesson),
+            Message::Load(update) => {
+                metrics::histogram!(names::LOAD_VIEW_STALENESS_SECONDS)
+                    .record(update.sent_at.elapsed().as_secs_f64());
+                self.backends.borrow_mut().apply_peer_load(
+                    update.from,
+                    update.backend,
+                    update.load,
+                );
+                self.routing
+                    .borrow_mut()
+                    .set_load(update.backend, update.from, update.load);
+            }
+            Message::BackendUpsert { change_id, info } => {
+                self.routing.borrow_mut().add_backend(&info);
+                self.backends.borrow_mut().upsert(info);
+                self.acknowledge(change_id);
+            }
+            Message::BackendRemove { change_id, id } => {
+                self.routing.borrow_mut().remove_backend(id);
+                self.backends.borrow_mut().remove(id);
+                self.acknowledge(change_id);
+            }
+            Message::BackendState { id, state } => {
+                self.routing.borrow_mut().set_state(id, state);
+                self.backends.borrow_mut().set_state(id, state);
+            }
+            Message::AdminReply {
+                request_id,
+                outcome,
+            } => {
+                if let Some(slot) = self.pending_admin.borrow_mut().remove(&request_id) {
+                    slot.fill(outcome);
+                }
+            }
+            // Messages for the control core never reach a data core.
+            Message::Outcome { .. } | Message::Admin { .. } | Message::Applied { .. } => {}
+        }
+    }
+
+    fn acknowledge(&self, change_id: u64) {
+        if change_id != 0 {
+            self.send(self.shards, Message::Applied { change_id });
+        }
+    }
+
+    /// Sends without waiting; a full or closed peer drops the message (counted).
+    pub fn send(&self, to: usize, message: Message) -> bool {
+        let kind = message.kind();
+        match self.mesh.try_send(to, message) {
+            Ok(()) => {
+                metrics::counter!(
+                    names::CROSS_CORE_MESSAGES_TOTAL,
+                    "shard" => self.shard_label.clone(), "kind" => kind
+                )
+                .increment(1);
+                true
+            }
+            Err(SendError::Full | SendError::Closed | SendError::NoSuchCore) => {
+                metrics::counter!(names::CROSS_CORE_DROPPED_TOTAL, "kind" => kind).increment(1);
+                false
+            }
+        }
+    }
+
+    fn next_request_id(&self) -> u64 {
+        let id = self.next_request_id.get();
+        self.next_request_id.set(id + 1);
+        id
+    }
+
+    /// Takes a slot of the per-core in-flight budget, or `None` at the limit.
+    pub fn admit(self: &Rc<Self>) -> Option<InFlightPermit> {
+        if self.in_flight.get() >= self.config.max_in_flight_per_core {
+            return None;
+        }
+        self.in_flight.set(self.in_flight.get() + 1);
+        Some(InFlightPermit { core: self.clone() })
+    }
+
+    /// Asks the owner shard for the per-backend match of `query` (a direct call when this core
+    /// owns it). Routes with no match information if the owner does not answer in time.
+    pub async fn lookup(&self, owner: usize, query: LookupQuery) -> LookupAnswer {
+        if owner == self.shard {
+            return self.routing.borrow_mut().lookup(&query);
+        }
+        let request_id = self.next_request_id();
+        let slot = OneShot::default();
+        self.pending_lookups
+            .borrow_mut()
+            .insert(request_id, slot.clone());
+        let sent = self.send(
+            owner,
+            Message::Lookup {
+                request_id,
+                reply_to: self.shard,
+                query,
+            },
+        );
+        let answer = if sent {
+            or(async { Some(slot.wait().await) }, async {
+                Timer::new(LOOKUP_TIMEOUT).await;
+                None
+            })
+            .await
+        } else {
+            None
+        };
+        self.pending_lookups.borrow_mut().remove(&request_id);
+        answer.unwrap_or_default()
+    }
+
+    /// Tells the owner shard which backend a prompt went to.
+    pub fn learn(&self, owner: usize, lesson: RouteLesson) {
+        if owner == self.shard {
+            self.routing.borrow_mut().learn(lesson);
+        } else {
+            self.send(owner, Message::Learn(lesson));
+        }
+    }
+
+    /// Reports a request outcome to the control core (circuit breaker).
+    pub fn report_outcome(&self, backend: BackendId, success: bool) {
+        self.send(self.shards, Message::Outcome { backend, success });
+    }
+
+    /// Adds a request's load to a backend until the guard drops.
+    pub fn start_load(self: &Rc<Self>, backend: BackendId, tokens: u64) -> LoadGuard {
+        let (load, label) = {
+            let mut backends = self.backends.borrow_mut();
+            match backends.get_mut(backend) {
+                Some(entry) => {
+                    entry.local.requests += 1;
+                    entry.local.tokens += tokens;
+                    (Some(entry.local), entry.info.spec.url.clone())
+                }
+                None => (None, String::new()),
+            }
+        };
+        if let Some(load) = load {
+            self.routing
+                .borrow_mut()
+                .set_load(backend, self.shard, load);
+            self.broadcast_load(backend, load);
+        }
+        metrics::gauge!(names::BACKEND_IN_FLIGHT, "backend" => label.clone()).increment(1.0);
+        LoadGuard {
+            core: self.clone(),
+            backend,
+            tokens,
+            label,
+        }
+    }
+
+    fn broadcast_load(&self, backend: BackendId, load: Load) {
+        let sent_at = Instant::now();
+        for peer in (0..self.shards).filter(|&peer| peer != self.shard) {
+            self.send(
+                peer,
+                Message::Load(LoadUpdate {
+                    from: self.shard,
+                    backend,
+                    load,
+                    sent_at,
+                }),
+            );
+        }
+    }
+
+    /// Runs an admin action on the control core and waits until every data core applied it.
+    pub async fn admin(&self, op: AdminOp) -> Option<AdminOutcome> {
+        let request_id = self.next_request_id();
+        let slot = OneShot::default();
+        self.pending_admin
+            .borrow_mut()
+            .insert(request_id, slot.clone());
+        let sent = self.send(
+            self.shards,
+            Message::Admin {
+                request_id,
+                reply_to: self.shard,
+                op,
+            },
+        );
+        let outcome = if sent {
+            or(async { Some(slot.wait().await) }, async {
+                Timer::new(ADMIN_TIMEOUT).await;
+                None
+            })
+            .await
+        } else {
+            None
+        };
+        self.pending_admin.borrow_mut().remove(&request_id);
+        outcome
+    }
+}

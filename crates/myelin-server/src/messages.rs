@@ -1,0 +1,91 @@
+//! The messages cores send each other over the mesh (all `Send`, all owned data).
+
+use crate::backend_spec::BackendSpec;
+use crate::backends::{BackendId, BackendInfo, BackendState, LoadUpdate};
+use crate::routing_glue::{LookupAnswer, LookupQuery, RouteLesson};
+
+/// An operator action from the admin API, executed by the control core.
+#[derive(Debug, Clone)]
+pub enum AdminOp {
+    Add(BackendSpec),
+    Remove(BackendId),
+    Drain(BackendId),
+}
+
+/// What an admin action did.
+#[derive(Debug, Clone)]
+pub enum AdminOutcome {
+    Added(BackendInfo),
+    Removed(BackendInfo),
+    Draining(BackendInfo),
+    NotFound(BackendId),
+    Duplicate(String),
+}
+
+/// Every message between cores.
+#[derive(Debug)]
+pub enum Message {
+    // Data core -> owner data core.
+    /// Per-backend match of a prompt's prefix in the owner's shard; answered by `LookupReply`.
+    Lookup {
+        request_id: u64,
+        reply_to: usize,
+        query: LookupQuery,
+    },
+    /// Owner -> asking core.
+    LookupReply {
+        request_id: u64,
+        answer: LookupAnswer,
+    },
+    /// A prompt was routed to a backend: the owner records it.
+    Learn(RouteLesson),
+
+    // Data core -> every other data core.
+    /// The sender's load on one backend (absolute, so a dropped update heals).
+    Load(LoadUpdate),
+
+    // Data core -> control core.
+    /// A proxied request's outcome, for the circuit breaker.
+    Outcome { backend: BackendId, success: bool },
+    /// An admin action; the control core answers with `AdminReply` once every data core
+    /// has applied it.
+    Admin {
+        request_id: u64,
+        reply_to: usize,
+        op: AdminOp,
+    },
+    /// A data core applied a backend change sent with this `change_id`.
+    Applied { change_id: u64 },
+
+    // Control core -> data cores.
+    /// Add or update a backend. `change_id` 0 needs no acknowledgement.
+    BackendUpsert { change_id: u64, info: BackendInfo },
+    /// Remove a backend (its shard entries are dropped too).
+    BackendRemove { change_id: u64, id: BackendId },
+    /// Routing state of a backend changed (health, breaker, drain).
+    BackendState { id: BackendId, state: BackendState },
+    /// Answer to `Admin`.
+    AdminReply {
+        request_id: u64,
+        outcome: AdminOutcome,
+    },
+}
+
+impl Message {
+    /// Label of the cross-core message metric.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Message::Lookup { .. } => "lookup",
+            Message::LookupReply { .. } => "lookup_reply",
+            Message::Learn(_) => "learn",
+            Message::Load(_) => "load",
+            Message::Outcome { .. } => "outcome",
+            Message::Admin { .. } => "admin",
+            Message::Applied { .. } => "applied",
+            Message::BackendUpsert { .. } => "backend_upsert",
+            Message::BackendRemove { .. } => "backend_remove",
+            Message::BackendState { .. } => "backend_state",
+            Message::AdminReply { .. } => "admin_reply",
+        }
+    }
+}

@@ -1,0 +1,150 @@
+//! Metric names, their help texts and the Prometheus recorder (rendered by GET /metrics; no
+//! exporter thread and no tokio: the control core runs the recorder's upkeep).
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+/// Requests answered, by `route` (path or `other`) and HTTP `status`.
+pub const REQUESTS_TOTAL: &str = "myelin_requests_total";
+/// Router-observed time from request arrival to the first response byte from the engine.
+pub const TTFT_SECONDS: &str = "myelin_request_ttft_seconds";
+/// Router-observed time from request arrival to the end of the response body.
+pub const REQUEST_DURATION_SECONDS: &str = "myelin_request_duration_seconds";
+/// Time to decide a backend: owner-shard lookup (local or by message) plus scoring.
+pub const ROUTING_DECISION_SECONDS: &str = "myelin_routing_decision_seconds";
+/// Time to render the chat template and tokenize a prompt.
+pub const TOKENIZE_SECONDS: &str = "myelin_tokenize_seconds";
+/// Prompt segments whose token ids came from the per-core cache.
+pub const TOKENIZE_CACHED_SEGMENTS_TOTAL: &str = "myelin_tokenize_cached_segments_total";
+/// Prompt segments tokenized afresh.
+pub const TOKENIZE_SEGMENTS_TOTAL: &str = "myelin_tokenize_segments_total";
+/// Requests in flight on a backend, by `backend` (its URL).
+pub const BACKEND_IN_FLIGHT: &str = "myelin_backend_in_flight_requests";
+/// Times a backend was chosen, by `backend`.
+pub const BACKEND_SELECTED_TOTAL: &str = "myelin_backend_selected_total";
+/// 1 when a backend may receive requests (up, breaker closed, not draining), by `backend`.
+pub const BACKEND_UP: &str = "myelin_backend_up";
+/// Prefix match length, in blocks, of the chosen backend.
+pub const PREFIX_MATCH_BLOCKS: &str = "myelin_router_prefix_match_blocks";
+/// The backend with the longest historical match lost because its residency was discounted.
+pub const RESIDENCY_DOWNGRADES_TOTAL: &str = "myelin_router_residency_route_downgrades_total";
+/// Attempts sent to another backend before the first response byte, by `reason`.
+pub const RETRIES_TOTAL: &str = "myelin_retries_total";
+/// Circuit-breaker transitions, by `backend`, `from` and `to` (closed, open, half_open).
+pub const BREAKER_TRANSITIONS_TOTAL: &str = "myelin_circuit_breaker_transitions_total";
+/// Active health-check verdict changes, by `backend` and `to` (up, down).
+pub const HEALTH_TRANSITIONS_TOTAL: &str = "myelin_health_check_transitions_total";
+/// Messages sent between cores, by sending `shard` (`control` for the control core) and `kind`.
+pub const CROSS_CORE_MESSAGES_TOTAL: &str = "myelin_cross_core_messages_total";
+/// Messages dropped because the receiving core's queue was full, by `kind`.
+pub const CROSS_CORE_DROPPED_TOTAL: &str = "myelin_cross_core_dropped_messages_total";
+/// Age of a load update when another core applies it (staleness of the load view).
+pub const LOAD_VIEW_STALENESS_SECONDS: &str = "myelin_load_view_staleness_seconds";
+/// Requests refused with 429 because the core was at its in-flight limit.
+pub const OVERLOAD_REJECTIONS_TOTAL: &str = "myelin_overload_rejections_total";
+/// Streams that broke after the first byte and were ended with an SSE error event.
+pub const UPSTREAM_STREAM_ERRORS_TOTAL: &str = "myelin_upstream_stream_errors_total";
+/// Responses the client abandoned before their end (the upstream request was cancelled).
+pub const CLIENT_DISCONNECTS_TOTAL: &str = "myelin_client_disconnects_total";
+
+/// Histogram buckets for `_seconds` metrics: 10 µs to 60 s.
+const SECONDS_BUCKETS: &[f64] = &[
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+/// Histogram buckets for prefix-match lengths in blocks.
+const BLOCK_BUCKETS: &[f64] = &[
+    0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0,
+];
+
+/// Installs the process-wide recorder and returns the handle that renders it. Called once;
+/// a second call (tests running several servers in one process) keeps the first recorder.
+pub fn install() -> PrometheusHandle {
+    let builder = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
+        .and_then(|builder| {
+            builder.set_buckets_for_metric(Matcher::Full(PREFIX_MATCH_BLOCKS.into()), BLOCK_BUCKETS)
+        });
+    let recorder = match builder {
+        Ok(builder) => builder.build_recorder(),
+        // Only fails on empty bucket lists, which the constants above are not.
+        Err(_) => PrometheusBuilder::new().build_recorder(),
+    };
+    let handle = recorder.handle();
+    // Fails only when a recorder is already installed (in-process tests): keep that one.
+    let _ = metrics::set_global_recorder(recorder);
+    describe();
+    handle
+}
+
+fn describe() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(REQUESTS_TOTAL, "Requests answered, by route and status.");
+    describe_histogram!(
+        TTFT_SECONDS,
+        Unit::Seconds,
+        "Arrival to first response byte."
+    );
+    describe_histogram!(
+        REQUEST_DURATION_SECONDS,
+        Unit::Seconds,
+        "Arrival to end of the response."
+    );
+    describe_histogram!(
+        ROUTING_DECISION_SECONDS,
+        Unit::Seconds,
+        "Owner-shard lookup plus scoring."
+    );
+    describe_histogram!(
+        TOKENIZE_SECONDS,
+        Unit::Seconds,
+        "Template rendering plus tokenization."
+    );
+    describe_counter!(
+        TOKENIZE_CACHED_SEGMENTS_TOTAL,
+        "Prompt segments served from cache."
+    );
+    describe_counter!(TOKENIZE_SEGMENTS_TOTAL, "Prompt segments tokenized afresh.");
+    describe_gauge!(BACKEND_IN_FLIGHT, "Requests in flight per backend.");
+    describe_counter!(BACKEND_SELECTED_TOTAL, "Times each backend was chosen.");
+    describe_gauge!(BACKEND_UP, "1 when the backend may receive requests.");
+    describe_histogram!(
+        PREFIX_MATCH_BLOCKS,
+        "Matched prefix blocks of the chosen backend."
+    );
+    describe_counter!(
+        RESIDENCY_DOWNGRADES_TOTAL,
+        "Longest historical match not chosen because its residency was discounted."
+    );
+    describe_counter!(
+        RETRIES_TOTAL,
+        "Retries on another backend before the first byte."
+    );
+    describe_counter!(
+        BREAKER_TRANSITIONS_TOTAL,
+        "Circuit-breaker state transitions."
+    );
+    describe_counter!(
+        HEALTH_TRANSITIONS_TOTAL,
+        "Active health-check verdict changes."
+    );
+    describe_counter!(CROSS_CORE_MESSAGES_TOTAL, "Messages sent between cores.");
+    describe_counter!(
+        CROSS_CORE_DROPPED_TOTAL,
+        "Cross-core messages dropped on a full queue."
+    );
+    describe_histogram!(
+        LOAD_VIEW_STALENESS_SECONDS,
+        Unit::Seconds,
+        "Age of load updates when applied by another core."
+    );
+    describe_counter!(OVERLOAD_REJECTIONS_TOTAL, "Requests refused with 429.");
+    describe_counter!(
+        UPSTREAM_STREAM_ERRORS_TOTAL,
+        "Streams broken after the first byte."
+    );
+    describe_counter!(
+        CLIENT_DISCONNECTS_TOTAL,
+        "Responses abandoned by the client."
+    );
+}

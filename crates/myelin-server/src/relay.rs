@@ -1,0 +1,137 @@
+//! The response body relayed from an engine to the client, frame by frame with no buffering.
+//!
+//! It reports the first byte (TTFT), the end of the stream, and how it ended to an observer.
+//! A stream that breaks after its first byte ends with an SSE `error` event (for event streams)
+//! instead of hanging. Dropping it before its end (the client went away) drops the engine's
+//! body, which closes that upstream connection: the engine sees the disconnect and aborts.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use hyper::body::Incoming;
+use myelin_http::BoxError;
+
+/// How a relayed body ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamEnd {
+    /// The engine's body ended normally.
+    Complete,
+    /// The engine's body failed mid-way.
+    UpstreamBroken,
+    /// The client stopped reading (disconnect) before the end.
+    ClientGone,
+}
+
+/// Receives the relay's milestones. `finished` is called exactly once.
+pub trait RelayObserver {
+    fn first_byte(&mut self);
+    fn finished(&mut self, end: StreamEnd);
+}
+
+/// The relaying body.
+pub struct RelayBody<O: RelayObserver> {
+    upstream: Option<Incoming>,
+    is_event_stream: bool,
+    saw_first_byte: bool,
+    observer: Option<O>,
+}
+
+impl<O: RelayObserver> RelayBody<O> {
+    pub fn new(upstream: Incoming, is_event_stream: bool, observer: O) -> Self {
+        RelayBody {
+            upstream: Some(upstream),
+            is_event_stream,
+            saw_first_byte: false,
+            observer: Some(observer),
+        }
+    }
+
+    fn finish(&mut self, end: StreamEnd) {
+        if let Some(mut observer) = self.observer.take() {
+            observer.finished(end);
+        }
+    }
+}
+
+/// The SSE event that ends a broken stream, in OpenAI's error shape.
+pub fn sse_error_event(message: &str) -> Bytes {
+    let body = serde_json::json!({
+        "error": {
+            "message": message,
+            "type": "server_error",
+            "param": null,
+            "code": "upstream_stream_error",
+        }
+    });
+    Bytes::from(format!("event: error\ndata: {body}\n\n"))
+}
+
+impl<O: RelayObserver + Unpin> HttpBody for RelayBody<O> {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        let Some(upstream) = this.upstream.as_mut() else {
+            return Poll::Ready(None);
+        };
+        match Pin::new(upstream).poll_frame(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Some(Ok(frame))) => {
+                if !this.saw_first_byte && frame.data_ref().is_some_and(|data| !data.is_empty()) {
+                    this.saw_first_byte = true;
+                    if let Some(observer) = this.observer.as_mut() {
+                        observer.first_byte();
+                    }
+                }
+                // A body with a known length is complete after its last byte; hyper may never
+                // poll again, so finish now.
+                if this.upstream.as_ref().is_some_and(HttpBody::is_end_stream) {
+                    this.upstream = None;
+                    this.finish(StreamEnd::Complete);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(None) => {
+                this.upstream = None;
+                this.finish(StreamEnd::Complete);
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(Err(error))) => {
+                this.upstream = None;
+                this.finish(StreamEnd::UpstreamBroken);
+                if this.is_event_stream {
+                    let event = sse_error_event(&format!("the engine's stream broke: {error}"));
+                    Poll::Ready(Some(Ok(Frame::data(event))))
+                } else {
+                    Poll::Ready(Some(Err(Box::new(error))))
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.upstream.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.upstream {
+            Some(upstream) => upstream.size_hint(),
+            None => SizeHint::with_exact(0),
+        }
+    }
+}
+
+impl<O: RelayObserver> Drop for RelayBody<O> {
+    fn drop(&mut self) {
+        // Still holding the upstream body means the end was never reached.
+        if self.upstream.take().is_some() {
+            self.finish(StreamEnd::ClientGone);
+        }
+    }
+}

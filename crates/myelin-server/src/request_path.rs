@@ -1,0 +1,602 @@
+//! The request path, top to bottom: accept -> parse -> tokenize -> lookup (owner shard) ->
+//! score -> proxy (with retries before the first byte) -> learn, plus the small endpoints
+//! (models, health, metrics) and the dispatch of admin requests.
+
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use futures_lite::future::or;
+use glommio::timer::Timer;
+use http::header::{self, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use myelin_http::body::{Body, full};
+use serde_json::Value;
+
+use crate::backends::{BackendId, BackendState};
+use crate::data_core::{DataCore, InFlightPermit, LoadGuard};
+use crate::metrics as names;
+use crate::openai::{ApiError, Endpoint, GenerationRequest, parse_generation_request};
+use crate::proxy::{self, Attempt, BACKEND_HEADER, FailedAttempt, UpstreamRequest};
+use crate::relay::{RelayBody, RelayObserver, StreamEnd};
+
+/// Output tokens assumed for load accounting when a request sets no `max_tokens`.
+const DEFAULT_EXPECTED_OUTPUT_TOKENS: u64 = 256;
+/// Time allowed for one backend's `/v1/models` answer.
+const MODELS_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The endpoints the router serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    Generate(Endpoint),
+    Models,
+    Health,
+    Metrics,
+    AdminList,
+    AdminAdd,
+    AdminRemove(BackendId),
+    AdminDrain(BackendId),
+}
+
+impl Route {
+    /// Label of the request metric (bounded set of values).
+    fn label(self) -> &'static str {
+        match self {
+            Route::Generate(endpoint) => endpoint.path(),
+            Route::Models => "/v1/models",
+            Route::Health => "/health",
+            Route::Metrics => "/metrics",
+            Route::AdminList | Route::AdminAdd => "/admin/backends",
+            Route::AdminRemove(_) => "/admin/backends/{id}",
+            Route::AdminDrain(_) => "/admin/backends/{id}/drain",
+        }
+    }
+}
+
+/// Maps method and path to a route, or the 404/405 error.
+fn route_of(method: &Method, path: &str) -> Result<Route, ApiError> {
+    let path = path
+        .strip_suffix('/')
+        .filter(|p| !p.is_empty())
+        .unwrap_or(path);
+    let allow = |allowed: &str, route: Route, ok: bool| {
+        if ok {
+            Ok(route)
+        } else {
+            Err(ApiError::method_not_allowed(method.as_str(), path, allowed))
+        }
+    };
+    let is_get = method == Method::GET || method == Method::HEAD;
+    match path {
+        "/v1/chat/completions" => allow(
+            "POST",
+            Route::Generate(Endpoint::ChatCompletions),
+            method == Method::POST,
+        ),
+        "/v1/completions" => allow(
+            "POST",
+            Route::Generate(Endpoint::Completions),
+            method == Method::POST,
+        ),
+        "/v1/models" => allow("GET", Route::Models, is_get),
+        "/health" => allow("GET", Route::Health, is_get),
+        "/metrics" => allow("GET", Route::Metrics, is_get),
+        "/admin/backends" => match *method {
+            Method::GET | Method::HEAD => Ok(Route::AdminList),
+            Method::POST => Ok(Route::AdminAdd),
+            _ => Err(ApiError::method_not_allowed(
+                method.as_str(),
+                path,
+                "GET, POST",
+            )),
+        },
+        _ => {
+            let Some(rest) = path.strip_prefix("/admin/backends/") else {
+                return Err(ApiError::not_found(method.as_str(), path));
+            };
+            let (id_text, drain) = match rest.strip_suffix("/drain") {
+                Some(id_text) => (id_text, true),
+                None => (rest, false),
+            };
+            let Ok(id) = id_text.parse::<BackendId>() else {
+                return Err(ApiError::not_found(method.as_str(), path));
+            };
+            if drain {
+                allow("POST", Route::AdminDrain(id), method == Method::POST)
+            } else {
+                allow("DELETE", Route::AdminRemove(id), method == Method::DELETE)
+            }
+        }
+    }
+}
+
+/// Entry point for every request a data core accepts.
+pub async fn handle(core: Rc<DataCore>, request: Request<Incoming>) -> Response<Body> {
+    let arrived = Instant::now();
+    let (label, response) = match route_of(request.method(), request.uri().path()) {
+        Ok(route) => {
+            let response = match route {
+                Route::Generate(endpoint) => generate(&core, endpoint, request, arrived).await,
+                Route::Models => models(&core).await,
+                Route::Health => health(&core),
+                Route::Metrics => metrics_text(&core),
+                Route::AdminList => crate::admin::list(&core),
+                Route::AdminAdd => crate::admin::add(&core, request).await,
+                Route::AdminRemove(id) => crate::admin::remove(&core, id).await,
+                Route::AdminDrain(id) => crate::admin::drain(&core, id).await,
+            };
+            (route.label(), response)
+        }
+        Err(error) => ("other", error_response(&error)),
+    };
+    metrics::counter!(
+        names::REQUESTS_TOTAL,
+        "route" => label, "status" => response.status().as_str().to_string()
+    )
+    .increment(1);
+    response
+}
+
+/// The OpenAI error JSON as a response.
+pub fn error_response(error: &ApiError) -> Response<Body> {
+    let mut response = json_response(error.status, &error.to_json());
+    if error.status == StatusCode::METHOD_NOT_ALLOWED
+        && let Some(allowed) = error.message.split("(allowed: ").nth(1)
+        && let Ok(value) = HeaderValue::from_str(allowed.trim_end_matches(')'))
+    {
+        response.headers_mut().insert(header::ALLOW, value);
+    }
+    response
+}
+
+/// A JSON response.
+pub fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
+    let mut response = Response::new(full(value.to_string()));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+fn with_retry_after(mut response: Response<Body>, seconds: u64) -> Response<Body> {
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+    response
+}
+
+/// POST /v1/chat/completions and /v1/completions.
+async fn generate(
+    core: &Rc<DataCore>,
+    endpoint: Endpoint,
+    request: Request<Incoming>,
+    arrived: Instant,
+) -> Response<Body> {
+    // Accept: a bounded number of requests in flight per core; past it, 429 right away
+    // (cheaper for everyone than queueing behind engines that are already saturated).
+    if core.shutdown.is_triggered() {
+        return with_retry_after(error_response(&ApiError::draining()), 1);
+    }
+    let Some(permit) = core.admit() else {
+        metrics::counter!(names::OVERLOAD_REJECTIONS_TOTAL).increment(1);
+        return with_retry_after(
+            error_response(&ApiError::overloaded()),
+            core.config.retry_after_seconds,
+        );
+    };
+
+    // Parse: bounded body, then validation of what routing needs.
+    let (parts, body) = request.into_parts();
+    let body = match read_body(body, &parts.headers, core.config.max_body_bytes).await {
+        Ok(body) => body,
+        Err(error) => return error_response(&error),
+    };
+    let generation = match parse_generation_request(endpoint, &body) {
+        Ok(generation) => generation,
+        Err(error) => return error_response(&error),
+    };
+
+    // Tokenize: the chat template and the tokenizer, with the per-core segment cache.
+    let tokenize_started = Instant::now();
+    let tokenized = core
+        .tokenizer
+        .borrow_mut()
+        .prompt_tokens(&generation.prompt);
+    let (prompt_tokens, stats) = match tokenized {
+        Ok(tokenized) => tokenized,
+        Err(error) => {
+            return error_response(&ApiError::invalid_request(
+                format!("cannot tokenize the prompt: {error}"),
+                None,
+                "invalid_prompt",
+            ));
+        }
+    };
+    metrics::histogram!(names::TOKENIZE_SECONDS).record(tokenize_started.elapsed().as_secs_f64());
+    metrics::counter!(names::TOKENIZE_CACHED_SEGMENTS_TOTAL)
+        .increment(stats.cached_segments.into());
+    metrics::counter!(names::TOKENIZE_SEGMENTS_TOTAL).increment(stats.tokenized_segments.into());
+
+    // Lookup: the shard owning the first block answers with every backend's match.
+    let decision_started = Instant::now();
+    let (owner, query) = core.routing.borrow().query(&prompt_tokens);
+    let answer = core.lookup(owner, query.clone()).await;
+
+    // Score: lowest expected cost wins.
+    let mut tried: Vec<BackendId> = Vec::new();
+    let mut choice = core
+        .routing
+        .borrow_mut()
+        .decide(&answer, prompt_tokens.len(), &tried);
+    metrics::histogram!(names::ROUTING_DECISION_SECONDS)
+        .record(decision_started.elapsed().as_secs_f64());
+
+    // Proxy: retried on another backend only before the first response byte.
+    let upstream = UpstreamRequest {
+        method: Method::POST,
+        path_and_query: parts
+            .uri
+            .path_and_query()
+            .map_or(endpoint.path(), |path| path.as_str())
+            .to_string(),
+        headers: proxy::end_to_end_headers(&parts.headers),
+        body,
+    };
+    let request_tokens = prompt_tokens.len() as u64
+        + generation
+            .max_tokens
+            .unwrap_or(DEFAULT_EXPECTED_OUTPUT_TOKENS);
+    let mut backoff = core.config.retry_backoff;
+    loop {
+        let Some(chosen) = choice.take() else {
+            return with_retry_after(error_response(&ApiError::no_backend()), 1);
+        };
+        let Some(base_url) = core
+            .backends
+            .borrow()
+            .get(chosen.backend)
+            .map(|entry| entry.info.spec.url.clone())
+        else {
+            return with_retry_after(error_response(&ApiError::no_backend()), 1);
+        };
+        let load = core.start_load(chosen.backend, request_tokens);
+        let failure = match proxy::attempt(&core.pool, &base_url, &upstream).await {
+            Attempt::Failed(failure) => failure,
+            Attempt::Answered(response) => {
+                core.report_outcome(chosen.backend, !response.status().is_server_error());
+                // Learn: the engine is working on this prompt now; its owner shard records it.
+                if response.status().is_success() {
+                    let lesson = core.routing.borrow().lesson(&query, chosen.backend);
+                    core.learn(owner, lesson);
+                }
+                metrics::counter!(names::BACKEND_SELECTED_TOTAL, "backend" => base_url.clone())
+                    .increment(1);
+                metrics::histogram!(names::PREFIX_MATCH_BLOCKS)
+                    .record(f64::from(chosen.matched_blocks));
+                if chosen.residency_downgrade {
+                    metrics::counter!(names::RESIDENCY_DOWNGRADES_TOTAL).increment(1);
+                }
+                return relay_response(
+                    response,
+                    &base_url,
+                    &generation,
+                    arrived,
+                    load,
+                    permit,
+                    core,
+                );
+            }
+        };
+
+        // Nothing reached the client yet: another backend may take it.
+        core.report_outcome(chosen.backend, false);
+        tried.push(chosen.backend);
+        let reason = failure.retry_reason();
+        if tried.len() <= core.config.max_retries as usize {
+            choice = core
+                .routing
+                .borrow_mut()
+                .decide(&answer, prompt_tokens.len(), &tried);
+        }
+        if choice.is_none() {
+            return match failure {
+                // The engine's own 502/503 goes through as it is.
+                FailedAttempt::Status(response) => relay_response(
+                    response,
+                    &base_url,
+                    &generation,
+                    arrived,
+                    load,
+                    permit,
+                    core,
+                ),
+                FailedAttempt::Error(error) => with_retry_after(
+                    error_response(&ApiError::upstream(
+                        StatusCode::BAD_GATEWAY,
+                        format!("backend {base_url} failed: {error}"),
+                    )),
+                    1,
+                ),
+            };
+        }
+        drop(failure);
+        drop(load);
+        metrics::counter!(names::RETRIES_TOTAL, "reason" => reason).increment(1);
+        Timer::new(backoff).await;
+        backoff = backoff.saturating_mul(2);
+    }
+}
+
+/// Reads a request body up to `limit` bytes (413 past it).
+async fn read_body(
+    mut body: Incoming,
+    headers: &http::HeaderMap,
+    limit: usize,
+) -> Result<Bytes, ApiError> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse::<u64>().ok());
+    if declared.is_some_and(|length| length > limit as u64) {
+        return Err(ApiError::body_too_large(limit));
+    }
+    let mut collected =
+        BytesMut::with_capacity(declared.map_or(8 * 1024, |length| length as usize));
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|error| {
+            ApiError::invalid_request(
+                format!("could not read the request body: {error}"),
+                None,
+                "invalid_body",
+            )
+        })?;
+        if let Ok(data) = frame.into_data() {
+            if collected.len() + data.len() > limit {
+                return Err(ApiError::body_too_large(limit));
+            }
+            collected.extend_from_slice(&data);
+        }
+    }
+    Ok(collected.freeze())
+}
+
+/// Reads an admin request's body (small, bounded).
+pub async fn read_admin_body(request: Request<Incoming>, limit: usize) -> Result<Bytes, ApiError> {
+    let (parts, body) = request.into_parts();
+    read_body(body, &parts.headers, limit).await
+}
+
+/// Tracks one relayed response: TTFT, duration, stream breaks, client disconnects; holds the
+/// request's load and in-flight slot until the body ends or is dropped.
+struct ResponseObserver {
+    core: Rc<DataCore>,
+    backend: BackendId,
+    route: &'static str,
+    arrived: Instant,
+    _load: LoadGuard,
+    _permit: InFlightPermit,
+}
+
+impl RelayObserver for ResponseObserver {
+    fn first_byte(&mut self) {
+        metrics::histogram!(names::TTFT_SECONDS, "route" => self.route)
+            .record(self.arrived.elapsed().as_secs_f64());
+    }
+
+    fn finished(&mut self, end: StreamEnd) {
+        metrics::histogram!(names::REQUEST_DURATION_SECONDS, "route" => self.route)
+            .record(self.arrived.elapsed().as_secs_f64());
+        match end {
+            StreamEnd::Complete => {}
+            StreamEnd::UpstreamBroken => {
+                metrics::counter!(names::UPSTREAM_STREAM_ERRORS_TOTAL).increment(1);
+                self.core.report_outcome(self.backend, false);
+            }
+            StreamEnd::ClientGone => {
+                metrics::counter!(names::CLIENT_DISCONNECTS_TOTAL).increment(1);
+            }
+        }
+    }
+}
+
+/// The client's response: the engine's status and end-to-end headers, `x-myelin-backend`,
+/// and the body relayed frame by frame.
+fn relay_response(
+    response: Response<Incoming>,
+    base_url: &str,
+    generation: &GenerationRequest,
+    arrived: Instant,
+    load: LoadGuard,
+    permit: InFlightPermit,
+    core: &Rc<DataCore>,
+) -> Response<Body> {
+    let (parts, body) = response.into_parts();
+    let is_event_stream = proxy::is_event_stream(&parts.headers);
+    let observer = ResponseObserver {
+        core: core.clone(),
+        backend: load.backend(),
+        route: generation.endpoint.path(),
+        arrived,
+        _load: load,
+        _permit: permit,
+    };
+    let relayed = RelayBody::new(body, is_event_stream, observer);
+    let mut client_response = Response::new(Body::new(relayed));
+    *client_response.status_mut() = parts.status;
+    *client_response.headers_mut() = proxy::end_to_end_headers(&parts.headers);
+    if let Some(length) = parts.headers.get(header::CONTENT_LENGTH) {
+        client_response
+            .headers_mut()
+            .insert(header::CONTENT_LENGTH, length.clone());
+    }
+    if let Ok(value) = HeaderValue::from_str(base_url) {
+        client_response.headers_mut().insert(BACKEND_HEADER, value);
+    }
+    client_response
+}
+
+/// GET /v1/models: the union of every up backend's models, by id.
+async fn models(core: &Rc<DataCore>) -> Response<Body> {
+    let urls: Vec<String> = core
+        .backends
+        .borrow()
+        .iter()
+        .filter(|entry| entry.info.state == BackendState::Up)
+        .map(|entry| entry.info.spec.url.clone())
+        .collect();
+    if urls.is_empty() {
+        return with_retry_after(error_response(&ApiError::no_backend()), 1);
+    }
+    let fetches: Vec<_> = urls
+        .into_iter()
+        .map(|url| {
+            let core = core.clone();
+            glommio::spawn_local(async move {
+                or(fetch_models(&core, &url), async {
+                    Timer::new(MODELS_TIMEOUT).await;
+                    None
+                })
+                .await
+            })
+        })
+        .collect();
+    let mut seen = std::collections::BTreeSet::new();
+    let mut data = Vec::new();
+    let mut answered = 0;
+    for fetch in fetches {
+        let Some(models) = fetch.await else {
+            continue;
+        };
+        answered += 1;
+        for model in models {
+            let id = model.get("id").and_then(Value::as_str).map(str::to_string);
+            if let Some(id) = id
+                && seen.insert(id)
+            {
+                data.push(model);
+            }
+        }
+    }
+    if answered == 0 {
+        return error_response(&ApiError::upstream(
+            StatusCode::BAD_GATEWAY,
+            "no backend answered GET /v1/models",
+        ));
+    }
+    json_response(
+        StatusCode::OK,
+        &serde_json::json!({ "object": "list", "data": data }),
+    )
+}
+
+async fn fetch_models(core: &DataCore, base_url: &str) -> Option<Vec<Value>> {
+    let upstream = UpstreamRequest {
+        method: Method::GET,
+        path_and_query: "/v1/models".into(),
+        headers: http::HeaderMap::new(),
+        body: Bytes::new(),
+    };
+    let Attempt::Answered(response) = proxy::attempt(&core.pool, base_url, &upstream).await else {
+        return None;
+    };
+    if !response.status().is_success() {
+        return None;
+    }
+    let body = response.into_body().collect().await.ok()?.to_bytes();
+    let value: Value = serde_json::from_slice(&body).ok()?;
+    value.get("data")?.as_array().cloned()
+}
+
+/// GET /health: 200 when at least one backend is up.
+fn health(core: &DataCore) -> Response<Body> {
+    let backends = core.backends.borrow();
+    let up = backends
+        .iter()
+        .filter(|entry| entry.info.state == BackendState::Up)
+        .count();
+    let status = if core.shutdown.is_triggered() {
+        "draining"
+    } else if up > 0 {
+        "ok"
+    } else {
+        "unavailable"
+    };
+    let code = if status == "ok" {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    json_response(
+        code,
+        &serde_json::json!({ "status": status, "backends_up": up, "backends": backends.len() }),
+    )
+}
+
+/// GET /metrics: Prometheus text.
+fn metrics_text(core: &DataCore) -> Response<Body> {
+    let mut response = Response::new(full(core.metrics.render()));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4"),
+    );
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes() {
+        assert_eq!(
+            route_of(&Method::POST, "/v1/chat/completions"),
+            Ok(Route::Generate(Endpoint::ChatCompletions))
+        );
+        assert_eq!(route_of(&Method::GET, "/v1/models/"), Ok(Route::Models));
+        assert_eq!(
+            route_of(&Method::DELETE, "/admin/backends/3"),
+            Ok(Route::AdminRemove(3))
+        );
+        assert_eq!(
+            route_of(&Method::POST, "/admin/backends/3/drain"),
+            Ok(Route::AdminDrain(3))
+        );
+        assert_eq!(
+            route_of(&Method::POST, "/admin/backends"),
+            Ok(Route::AdminAdd)
+        );
+        let status = |method: Method, path: &str| route_of(&method, path).unwrap_err().status;
+        assert_eq!(
+            status(Method::GET, "/v1/chat/completions"),
+            StatusCode::METHOD_NOT_ALLOWED
+        );
+        assert_eq!(
+            status(Method::POST, "/health"),
+            StatusCode::METHOD_NOT_ALLOWED
+        );
+        assert_eq!(
+            status(Method::PUT, "/admin/backends"),
+            StatusCode::METHOD_NOT_ALLOWED
+        );
+        assert_eq!(
+            status(Method::GET, "/admin/backends/3"),
+            StatusCode::METHOD_NOT_ALLOWED
+        );
+        assert_eq!(status(Method::GET, "/v2/chat"), StatusCode::NOT_FOUND);
+        assert_eq!(
+            status(Method::DELETE, "/admin/backends/x"),
+            StatusCode::NOT_FOUND
+        );
+    }
+
+    #[test]
+    fn method_not_allowed_carries_allow_header() {
+        let error = route_of(&Method::GET, "/v1/completions").unwrap_err();
+        let response = error_response(&error);
+        assert_eq!(response.headers()[header::ALLOW], "POST");
+    }
+}

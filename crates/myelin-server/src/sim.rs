@@ -1,0 +1,41 @@
+//! `--sim N`: simulated vLLM engines (crates/myelin-sim) started in-process as the router's
+//! backends, with the router's tokenizer and chat template so both count the same tokens.
+
+use std::path::Path;
+
+use myelin_sim::{ClusterConfig, SimCluster};
+
+use crate::backend_spec::BackendSpec;
+
+/// Simulated engines, running for as long as this value lives.
+pub struct SimEngines {
+    cluster: SimCluster,
+}
+
+impl SimEngines {
+    /// Starts `count` engines on ephemeral loopback ports.
+    pub fn start(
+        count: usize,
+        speedup: f64,
+        tokenizer_path: &Path,
+        chat_template_path: Option<&Path>,
+    ) -> Result<SimEngines, myelin_sim::SimError> {
+        let cluster = SimCluster::start(ClusterConfig {
+            engines: count,
+            speedup,
+            tokenizer_path: Some(tokenizer_path.to_path_buf()),
+            chat_template_path: chat_template_path.map(Path::to_path_buf),
+            ..ClusterConfig::default()
+        })?;
+        Ok(SimEngines { cluster })
+    }
+
+    /// The engines as backends.
+    pub fn backend_specs(&self) -> Vec<BackendSpec> {
+        self.cluster
+            .engine_urls()
+            .iter()
+            .filter_map(|url| BackendSpec::parse(url).ok())
+            .collect()
+    }
+}

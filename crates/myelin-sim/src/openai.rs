@@ -1,0 +1,405 @@
+//! The OpenAI-compatible request bodies the simulator accepts and the JSON it answers with, in
+//! vLLM's exact shapes (field names, `null`s, chunk sequence, usage with cached tokens).
+
+use serde_json::{Value, json};
+
+use crate::text::{TextError, TextModel};
+
+/// Which endpoint a generation request came in on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `POST /v1/completions`.
+    Completions,
+    /// `POST /v1/chat/completions`.
+    ChatCompletions,
+}
+
+/// A parsed generation request.
+#[derive(Clone, Debug)]
+pub struct GenerationRequest {
+    /// The endpoint.
+    pub endpoint: Endpoint,
+    /// Model name as sent (echoed back; any name is accepted).
+    pub model: Option<String>,
+    /// One token sequence per choice (several only for a batched `/v1/completions` prompt).
+    pub prompts: Vec<Vec<u32>>,
+    /// `max_tokens` / `max_completion_tokens`.
+    pub max_tokens: Option<usize>,
+    /// vLLM's `ignore_eos`.
+    pub ignore_eos: bool,
+    /// SSE streaming.
+    pub stream: bool,
+    /// `stream_options.include_usage`.
+    pub include_usage: bool,
+}
+
+/// A request the simulator refuses (400, vLLM's wording where it has one).
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    /// Not JSON, or not an object.
+    #[error("invalid JSON body: {0}")]
+    Json(String),
+    /// A field has the wrong type or value.
+    #[error("{0}")]
+    Field(String),
+    /// Tokenisation or template rendering failed.
+    #[error(transparent)]
+    Text(#[from] TextError),
+}
+
+impl GenerationRequest {
+    /// Parses and tokenises a request body.
+    pub fn parse(endpoint: Endpoint, body: &[u8], text: &TextModel) -> Result<Self, RequestError> {
+        let value: Value =
+            serde_json::from_slice(body).map_err(|error| RequestError::Json(error.to_string()))?;
+        let object = value
+            .as_object()
+            .ok_or_else(|| RequestError::Json("the body must be a JSON object".to_string()))?;
+        let prompts = match endpoint {
+            Endpoint::Completions => {
+                let prompt = object
+                    .get("prompt")
+                    .ok_or_else(|| RequestError::Field("'prompt' is required".to_string()))?;
+                completion_prompts(prompt, text)?
+            }
+            Endpoint::ChatCompletions => {
+                let messages = object
+                    .get("messages")
+                    .filter(|messages| messages.as_array().is_some_and(|list| !list.is_empty()))
+                    .ok_or_else(|| {
+                        RequestError::Field("'messages' must be a non-empty list".to_string())
+                    })?;
+                vec![text.encode_chat(messages)?]
+            }
+        };
+        if prompts.iter().any(Vec::is_empty) {
+            return Err(RequestError::Field(
+                "The prompt cannot be empty.".to_string(),
+            ));
+        }
+        let max_tokens = match object
+            .get("max_completion_tokens")
+            .filter(|value| !value.is_null())
+            .or_else(|| object.get("max_tokens").filter(|value| !value.is_null()))
+        {
+            None => None,
+            Some(value) => match value.as_u64() {
+                Some(count) if count >= 1 => Some(usize::try_from(count).unwrap_or(usize::MAX)),
+                _ => {
+                    return Err(RequestError::Field(
+                        "max_tokens must be at least 1".to_string(),
+                    ));
+                }
+            },
+        };
+        if let Some(n) = object.get("n").and_then(Value::as_u64)
+            && n != 1
+        {
+            return Err(RequestError::Field(
+                "the simulator supports n = 1 only".to_string(),
+            ));
+        }
+        let flag = |name: &str| object.get(name).and_then(Value::as_bool).unwrap_or(false);
+        let include_usage = object
+            .get("stream_options")
+            .and_then(|options| options.get("include_usage"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+        Ok(GenerationRequest {
+            endpoint,
+            model: object
+                .get("model")
+                .and_then(Value::as_str)
+                .map(str::to_string),
+            prompts,
+            max_tokens,
+            ignore_eos: flag("ignore_eos"),
+            stream: flag("stream"),
+            include_usage,
+        })
+    }
+}
+
+/// `prompt` of `/v1/completions`: a string, a list of strings, a list of token ids, or a list
+/// of lists of token ids.
+fn completion_prompts(prompt: &Value, text: &TextModel) -> Result<Vec<Vec<u32>>, RequestError> {
+    let invalid = || {
+        RequestError::Field(
+            "'prompt' must be a string, a list of strings, a list of token ids or a list of \
+             lists of token ids"
+                .to_string(),
+        )
+    };
+    match prompt {
+        Value::String(single) => Ok(vec![text.encode_prompt(single)?]),
+        Value::Array(items) if items.is_empty() => Err(invalid()),
+        Value::Array(items) if items.iter().all(Value::is_string) => items
+            .iter()
+            .map(|item| Ok(text.encode_prompt(item.as_str().unwrap_or_default())?))
+            .collect(),
+        Value::Array(items) if items.iter().all(Value::is_number) => {
+            Ok(vec![token_ids(items).ok_or_else(invalid)?])
+        }
+        Value::Array(items) => items
+            .iter()
+            .map(|item| {
+                item.as_array()
+                    .and_then(|ids| token_ids(ids))
+                    .ok_or_else(invalid)
+            })
+            .collect(),
+        _ => Err(invalid()),
+    }
+}
+
+fn token_ids(items: &[Value]) -> Option<Vec<u32>> {
+    items
+        .iter()
+        .map(|item| item.as_u64().and_then(|id| u32::try_from(id).ok()))
+        .collect()
+}
+
+/// Token counts of a finished request (summed over choices).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Output tokens.
+    pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: usize,
+}
+
+impl Usage {
+    /// vLLM's `usage` object.
+    pub fn to_json(self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "completion_tokens": self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        })
+    }
+}
+
+/// Response identity: id, creation time and model name, shared by all chunks of a response.
+#[derive(Clone, Debug)]
+pub struct ResponseHead {
+    /// `cmpl-...` or `chatcmpl-...`.
+    pub id: String,
+    /// UNIX seconds.
+    pub created: u64,
+    /// Model name.
+    pub model: String,
+}
+
+/// One finished choice of a non-streaming response.
+#[derive(Clone, Debug)]
+pub struct FinishedChoice {
+    /// Choice index.
+    pub index: usize,
+    /// Generated text.
+    pub text: String,
+    /// `stop` or `length`.
+    pub finish_reason: &'static str,
+}
+
+/// Non-streaming `/v1/completions` response.
+pub fn completion_response(head: &ResponseHead, choices: &[FinishedChoice], usage: Usage) -> Value {
+    let choices: Vec<Value> = choices
+        .iter()
+        .map(|choice| {
+            json!({
+                "index": choice.index,
+                "text": choice.text,
+                "logprobs": null,
+                "finish_reason": choice.finish_reason,
+                "stop_reason": null,
+                "prompt_logprobs": null,
+            })
+        })
+        .collect();
+    json!({
+        "id": head.id,
+        "object": "text_completion",
+        "created": head.created,
+        "model": head.model,
+        "choices": choices,
+        "service_tier": null,
+        "system_fingerprint": null,
+        "usage": usage.to_json(),
+        "kv_transfer_params": null,
+    })
+}
+
+/// Non-streaming `/v1/chat/completions` response.
+pub fn chat_response(head: &ResponseHead, choice: &FinishedChoice, usage: Usage) -> Value {
+    json!({
+        "id": head.id,
+        "object": "chat.completion",
+        "created": head.created,
+        "model": head.model,
+        "choices": [{
+            "index": choice.index,
+            "message": {
+                "role": "assistant",
+                "content": choice.text,
+                "refusal": null,
+                "annotations": null,
+                "audio": null,
+                "function_call": null,
+                "tool_calls": [],
+                "reasoning_content": null,
+            },
+            "logprobs": null,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": null,
+        }],
+        "service_tier": null,
+        "system_fingerprint": null,
+        "usage": usage.to_json(),
+        "prompt_logprobs": null,
+        "kv_transfer_params": null,
+    })
+}
+
+/// A streamed `/v1/completions` chunk (vLLM serialises every field, `usage: null` included).
+pub fn completion_chunk(
+    head: &ResponseHead,
+    index: usize,
+    text: &str,
+    finish_reason: Option<&str>,
+) -> Value {
+    json!({
+        "id": head.id,
+        "object": "text_completion",
+        "created": head.created,
+        "model": head.model,
+        "choices": [{
+            "index": index,
+            "text": text,
+            "logprobs": null,
+            "finish_reason": finish_reason,
+            "stop_reason": null,
+        }],
+        "usage": null,
+    })
+}
+
+/// The final usage chunk of a streamed `/v1/completions` (`stream_options.include_usage`).
+pub fn completion_usage_chunk(head: &ResponseHead, usage: Usage) -> Value {
+    json!({
+        "id": head.id,
+        "object": "text_completion",
+        "created": head.created,
+        "model": head.model,
+        "choices": [],
+        "usage": usage.to_json(),
+    })
+}
+
+/// The first streamed chat chunk: the assistant role with empty content.
+pub fn chat_role_chunk(head: &ResponseHead, index: usize) -> Value {
+    json!({
+        "id": head.id,
+        "object": "chat.completion.chunk",
+        "created": head.created,
+        "model": head.model,
+        "choices": [{
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": null,
+            "finish_reason": null,
+        }],
+    })
+}
+
+/// A streamed chat content chunk; the last one carries `finish_reason` and `stop_reason`
+/// (vLLM serialises chat chunks with `exclude_unset`, so `stop_reason` only appears there).
+pub fn chat_content_chunk(
+    head: &ResponseHead,
+    index: usize,
+    text: &str,
+    finish_reason: Option<&str>,
+) -> Value {
+    let mut choice = json!({
+        "index": index,
+        "delta": {"content": text},
+        "logprobs": null,
+        "finish_reason": finish_reason,
+    });
+    if finish_reason.is_some()
+        && let Some(object) = choice.as_object_mut()
+    {
+        object.insert("stop_reason".to_string(), Value::Null);
+    }
+    json!({
+        "id": head.id,
+        "object": "chat.completion.chunk",
+        "created": head.created,
+        "model": head.model,
+        "choices": [choice],
+    })
+}
+
+/// The final usage chunk of a streamed chat.
+pub fn chat_usage_chunk(head: &ResponseHead, usage: Usage) -> Value {
+    json!({
+        "id": head.id,
+        "object": "chat.completion.chunk",
+        "created": head.created,
+        "model": head.model,
+        "choices": [],
+        "usage": usage.to_json(),
+    })
+}
+
+/// vLLM's error body.
+pub fn error_body(message: &str, error_type: &str, code: u16) -> Value {
+    json!({
+        "error": {
+            "message": message,
+            "type": error_type,
+            "param": null,
+            "code": code,
+        }
+    })
+}
+
+/// `GET /v1/models`.
+pub fn models_response(model: &str, created: u64, max_model_len: usize) -> Value {
+    json!({
+        "object": "list",
+        "data": [{
+            "id": model,
+            "object": "model",
+            "created": created,
+            "owned_by": "vllm",
+            "root": model,
+            "parent": null,
+            "max_model_len": max_model_len,
+            "permission": [{
+                "id": format!("modelperm-{model}"),
+                "object": "model_permission",
+                "created": created,
+                "allow_create_engine": false,
+                "allow_sampling": true,
+                "allow_logprobs": true,
+                "allow_search_indices": false,
+                "allow_view": true,
+                "allow_fine_tuning": false,
+                "organization": "*",
+                "group": null,
+                "is_blocking": false,
+            }],
+        }],
+    })
+}
+
+/// One SSE event carrying `value`.
+pub fn sse_data(value: &Value) -> String {
+    format!("data: {value}\n\n")
+}
+
+/// The SSE stream terminator.
+pub const SSE_DONE: &str = "data: [DONE]\n\n";

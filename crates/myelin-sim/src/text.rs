@@ -1,0 +1,93 @@
+//! Text in and out of the simulated model: the tokenizer and chat template shared with the
+//! router (so both compute the same token ids), and the output vocabulary with the text of each
+//! output token.
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::path::Path;
+
+use myelin_tokenize::{ChatTemplate, TemplateError, TokenizeError, Tokenizer};
+use serde_json::Value;
+
+use crate::engine::OutputVocabulary;
+
+/// Plain English the output vocabulary is cut from: its tokens re-tokenise to themselves, so a
+/// follow-up chat turn that quotes the answer hits the cached answer blocks, as with a real model.
+const OUTPUT_PASSAGE: &str = "The simulated engine answers every request with a steady stream \
+of ordinary words, chosen so that each token stands alone and the text reads like a plain \
+report. It describes the weather over the harbour, the ships that come and go, the market \
+by the river and the people who work there from early morning until late at night. The \
+report goes on about bread and fish, about bells and boats, about the long road to the \
+hills and the small houses along the way, and then it begins again from the top.";
+
+/// Why text could not be turned into tokens.
+#[derive(Debug, thiserror::Error)]
+pub enum TextError {
+    /// Tokenizer failure.
+    #[error(transparent)]
+    Tokenize(#[from] TokenizeError),
+    /// Chat template failure.
+    #[error(transparent)]
+    Template(#[from] TemplateError),
+}
+
+/// Tokenizer, chat template and output vocabulary of the simulated model.
+#[derive(Debug)]
+pub struct TextModel {
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    vocabulary: OutputVocabulary,
+    token_text: HashMap<u32, String>,
+}
+
+impl TextModel {
+    /// Loads the tokenizer (`None`: the bundled one) and chat template (`None`: ChatML).
+    pub fn load(tokenizer: Option<&Path>, chat_template: Option<&Path>) -> Result<Self, TextError> {
+        let tokenizer = match tokenizer {
+            Some(path) => Tokenizer::from_file(path)?,
+            None => Tokenizer::bundled()?,
+        };
+        let template = match chat_template {
+            Some(path) => ChatTemplate::from_path(path)?,
+            None => ChatTemplate::chatml(),
+        };
+        let output_ids = tokenizer.encode(OUTPUT_PASSAGE, false)?;
+        let mut token_text = HashMap::with_capacity(output_ids.len());
+        for &id in &output_ids {
+            if let Entry::Vacant(slot) = token_text.entry(id) {
+                slot.insert(tokenizer.decode(&[id])?);
+            }
+        }
+        Ok(TextModel {
+            tokenizer,
+            template,
+            vocabulary: OutputVocabulary::new(output_ids),
+            token_text,
+        })
+    }
+
+    /// The output vocabulary for the engine model.
+    pub fn vocabulary(&self) -> OutputVocabulary {
+        self.vocabulary.clone()
+    }
+
+    /// Prompt tokens of a `/v1/completions` prompt string (with the BOS, as vLLM adds it).
+    pub fn encode_prompt(&self, prompt: &str) -> Result<Vec<u32>, TextError> {
+        Ok(self.tokenizer.encode(prompt, true)?)
+    }
+
+    /// Prompt tokens of a chat: the rendered template (which writes its own BOS), tokenised
+    /// without special tokens.
+    pub fn encode_chat(&self, messages: &Value) -> Result<Vec<u32>, TextError> {
+        let rendered = self.template.render(messages, true)?;
+        Ok(self.tokenizer.encode(&rendered, false)?)
+    }
+
+    /// Text of one output token.
+    pub fn token_text(&self, token_id: u32) -> String {
+        match self.token_text.get(&token_id) {
+            Some(text) => text.clone(),
+            None => self.tokenizer.decode(&[token_id]).unwrap_or_default(),
+        }
+    }
+}

@@ -1,0 +1,723 @@
+//! Integration tests of `myelin serve`: the real binary with 2 shards in front of real HTTP
+//! engines on loopback. Timing never goes into an assertion; waits are bounded polls.
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::json;
+use support::engine::{Behavior, Engine, chunk_event, dead_backend_url};
+use support::{Router, chat_body, metric_value, request, wait_until};
+
+fn normal() -> Behavior {
+    Behavior::Normal {
+        chunks: 3,
+        interval: Duration::from_millis(1),
+    }
+}
+
+#[test]
+fn streams_chunk_by_chunk_without_buffering() {
+    let engine = Engine::start("a", Behavior::Gated { chunks: 3 });
+    let router = Router::start(&["--backend", &engine.url()]);
+    let mut response = router.post_json("/v1/chat/completions", &chat_body("hi", true));
+    assert_eq!(response.status, 200);
+    assert_eq!(response.header("content-type"), Some("text/event-stream"));
+    assert_eq!(
+        response.header("x-myelin-backend"),
+        Some(engine.url().as_str())
+    );
+    // The engine sends chunk k+1 only after the client has read chunk k through the router:
+    // any buffering in the router would stall this loop (and fail on the read timeout).
+    let mut received = String::new();
+    for index in 0..3 {
+        engine.release();
+        let expected = chunk_event("a", index);
+        while !received.ends_with(&expected) {
+            let chunk = response
+                .next_chunk()
+                .expect("chunk before the next release");
+            received.push_str(&String::from_utf8(chunk).unwrap());
+        }
+    }
+    let rest = String::from_utf8(response.body()).unwrap();
+    assert!(rest.ends_with("data: [DONE]\n\n"), "{rest:?}");
+    assert_eq!(engine.completed(), 1);
+}
+
+#[test]
+fn non_streaming_chat_and_completions_pass_through_with_headers() {
+    let engine = Engine::start("a", normal());
+    let router = Router::start(&["--backend", &engine.url()]);
+    let body = chat_body("hello", false).to_string();
+    let response = request(
+        router.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[
+            ("content-type", "application/json"),
+            ("authorization", "Bearer sk-test"),
+            ("x-custom", "kept"),
+            ("connection", "close, x-hop"),
+            ("x-hop", "dropped"),
+        ],
+        Some(body.as_bytes()),
+    );
+    assert_eq!(response.status, 200);
+    assert_eq!(
+        response.header("x-myelin-backend"),
+        Some(engine.url().as_str())
+    );
+    let completion = response.json();
+    assert_eq!(
+        completion["choices"][0]["message"]["content"],
+        "hello from a"
+    );
+    assert_eq!(
+        engine.record.last_authorization.lock().unwrap().as_deref(),
+        Some("Bearer sk-test")
+    );
+    assert_eq!(
+        engine.record.last_custom_header.lock().unwrap().as_deref(),
+        Some("kept")
+    );
+    // The body reaches the engine unchanged.
+    let seen = engine.record.last_body.lock().unwrap().clone().unwrap();
+    assert_eq!(seen["messages"][1]["content"], "hello");
+
+    for prompt in [
+        json!("a string"),
+        json!(["one", "two"]),
+        json!([1, 2, 3]),
+        json!([[4, 5], [6]]),
+    ] {
+        let response = router.post_json(
+            "/v1/completions",
+            &json!({"model": "test-model", "prompt": prompt}),
+        );
+        assert_eq!(response.status, 200, "prompt {prompt}");
+        let seen = engine.record.last_body.lock().unwrap().clone().unwrap();
+        assert_eq!(seen["prompt"], prompt);
+    }
+}
+
+#[test]
+fn same_prefix_goes_to_the_same_backend() {
+    let engines = [Engine::start("a", normal()), Engine::start("b", normal())];
+    let router = Router::start(&[
+        "--backend",
+        &engines[0].url(),
+        "--backend",
+        &engines[1].url(),
+    ]);
+    let long_prompt = "The same long system prompt. ".repeat(60);
+    let mut chosen = Vec::new();
+    for turn in 0..6 {
+        let response = router.post_json(
+            "/v1/chat/completions",
+            &chat_body(&format!("{long_prompt} question {turn}"), false),
+        );
+        assert_eq!(response.status, 200);
+        chosen.push(response.header("x-myelin-backend").unwrap().to_string());
+    }
+    assert!(chosen.iter().all(|url| url == &chosen[0]), "{chosen:?}");
+    let metrics = router.metrics();
+    assert!(metric_value(&metrics, &["myelin_router_prefix_match_blocks_count"]) >= 6.0);
+}
+
+#[test]
+fn fails_over_before_the_first_byte() {
+    let dead = dead_backend_url();
+    let busy = Engine::start("busy", Behavior::Status(503));
+    let good = Engine::start("good", normal());
+    let router = Router::start(&[
+        "--routing",
+        "round-robin",
+        "--backend",
+        &dead,
+        "--backend",
+        &busy.url(),
+        "--backend",
+        &good.url(),
+        "--retry-backoff-ms",
+        "1",
+        "--breaker-failures",
+        "1000",
+    ]);
+    for _ in 0..6 {
+        let response = router.post_json("/v1/chat/completions", &chat_body("hi", true));
+        assert_eq!(response.status, 200);
+        assert_eq!(
+            response.header("x-myelin-backend"),
+            Some(good.url().as_str())
+        );
+        assert!(response.text().ends_with("data: [DONE]\n\n"));
+    }
+    let metrics = router.metrics();
+    assert!(metric_value(&metrics, &["myelin_retries_total", "reason=\"connect\""]) >= 1.0);
+    assert!(metric_value(&metrics, &["myelin_retries_total", "reason=\"status_503\""]) >= 1.0);
+    assert!(busy.requests() >= 1);
+}
+
+#[test]
+fn passes_the_last_failure_through_when_every_backend_fails() {
+    let busy = Engine::start("busy", Behavior::Status(503));
+    let router = Router::start(&["--backend", &busy.url(), "--backend", &dead_backend_url()]);
+    let response = router.post_json("/v1/chat/completions", &chat_body("hi", false));
+    assert!(matches!(response.status, 502 | 503), "{}", response.status);
+    let error = response.json();
+    assert!(error["error"]["message"].is_string());
+}
+
+#[test]
+fn does_not_retry_after_streaming_began() {
+    let broken = Engine::start("broken", Behavior::BreakAfter(2));
+    let spare = Engine::start("spare", normal());
+    // Round-robin starts at the first backend on each core: the broken one.
+    let router = Router::start(&[
+        "--routing",
+        "round-robin",
+        "--backend",
+        &broken.url(),
+        "--backend",
+        &spare.url(),
+    ]);
+    let response = router.post_json("/v1/chat/completions", &chat_body("hi", true));
+    assert_eq!(response.status, 200);
+    assert_eq!(
+        response.header("x-myelin-backend"),
+        Some(broken.url().as_str())
+    );
+    let text = response.text();
+    assert!(text.starts_with(&chunk_event("broken", 0)), "{text:?}");
+    assert!(text.contains(&chunk_event("broken", 1)));
+    assert!(
+        text.trim_end().ends_with('}') && text.contains("event: error\ndata: {\"error\""),
+        "{text:?}"
+    );
+    assert!(!text.contains("[DONE]"));
+    assert_eq!(spare.requests(), 0, "a started stream must not be retried");
+    let metrics = router.metrics();
+    assert_eq!(
+        metric_value(&metrics, &["myelin_upstream_stream_errors_total"]),
+        1.0
+    );
+}
+
+#[test]
+fn client_disconnect_cancels_the_engine_request() {
+    let engine = Engine::start(
+        "slow",
+        Behavior::Normal {
+            chunks: 10_000,
+            interval: Duration::from_millis(5),
+        },
+    );
+    let router = Router::start(&["--backend", &engine.url()]);
+    let mut response = router.post_json("/v1/chat/completions", &chat_body("hi", true));
+    assert_eq!(response.status, 200);
+    assert!(response.next_chunk().is_some());
+    response.abandon();
+    wait_until("the engine to see the cancellation", || {
+        engine.cancelled() == 1
+    });
+    assert_eq!(engine.completed(), 0);
+    wait_until("the disconnect metric", || {
+        metric_value(&router.metrics(), &["myelin_client_disconnects_total"]) >= 1.0
+    });
+}
+
+#[test]
+fn health_checks_take_a_backend_down_and_bring_it_back() {
+    let flaky = Engine::start("flaky", normal());
+    let steady = Engine::start("steady", normal());
+    let router = Router::start(&[
+        "--routing",
+        "round-robin",
+        "--backend",
+        &flaky.url(),
+        "--backend",
+        &steady.url(),
+        "--health-interval-ms",
+        "20",
+        "--unhealthy-threshold",
+        "2",
+        "--healthy-threshold",
+        "2",
+    ]);
+    let state_of = |url: &str| {
+        router
+            .backends()
+            .into_iter()
+            .find(|backend| backend["url"] == url)
+            .map(|backend| backend["state"].as_str().unwrap_or_default().to_string())
+            .unwrap_or_default()
+    };
+    assert_eq!(state_of(&flaky.url()), "up");
+    flaky.set_healthy(false);
+    wait_until("flaky to be down", || state_of(&flaky.url()) == "down");
+    let before = flaky.requests();
+    for _ in 0..6 {
+        let response = router.post_json("/v1/chat/completions", &chat_body("hi", false));
+        assert_eq!(
+            response.header("x-myelin-backend"),
+            Some(steady.url().as_str())
+        );
+    }
+    assert_eq!(flaky.requests(), before);
+    assert_eq!(router.get("/health").status, 200);
+    steady.set_healthy(false);
+    wait_until("steady to be down", || state_of(&steady.url()) == "down");
+    assert_eq!(router.get("/health").status, 503);
+    let response = router.post_json("/v1/chat/completions", &chat_body("hi", false));
+    assert_eq!(response.status, 503);
+    flaky.set_healthy(true);
+    wait_until("flaky to be up again", || state_of(&flaky.url()) == "up");
+    let response = router.post_json("/v1/chat/completions", &chat_body("hi", false));
+    assert_eq!(
+        response.header("x-myelin-backend"),
+        Some(flaky.url().as_str())
+    );
+    let metrics = router.metrics();
+    assert!(
+        metric_value(
+            &metrics,
+            &["myelin_health_check_transitions_total", "to=\"down\""]
+        ) >= 1.0
+    );
+}
+
+#[test]
+fn circuit_breaker_opens_on_consecutive_failures_and_closes_after_a_probe() {
+    let failing = Engine::start("failing", Behavior::Status(503));
+    let steady = Engine::start("steady", normal());
+    let router = Router::start(&[
+        "--routing",
+        "round-robin",
+        "--backend",
+        &failing.url(),
+        "--backend",
+        &steady.url(),
+        "--breaker-failures",
+        "2",
+        "--breaker-open-ms",
+        "100",
+        "--health-interval-ms",
+        "60000",
+        "--retry-backoff-ms",
+        "1",
+    ]);
+    for _ in 0..4 {
+        let response = router.post_json("/v1/chat/completions", &chat_body("hi", false));
+        assert_eq!(response.status, 200);
+    }
+    wait_until("the breaker to open", || {
+        metric_value(
+            &router.metrics(),
+            &["myelin_circuit_breaker_transitions_total", "to=\"open\""],
+        ) >= 1.0
+    });
+    // The probe is GET /health, which this engine passes: the breaker closes again.
+    wait_until("the breaker to close", || {
+        metric_value(
+            &router.metrics(),
+            &["myelin_circuit_breaker_transitions_total", "to=\"closed\""],
+        ) >= 1.0
+    });
+}
+
+#[test]
+fn admin_adds_drains_and_removes_backends() {
+    let first = Engine::start("first", normal());
+    let second = Engine::start("second", normal());
+    let router = Router::start(&["--backend", &first.url()]);
+    let listed = router.backends();
+    assert_eq!(listed.len(), 1);
+    for key in [
+        "id",
+        "url",
+        "state",
+        "in_flight_requests",
+        "in_flight_tokens",
+        "residency",
+        "resident_blocks",
+    ] {
+        assert!(listed[0].get(key).is_some(), "missing {key}");
+    }
+    assert_eq!(listed[0]["residency"], "estimate");
+
+    let added = router.post_json("/admin/backends", &json!({"url": second.url()}));
+    assert_eq!(added.status, 201);
+    let added = added.json();
+    let second_id = added["id"].as_u64().unwrap();
+    assert_eq!(router.backends().len(), 2);
+    let duplicate = router.post_json("/admin/backends", &json!({"url": second.url()}));
+    assert_eq!(duplicate.status, 409);
+    let invalid = router.post_json("/admin/backends", &json!({"url": "ftp://x"}));
+    assert_eq!(invalid.status, 400);
+
+    let first_id = listed[0]["id"].as_u64().unwrap();
+    let removed = request(
+        router.addr,
+        "DELETE",
+        &format!("/admin/backends/{first_id}"),
+        &[],
+        None,
+    );
+    assert_eq!(removed.status, 200);
+    // Every core applied the removal before the admin call returned: all traffic goes to second.
+    for _ in 0..6 {
+        let response = router.post_json("/v1/chat/completions", &chat_body("hi", false));
+        assert_eq!(
+            response.header("x-myelin-backend"),
+            Some(second.url().as_str())
+        );
+    }
+    let missing = request(
+        router.addr,
+        "DELETE",
+        &format!("/admin/backends/{first_id}"),
+        &[],
+        None,
+    );
+    assert_eq!(missing.status, 404);
+    assert_eq!(missing.json()["error"]["code"], "backend_not_found");
+
+    let drained = request(
+        router.addr,
+        "POST",
+        &format!("/admin/backends/{second_id}/drain"),
+        &[],
+        None,
+    );
+    assert_eq!(drained.status, 200);
+    assert_eq!(drained.json()["state"], "draining");
+    let response = router.post_json("/v1/chat/completions", &chat_body("hi", false));
+    assert_eq!(response.status, 503);
+    assert_eq!(response.json()["error"]["code"], "no_backend_available");
+}
+
+fn assert_openai_error(response: support::HttpResponse, status: u16, param: Option<&str>) {
+    assert_eq!(response.status, status);
+    let body = response.json();
+    let error = &body["error"];
+    assert!(
+        error["message"]
+            .as_str()
+            .is_some_and(|message| !message.is_empty()),
+        "{body}"
+    );
+    assert!(error["type"].is_string(), "{body}");
+    assert!(
+        error.get("param").is_some() && error.get("code").is_some(),
+        "{body}"
+    );
+    if let Some(param) = param {
+        assert_eq!(error["param"], param, "{body}");
+    }
+}
+
+#[test]
+fn every_bad_input_gets_an_openai_error() {
+    let engine = Engine::start("a", normal());
+    let router = Router::start(&["--backend", &engine.url(), "--max-body-bytes", "2000"]);
+    let post = |path: &str, body: &str| {
+        request(
+            router.addr,
+            "POST",
+            path,
+            &[("content-type", "application/json")],
+            Some(body.as_bytes()),
+        )
+    };
+    let chat = "/v1/chat/completions";
+    assert_openai_error(post(chat, "{not json"), 400, None);
+    assert_openai_error(post(chat, "[1,2]"), 400, None);
+    assert_openai_error(
+        post(chat, r#"{"messages":[{"role":"user","content":"x"}]}"#),
+        400,
+        Some("model"),
+    );
+    assert_openai_error(
+        post(
+            chat,
+            r#"{"model":7,"messages":[{"role":"user","content":"x"}]}"#,
+        ),
+        400,
+        Some("model"),
+    );
+    assert_openai_error(post(chat, r#"{"model":"m"}"#), 400, Some("messages"));
+    assert_openai_error(
+        post(chat, r#"{"model":"m","messages":"hi"}"#),
+        400,
+        Some("messages"),
+    );
+    assert_openai_error(
+        post(chat, r#"{"model":"m","messages":[{"content":"x"}]}"#),
+        400,
+        Some("messages[0].role"),
+    );
+    assert_openai_error(
+        post(
+            chat,
+            r#"{"model":"m","messages":[{"role":"user","content":3}]}"#,
+        ),
+        400,
+        Some("messages[0].content"),
+    );
+    assert_openai_error(
+        post(
+            chat,
+            r#"{"model":"m","stream":"yes","messages":[{"role":"user","content":"x"}]}"#,
+        ),
+        400,
+        Some("stream"),
+    );
+    assert_openai_error(
+        post(
+            chat,
+            r#"{"model":"m","max_tokens":"9","messages":[{"role":"user","content":"x"}]}"#,
+        ),
+        400,
+        Some("max_tokens"),
+    );
+    let completions = "/v1/completions";
+    assert_openai_error(post(completions, r#"{"model":"m"}"#), 400, Some("prompt"));
+    assert_openai_error(
+        post(completions, r#"{"model":"m","prompt":{"a":1}}"#),
+        400,
+        Some("prompt"),
+    );
+    assert_openai_error(
+        post(completions, r#"{"model":"m","prompt":[1,"x"]}"#),
+        400,
+        Some("prompt"),
+    );
+    assert_openai_error(
+        post(completions, r#"{"model":"m","prompt":[-1]}"#),
+        400,
+        Some("prompt"),
+    );
+    let oversized = format!(r#"{{"model":"m","prompt":"{}"}}"#, "x".repeat(5000));
+    assert_openai_error(post(completions, &oversized), 413, None);
+    assert_openai_error(router.get("/v1/nothing"), 404, None);
+    assert_openai_error(router.get("/v1/chat/completions"), 405, None);
+    assert_openai_error(post("/v1/models", "{}"), 405, None);
+    assert_openai_error(
+        request(router.addr, "PUT", "/admin/backends", &[], None),
+        405,
+        None,
+    );
+    assert_eq!(engine.requests(), 0, "no bad request reaches the engine");
+    // Still serving.
+    assert_eq!(
+        router.post_json(chat, &chat_body("fine", false)).status,
+        200
+    );
+}
+
+#[test]
+fn per_core_in_flight_limit_answers_429_with_retry_after() {
+    let engine = Engine::start("gated", Behavior::Gated { chunks: 1 });
+    let router = Router::start_raw(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--shards",
+            "1",
+            "--no-pin",
+            "--backend",
+            &engine.url(),
+            "--max-in-flight-per-core",
+            "1",
+            "--retry-after-seconds",
+            "7",
+        ],
+        &[],
+    );
+    let mut held = router.post_json("/v1/chat/completions", &chat_body("hold", true));
+    assert_eq!(held.status, 200);
+    let rejected = router.post_json("/v1/chat/completions", &chat_body("more", true));
+    assert_eq!(rejected.header("retry-after"), Some("7"));
+    assert_openai_error(rejected, 429, None);
+    engine.release();
+    assert!(held.next_chunk().is_some());
+    let _ = held.body();
+    wait_until("the slot to free up", || {
+        router
+            .post_json("/v1/chat/completions", &chat_body("again", false))
+            .status
+            == 200
+    });
+}
+
+#[test]
+fn models_is_the_union_of_the_backends() {
+    let engines = [Engine::start("a", normal()), Engine::start("b", normal())];
+    let router = Router::start(&[
+        "--backend",
+        &engines[0].url(),
+        "--backend",
+        &engines[1].url(),
+    ]);
+    let models = router.get("/v1/models").json();
+    let mut ids: Vec<String> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|model| model["id"].as_str().unwrap().to_string())
+        .collect();
+    ids.sort();
+    assert_eq!(ids, ["model-a", "model-b", "test-model"]);
+    assert_eq!(router.get("/health").status, 200);
+}
+
+#[test]
+fn metrics_are_served_on_both_listeners() {
+    let engine = Engine::start("a", normal());
+    let metrics_port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let metrics_listen = format!("127.0.0.1:{metrics_port}");
+    let router = Router::start(&[
+        "--backend",
+        &engine.url(),
+        "--metrics-listen",
+        &metrics_listen,
+    ]);
+    assert_eq!(
+        router
+            .post_json("/v1/chat/completions", &chat_body("hi", true))
+            .status,
+        200
+    );
+    let text = router.metrics();
+    for name in [
+        "myelin_requests_total{route=\"/v1/chat/completions\",status=\"200\"}",
+        "myelin_request_ttft_seconds_bucket",
+        "myelin_request_duration_seconds_bucket",
+        "myelin_routing_decision_seconds_bucket",
+        "myelin_tokenize_seconds_bucket",
+        "myelin_backend_selected_total",
+        "myelin_backend_in_flight_requests",
+        "myelin_router_prefix_match_blocks_bucket",
+        "myelin_cross_core_messages_total",
+    ] {
+        assert!(text.contains(name), "missing {name} in\n{text}");
+    }
+    let separate = request(
+        metrics_listen.parse().unwrap(),
+        "GET",
+        "/metrics",
+        &[],
+        None,
+    );
+    assert_eq!(separate.status, 200);
+    assert!(separate.text().contains("myelin_requests_total"));
+}
+
+#[test]
+fn sigterm_drains_in_flight_streams_then_exits_zero() {
+    let engine = Engine::start("gated", Behavior::Gated { chunks: 3 });
+    let mut router = Router::start(&["--backend", &engine.url(), "--drain-timeout-ms", "10000"]);
+    let mut stream = router.post_json("/v1/chat/completions", &chat_body("hi", true));
+    assert_eq!(stream.status, 200);
+    engine.release();
+    assert!(stream.next_chunk().is_some());
+    router.terminate();
+    // New connections are refused once the listeners close.
+    wait_until("the listener to close", || {
+        std::net::TcpStream::connect(router.addr).is_err()
+    });
+    // The stream in flight still completes.
+    engine.release();
+    engine.release();
+    let rest = String::from_utf8(stream.body()).unwrap();
+    assert!(rest.ends_with("data: [DONE]\n\n"), "{rest:?}");
+    let status = router.wait_exit();
+    assert_eq!(status.code(), Some(0));
+}
+
+#[test]
+fn config_file_and_environment_configure_the_server() {
+    let engine = Engine::start("a", normal());
+    let dir = std::env::temp_dir().join(format!("myelin-config-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("myelin.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "listen = \"127.0.0.1:0\"\nshards = 2\nno-pin = true\nrouting = \"least-load\"\nmax-body-bytes = 100\nbackend = [\"{}\"]\n",
+            engine.url()
+        ),
+    )
+    .unwrap();
+    let router = Router::start_raw(
+        &[
+            "serve",
+            "--config",
+            path.to_str().unwrap(),
+            "--max-body-bytes",
+            "300",
+        ],
+        &[("MYELIN_RESIDENCY", "off")],
+    );
+    let line = format!("{}", router.addr);
+    assert!(line.starts_with("127.0.0.1:"));
+    // The flag (300) overrides the file (100).
+    let body = chat_body(&"x".repeat(150), false);
+    assert_eq!(router.post_json("/v1/chat/completions", &body).status, 200);
+    let too_big = chat_body(&"x".repeat(400), false);
+    assert_eq!(
+        router.post_json("/v1/chat/completions", &too_big).status,
+        413
+    );
+    assert_eq!(router.backends()[0]["residency"], "off");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn help_documents_defaults() {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_myelin"))
+        .args(["serve", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8(output.stdout).unwrap();
+    for needle in [
+        "--listen",
+        "[default: 0.0.0.0:8080]",
+        "--routing",
+        "[default: prefix]",
+        "--residency",
+        "[default: auto]",
+        "--backend",
+        "--sim",
+        "--max-body-bytes",
+        "MYELIN_LISTEN",
+    ] {
+        assert!(help.contains(needle), "help lacks {needle}:\n{help}");
+    }
+}
+
+#[test]
+fn bad_configuration_is_reported_not_panicked() {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_myelin"))
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    assert!(stderr.contains("no backends"), "{stderr}");
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_myelin"))
+        .args(["serve", "--backend", "https://x:1"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(
+        String::from_utf8(output.stderr)
+            .unwrap()
+            .contains("http://")
+    );
+}
