@@ -57,7 +57,11 @@ fn corpus() -> Corpus {
     let longs = (0..LONG_PREFIXES)
         .map(|index| random.prompt(&systems[index % SYSTEM_PROMPTS], LONG_TOKENS))
         .collect();
-    Corpus { systems, chats, longs }
+    Corpus {
+        systems,
+        chats,
+        longs,
+    }
 }
 
 fn build_tree(corpus: &Corpus) -> PrefixTree {
@@ -161,7 +165,11 @@ fn benches(criterion: &mut Criterion) {
             now_ms += 1;
             // A new user turn after a shared system prompt: 16 new blocks.
             fresh_chat[SYSTEM_TOKENS] = now_ms as u32;
-            tree.insert(black_box(&fresh_chat), BackendId(now_ms as u32 % BACKENDS), now_ms)
+            tree.insert(
+                black_box(&fresh_chat),
+                BackendId(now_ms as u32 % BACKENDS),
+                now_ms,
+            )
         })
     });
     let mut fresh_long = corpus.longs[1].clone();
@@ -170,7 +178,11 @@ fn benches(criterion: &mut Criterion) {
             now_ms += 1;
             // 496 new blocks after a shared system prompt.
             fresh_long[SYSTEM_TOKENS] = now_ms as u32;
-            tree.insert(black_box(&fresh_long), BackendId(now_ms as u32 % BACKENDS), now_ms)
+            tree.insert(
+                black_box(&fresh_long),
+                BackendId(now_ms as u32 % BACKENDS),
+                now_ms,
+            )
         })
     });
     let mut grown = corpus.longs[2].clone();

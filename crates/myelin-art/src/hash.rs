@@ -118,7 +118,10 @@ fn block_sum_16(block: &[u32; 16]) -> u64 {
 #[inline(always)]
 fn finish(parent: u64, sum: u64, length: u64) -> u64 {
     let block_value = sum.wrapping_add(length.rotate_left(32) ^ FINAL_MIX_C);
-    folded_multiply(block_value ^ parent ^ FINAL_MIX_A, parent.rotate_left(29) ^ FINAL_MIX_B)
+    folded_multiply(
+        block_value ^ parent ^ FINAL_MIX_A,
+        parent.rotate_left(29) ^ FINAL_MIX_B,
+    )
 }
 
 /// Appends the chain hash of every *full* block of `tokens` to `out` (a trailing partial block

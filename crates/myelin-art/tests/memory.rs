@@ -40,7 +40,11 @@ fn representative_tree_stays_within_64_bytes_per_block_per_backend() {
 fn branch_at_every_block_is_the_worst_case() {
     // Each prompt extends a random earlier one by one block: every node is one block long.
     let mut state = 11u64;
-    let mut tree = PrefixTree::new(TreeConfig { block_size: 16, max_blocks: usize::MAX }).unwrap();
+    let mut tree = PrefixTree::new(TreeConfig {
+        block_size: 16,
+        max_blocks: usize::MAX,
+    })
+    .unwrap();
     let mut prompts: Vec<Vec<u32>> = vec![Vec::new()];
     for index in 0..20_000usize {
         let parent = prompts[(next_token(&mut state) as usize) % prompts.len()].clone();

@@ -7,6 +7,7 @@
 pub mod blocking_http;
 pub mod cli;
 pub mod cluster;
+pub mod engine_tokens;
 pub mod gates;
 pub mod legs;
 pub mod loadgen;

@@ -15,6 +15,7 @@ use myelin_http::client::{Pool, PoolConfig};
 use myelin_http::executor::{ExecutorSpec, spawn_executor};
 use myelin_http::sse::SseParser;
 
+use crate::engine_tokens::EngineTokenizer;
 use crate::oracle::{CacheOracle, choose_engine};
 use crate::record::{Outcome, RequestRecord};
 use crate::request_body::{endpoint_path, request_body};
@@ -44,6 +45,8 @@ pub enum Target {
     Oracle {
         engine_urls: Vec<String>,
         oracle: Arc<dyn CacheOracle>,
+        /// Text prompts: how the engines tokenize them (token-id prompts are probed as is).
+        engine_tokenizer: Option<Arc<EngineTokenizer>>,
     },
 }
 
@@ -226,15 +229,25 @@ async fn exchange(shared: &Shared, user: u32, seq: u64, request: PlannedRequest)
         Target::Oracle {
             engine_urls,
             oracle,
+            engine_tokenizer,
         } => {
             let probe_started = Instant::now();
-            let truths = oracle.probe(&request.tokens);
+            // Tokenizing our own words cannot fail; if it did, the planned ids are the best guess.
+            let engine_tokens = engine_tokenizer.as_ref().and_then(|tokenizer| {
+                tokenizer
+                    .engine_tokens(plan.api, plan.prompt, &request, &plan.alphabet)
+                    .ok()
+            });
+            let probe_tokens: &[u32] = engine_tokens.as_deref().unwrap_or(&request.tokens);
+            let truths = oracle.probe(probe_tokens);
             shared
                 .probe_us
                 .borrow_mut()
                 .push(probe_started.elapsed().as_micros() as u64);
-            let engine = choose_engine(request.tokens.len(), &truths, &shared.in_flight.borrow())
-                .unwrap_or(0);
+            // The probe answers for every engine the harness knows (validated: at least one).
+            let engine = choose_engine(probe_tokens.len(), &truths, &shared.in_flight.borrow())
+                .unwrap_or(0)
+                .min(engine_urls.len().saturating_sub(1));
             (format!("{}{path}", engine_urls[engine]), Some(engine))
         }
     };

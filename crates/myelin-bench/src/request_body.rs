@@ -42,15 +42,7 @@ pub fn request_body(
         }
         // Token-id chat is rejected when the workload is validated; render text regardless.
         (Api::Chat, _) => {
-            let split = request.shared_len.min(request.tokens.len());
-            let mut messages = Vec::new();
-            if split > 0 && split < request.tokens.len() {
-                messages.push(serde_json::json!({"role": "system", "content": alphabet.render(&request.tokens[..split])}));
-                messages.push(serde_json::json!({"role": "user", "content": alphabet.render(&request.tokens[split..])}));
-            } else {
-                messages.push(serde_json::json!({"role": "user", "content": alphabet.render(&request.tokens)}));
-            }
-            let _ = write!(body, "\"messages\":{},", serde_json::Value::Array(messages));
+            let _ = write!(body, "\"messages\":{},", chat_messages(request, alphabet));
         }
     }
     let _ = write!(
@@ -60,6 +52,21 @@ pub fn request_body(
         request.output_tokens
     );
     body
+}
+
+/// The chat messages of a planned request: the shared part as the system message, the rest as
+/// the user message (one user message when there is no split).
+pub fn chat_messages(request: &PlannedRequest, alphabet: &TokenAlphabet) -> serde_json::Value {
+    let split = request.shared_len.min(request.tokens.len());
+    let messages = if split > 0 && split < request.tokens.len() {
+        vec![
+            serde_json::json!({"role": "system", "content": alphabet.render(&request.tokens[..split])}),
+            serde_json::json!({"role": "user", "content": alphabet.render(&request.tokens[split..])}),
+        ]
+    } else {
+        vec![serde_json::json!({"role": "user", "content": alphabet.render(&request.tokens)})]
+    };
+    serde_json::Value::Array(messages)
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::cluster::{ClusterError, start_cluster};
+use crate::engine_tokens::EngineTokenizer;
 use crate::gates;
 use crate::legs::{LegError, LegKind, LegSpec, all_legs, leg_order};
 use crate::loadgen::{self, LoadPlan, LoadProgress, Target};
@@ -22,7 +23,7 @@ use crate::router_process::{RouterError, RouterProcess};
 use crate::stats::{self, EngineCounters, LegRun};
 use crate::workload::alphabet::AlphabetError;
 use crate::workload::{
-    Api, Arrival, PromptFormat, TokenAlphabet, Workload, WorkloadConfig, WorkloadError,
+    Arrival, PromptFormat, TokenAlphabet, Workload, WorkloadConfig, WorkloadError,
 };
 use crate::{BenchArgs, blocking_http};
 
@@ -60,11 +61,6 @@ pub enum BenchError {
     LoadGenerator(String),
     #[error("asking engine {url} for its model: {problem}")]
     Model { url: String, problem: String },
-    #[error(
-        "the oracle leg needs api = \"completions\": it probes the engines with the prompt's \
-         exact token ids, which a chat template would change"
-    )]
-    OracleNeedsCompletions,
     #[error("interrupted")]
     Interrupted,
 }
@@ -100,13 +96,8 @@ pub fn run(args: BenchArgs) -> Result<ExitCode, BenchError> {
 fn prepare(args: &BenchArgs) -> Result<RunContext, BenchError> {
     let config = args.workload_config()?;
     let legs = all_legs(&args.legs, &args.external)?;
-    if config.api == Api::Chat && legs.iter().any(|leg| leg.kind == LegKind::Oracle) {
-        return Err(BenchError::OracleNeedsCompletions);
-    }
-    // Text prompts use the bundled tokenizer's single-token words: the simulated engines and
-    // the router tokenize with the same file, and it adds no special tokens to completions
-    // prompts, so the ids the engines cache are exactly the planned ones (the oracle relies
-    // on this; the alphabet's tests check it).
+    // Text prompts use single-token words of the bundled tokenizer, the one the simulated
+    // engines and the router tokenize with, so a prompt planned as N tokens is N tokens there.
     let alphabet = match config.prompt {
         PromptFormat::TokenIds => TokenAlphabet::token_ids(),
         PromptFormat::Text => {
@@ -269,6 +260,10 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
         None => Target::Oracle {
             engine_urls: backends.iter().map(|backend| backend.url.clone()).collect(),
             oracle: cluster.oracle(),
+            engine_tokenizer: match config.prompt {
+                PromptFormat::TokenIds => None,
+                PromptFormat::Text => Some(Arc::new(EngineTokenizer::bundled()?)),
+            },
         },
     };
     let progress = Arc::new(LoadProgress::default());

@@ -233,6 +233,7 @@ fn open_loop_trace_replay_sends_every_line_and_the_oracle_routes_by_truth() {
         Target::Oracle {
             engine_urls: vec![unreachable_engine, fixture.url.clone()],
             oracle: Arc::new(SecondEngineHoldsAll),
+            engine_tokenizer: None,
         },
     )
     .unwrap()

@@ -216,7 +216,8 @@ pub struct ServeArgs {
     #[arg(long, env = "MYELIN_BREAKER_FAILURES", value_name = "N")]
     pub breaker_failures: Option<u32>,
 
-    /// How long an open breaker stays open before one half-open probe request. [default: 5000]
+    /// How long an open breaker stays open before its half-open probe (one GET --health-path;
+    /// success closes it, failure opens it again). [default: 5000]
     #[arg(long, env = "MYELIN_BREAKER_OPEN_MS", value_name = "MS")]
     pub breaker_open_ms: Option<u64>,
 

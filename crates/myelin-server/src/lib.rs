@@ -204,6 +204,8 @@ pub fn start(config: ServeConfig, stop: Arc<AtomicBool>) -> Result<Server, Serve
         }
     }
 
+    // Only the cores hold senders now: a core that dies during startup ends the wait below.
+    drop(ready_sender);
     let (control_ready_sender, control_ready) = mpsc::channel();
     let control_spec = match config.layout.control_cpu {
         Some(cpu) => ExecutorSpec::pinned("myelin-control", cpu),

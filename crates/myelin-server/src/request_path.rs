@@ -238,11 +238,11 @@ async fn generate(
     // Proxy: retried on another backend only before the first response byte.
     let upstream = UpstreamRequest {
         method: Method::POST,
-        path_and_query: parts
-            .uri
-            .path_and_query()
-            .map_or(endpoint.path(), |path| path.as_str())
-            .to_string(),
+        // The canonical path (a trailing slash was accepted), the client's query kept.
+        path_and_query: match parts.uri.query() {
+            Some(query) => format!("{}?{query}", endpoint.path()),
+            None => endpoint.path().to_string(),
+        },
         headers: proxy::end_to_end_headers(&parts.headers),
         body,
     };

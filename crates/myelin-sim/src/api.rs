@@ -40,6 +40,7 @@ pub async fn handle(engine: Rc<LocalEngine>, request: Request<Incoming>) -> Resp
         }
         (Method::POST, "/sim/restart_kv_publisher") => restart_publisher(&engine),
         (Method::GET, "/sim/state") => sim_state(&engine),
+        (Method::GET, "/kv_event_sources") => kv_event_sources(&engine),
         (
             _,
             "/health"
@@ -66,7 +67,11 @@ fn status_only(status: StatusCode) -> Response<Body> {
 }
 
 fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
-    let mut response = Response::new(body::full(value.to_string()));
+    json_text_response(status, value.to_string())
+}
+
+fn json_text_response(status: StatusCode, json: String) -> Response<Body> {
+    let mut response = Response::new(body::full(json));
     *response.status_mut() = status;
     response.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -126,6 +131,28 @@ fn reset_prefix_cache(engine: &LocalEngine) -> Response<Body> {
             "Failed to reset prefix cache: requests still hold KV blocks",
             "Conflict",
         )
+    }
+}
+
+/// vLLM 0.31+: `{dp_rank: KVEventsConfig}` so clients can find the event stream.
+fn kv_event_sources(engine: &LocalEngine) -> Response<Body> {
+    match &engine.shared.kv_source {
+        Some(source) if source.wire != myelin_kv_events::WireVersion::V0_22 => json_response(
+            StatusCode::OK,
+            &json!({
+                "0": {
+                    "enable_kv_cache_events": true,
+                    "publisher": "zmq",
+                    "endpoint": source.endpoint,
+                    "replay_endpoint": source.replay_endpoint,
+                    "buffer_steps": source.buffer_steps,
+                    "hwm": crate::publisher::DEFAULT_HWM,
+                    "max_queue_size": 100_000,
+                    "topic": source.topic,
+                }
+            }),
+        ),
+        _ => error_response(StatusCode::NOT_FOUND, "Not Found", "NotFoundError"),
     }
 }
 
@@ -296,7 +323,7 @@ async fn generate(
         prompt_tokens,
         ..usage
     };
-    let value = match endpoint {
+    let json = match endpoint {
         Endpoint::Completions => openai::completion_response(&head, &finished, usage),
         Endpoint::ChatCompletions => match finished.first() {
             Some(choice) => openai::chat_response(&head, choice, usage),
@@ -311,7 +338,7 @@ async fn generate(
             ),
         },
     };
-    json_response(StatusCode::OK, &value)
+    json_text_response(StatusCode::OK, json)
 }
 
 /// Waits for every choice to finish; `None` when a simulated death cuts the response.
@@ -398,7 +425,7 @@ impl StreamState {
                 }
             }
             usage.completion_tokens += 1;
-            let value = match self.endpoint {
+            let json = match self.endpoint {
                 Endpoint::Completions => {
                     openai::completion_chunk(&self.head, choice, &text, finish_reason)
                 }
@@ -406,7 +433,7 @@ impl StreamState {
                     openai::chat_content_chunk(&self.head, choice, &text, finish_reason)
                 }
             };
-            chunk.push_str(&openai::sse_data(&value));
+            chunk.push_str(&openai::sse_data(&json));
             if sender.send(Bytes::from(chunk)).await.is_err() {
                 return;
             }
@@ -420,11 +447,11 @@ impl StreamState {
         }
         let mut tail = String::new();
         if self.include_usage {
-            let value = match self.endpoint {
+            let json = match self.endpoint {
                 Endpoint::Completions => openai::completion_usage_chunk(&self.head, usage),
                 Endpoint::ChatCompletions => openai::chat_usage_chunk(&self.head, usage),
             };
-            tail.push_str(&openai::sse_data(&value));
+            tail.push_str(&openai::sse_data(&json));
         }
         tail.push_str(openai::SSE_DONE);
         let _ = sender.send(Bytes::from(tail)).await;

@@ -199,7 +199,10 @@ impl BlockPool {
 
     /// Sum of all reference counts.
     pub fn total_references(&self) -> u64 {
-        self.blocks.iter().map(|block| u64::from(block.ref_count)).sum()
+        self.blocks
+            .iter()
+            .map(|block| u64::from(block.ref_count))
+            .sum()
     }
 
     /// Hashes of free cached blocks in eviction order (next evicted first).

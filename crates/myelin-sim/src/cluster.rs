@@ -14,11 +14,11 @@ use glommio::ExecutorJoinHandle;
 use glommio::net::TcpListener;
 use myelin_http::executor::{ExecutorSpec, spawn_executor};
 use myelin_http::server::{ServerConfig, Shutdown, serve};
-use myelin_kv_events::WireVersion;
+use myelin_kv_events::{WireVersion, hash_token_blocks};
 
 use crate::engine::{EngineConfig, EngineCounters, EngineLoad, EngineModel};
 use crate::faults::FaultConfig;
-use crate::host::{EngineShared, LocalEngine};
+use crate::host::{EngineSettings, EngineShared, KvEventSource, LocalEngine};
 use crate::perf::{A100_LLAMA_8B_PROFILE, PROFILE_NAMES, profile_by_name};
 use crate::publisher::{DEFAULT_BUFFER_STEPS, KvPublisher, PublisherConfig, PublisherError};
 use crate::text::{TextError, TextModel};
@@ -162,6 +162,7 @@ pub struct EngineProbe {
 /// N simulated engines running in this process. Dropping it stops them.
 pub struct SimCluster {
     engines: Vec<Arc<EngineShared>>,
+    block_size: usize,
     addresses: Vec<SocketAddr>,
     kv_endpoints: Vec<Option<KvEventEndpoints>>,
     stop: Arc<AtomicBool>,
@@ -278,14 +279,29 @@ impl SimCluster {
                 performance.clone(),
                 text.vocabulary(),
             );
+            let kv_source =
+                config
+                    .kv_events
+                    .as_ref()
+                    .zip(publisher.as_ref())
+                    .map(|(kv, publisher)| KvEventSource {
+                        endpoint: publisher.publish_endpoint().to_string(),
+                        replay_endpoint: publisher.replay_endpoint().map(str::to_string),
+                        topic: kv.topic.clone(),
+                        buffer_steps: kv.buffer_steps,
+                        wire: kv.wire,
+                    });
             engines.push(Arc::new(EngineShared::new(
-                index,
                 model,
-                config.model_name.clone(),
-                config.speedup,
-                config.faults.clone(),
-                publisher,
-                text.clone(),
+                EngineSettings {
+                    index,
+                    model_name: config.model_name.clone(),
+                    speedup: config.speedup,
+                    faults: config.faults.clone(),
+                    publisher,
+                    kv_source,
+                    text: text.clone(),
+                },
             )));
         }
 
@@ -323,6 +339,7 @@ impl SimCluster {
         drop(ready_sender);
         let mut cluster = SimCluster {
             engines,
+            block_size: config.engine.block_size,
             addresses: vec![SocketAddr::new(config.listen_host, 0); config.engines],
             kv_endpoints,
             stop,
@@ -379,12 +396,14 @@ impl SimCluster {
     /// The oracle: for `token_ids`, what each engine truly holds in its prefix cache now and
     /// how much work it has queued. An in-process call that briefly takes each engine's lock.
     pub fn probe(&self, token_ids: &[u32]) -> Vec<EngineProbe> {
+        // Every engine of a cluster shares one configuration: hash the chain once.
+        let block_size = self.block_size.max(1);
+        let chain = hash_token_blocks(token_ids, block_size);
         self.engines
             .iter()
             .map(|engine| {
                 let model = engine.model();
-                let block_size = model.config().block_size;
-                let cached_prefix_tokens = model.cached_prefix_tokens(token_ids);
+                let cached_prefix_tokens = model.cached_prefix_tokens_of_chain(&chain);
                 let cap = token_ids.len().saturating_sub(1) / block_size * block_size;
                 EngineProbe {
                     engine: engine.index,
@@ -495,5 +514,56 @@ async fn run_executor(
     }
     for task in tasks {
         task.await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn a_cluster_can_be_shared_across_threads() {
+        // The harness probes from its own threads while engines run.
+        assert_send_sync::<SimCluster>();
+        assert_send_sync::<EngineProbe>();
+    }
+
+    #[test]
+    fn endpoints_are_connectable() {
+        assert_eq!(
+            connectable("*", "tcp://0.0.0.0:5557"),
+            "tcp://127.0.0.1:5557"
+        );
+        assert_eq!(
+            connectable("127.0.0.1", "tcp://127.0.0.1:41000"),
+            "tcp://127.0.0.1:41000"
+        );
+        assert_eq!(zmq_bind_endpoint("127.0.0.1", 0), "tcp://127.0.0.1:*");
+        assert_eq!(zmq_bind_endpoint("*", 5557), "tcp://*:5557");
+    }
+
+    #[test]
+    fn bad_configurations_are_refused() {
+        for config in [
+            ClusterConfig {
+                engines: 0,
+                ..ClusterConfig::default()
+            },
+            ClusterConfig {
+                speedup: 0.0,
+                ..ClusterConfig::default()
+            },
+            ClusterConfig {
+                profile: "h200".to_string(),
+                ..ClusterConfig::default()
+            },
+        ] {
+            assert!(matches!(
+                SimCluster::start(config),
+                Err(SimError::Config(_))
+            ));
+        }
     }
 }

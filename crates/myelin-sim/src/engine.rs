@@ -437,7 +437,13 @@ impl EngineModel {
     /// chain, not capped by the last-token rule).
     pub fn cached_prefix_tokens(&self, token_ids: &[u32]) -> usize {
         let chain = hash_token_blocks(token_ids, self.config.block_size);
-        self.pool.cached_prefix_blocks(&chain) * self.config.block_size
+        self.cached_prefix_tokens_of_chain(&chain)
+    }
+
+    /// Like [`EngineModel::cached_prefix_tokens`] for an already hashed chain of full blocks
+    /// (of this engine's block size).
+    pub fn cached_prefix_tokens_of_chain(&self, chain: &[BlockHash]) -> usize {
+        self.pool.cached_prefix_blocks(chain) * self.config.block_size
     }
 
     /// Current load.
@@ -1120,12 +1126,22 @@ mod tests {
         }
 
         fn check_invariants(engine: &EngineModel, mirror: &HashMap<u64, usize>) {
-            assert_eq!(&engine.pool().cached_copies(), mirror, "events describe the cache");
-            let held: usize = engine.requests.values().map(|request| request.blocks.len()).sum();
+            assert_eq!(
+                &engine.pool().cached_copies(),
+                mirror,
+                "events describe the cache"
+            );
+            let held: usize = engine
+                .requests
+                .values()
+                .map(|request| request.blocks.len())
+                .sum();
             assert_eq!(engine.pool().total_references(), held as u64);
             assert!(engine.running.len() <= engine.config().max_num_seqs);
             for request in engine.requests.values() {
-                let needed = request.num_computed_tokens.div_ceil(engine.config().block_size);
+                let needed = request
+                    .num_computed_tokens
+                    .div_ceil(engine.config().block_size);
                 assert!(request.blocks.len() >= needed);
             }
         }

@@ -22,6 +22,40 @@ use crate::faults::FaultConfig;
 use crate::publisher::KvPublisher;
 use crate::text::TextModel;
 
+/// How this engine publishes KV events, for `GET /kv_event_sources`.
+#[derive(Clone, Debug)]
+pub struct KvEventSource {
+    /// Bound PUB endpoint.
+    pub endpoint: String,
+    /// Bound replay endpoint.
+    pub replay_endpoint: Option<String>,
+    /// Topic.
+    pub topic: String,
+    /// Replay buffer size.
+    pub buffer_steps: usize,
+    /// Wire layout (the endpoint exists from vLLM 0.31, so 0.22 engines do not serve it).
+    pub wire: myelin_kv_events::WireVersion,
+}
+
+/// Everything about one engine besides its model.
+#[derive(Debug)]
+pub struct EngineSettings {
+    /// Engine index in its cluster.
+    pub index: usize,
+    /// Served model name.
+    pub model_name: String,
+    /// Time divisor.
+    pub speedup: f64,
+    /// Faults to inject.
+    pub faults: FaultConfig,
+    /// The KV-event publisher, when enabled.
+    pub publisher: Option<KvPublisher>,
+    /// Its configuration for `GET /kv_event_sources`.
+    pub kv_source: Option<KvEventSource>,
+    /// Tokenizer, template, output vocabulary.
+    pub text: Arc<TextModel>,
+}
+
 /// Engine state reachable from any thread.
 #[derive(Debug)]
 pub struct EngineShared {
@@ -35,6 +69,8 @@ pub struct EngineShared {
     pub faults: FaultConfig,
     /// The KV-event publisher, when enabled.
     pub publisher: Option<KvPublisher>,
+    /// Its configuration as `GET /kv_event_sources` reports it.
+    pub kv_source: Option<KvEventSource>,
     /// Tokenizer, template, output vocabulary.
     pub text: Arc<TextModel>,
     /// Generation requests received (fault counting).
@@ -45,23 +81,16 @@ pub struct EngineShared {
 }
 
 impl EngineShared {
-    /// Wraps a model.
-    pub fn new(
-        index: usize,
-        model: EngineModel,
-        model_name: String,
-        speedup: f64,
-        faults: FaultConfig,
-        publisher: Option<KvPublisher>,
-        text: Arc<TextModel>,
-    ) -> Self {
+    /// Wraps a model with its engine's settings.
+    pub fn new(model: EngineModel, settings: EngineSettings) -> Self {
         EngineShared {
-            index,
-            model_name,
-            speedup,
-            faults,
-            publisher,
-            text,
+            index: settings.index,
+            model_name: settings.model_name,
+            speedup: settings.speedup,
+            faults: settings.faults,
+            publisher: settings.publisher,
+            kv_source: settings.kv_source,
+            text: settings.text,
             generation_requests: AtomicU64::new(0),
             created_unix_seconds: unix_seconds(),
             model: Mutex::new(model),

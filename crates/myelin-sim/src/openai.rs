@@ -1,6 +1,7 @@
 //! The OpenAI-compatible request bodies the simulator accepts and the JSON it answers with, in
 //! vLLM's exact shapes (field names, `null`s, chunk sequence, usage with cached tokens).
 
+use serde::Serialize;
 use serde_json::{Value, json};
 
 use crate::text::{TextError, TextModel};
@@ -170,15 +171,30 @@ pub struct Usage {
     pub cached_tokens: usize,
 }
 
+/// vLLM's `usage` object, fields in vLLM's order.
+#[derive(Serialize)]
+struct UsageJson {
+    prompt_tokens: usize,
+    total_tokens: usize,
+    completion_tokens: usize,
+    prompt_tokens_details: PromptTokensDetails,
+}
+
+#[derive(Serialize)]
+struct PromptTokensDetails {
+    cached_tokens: usize,
+}
+
 impl Usage {
-    /// vLLM's `usage` object.
-    pub fn to_json(self) -> Value {
-        json!({
-            "prompt_tokens": self.prompt_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "completion_tokens": self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        })
+    fn json(self) -> UsageJson {
+        UsageJson {
+            prompt_tokens: self.prompt_tokens,
+            total_tokens: self.prompt_tokens + self.completion_tokens,
+            completion_tokens: self.completion_tokens,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: self.cached_tokens,
+            },
+        }
     }
 }
 
@@ -204,154 +220,264 @@ pub struct FinishedChoice {
     pub finish_reason: &'static str,
 }
 
+/// Serialises a response struct. These structs hold only strings, numbers and nulls, which
+/// always serialise; an empty object stands in for the impossible failure.
+fn to_json<T: Serialize>(value: &T) -> String {
+    serde_json::to_string(value).unwrap_or_else(|_| "{}".to_string())
+}
+
+/// Always serialises as `null` (vLLM's unset optional fields).
+type Null = Option<()>;
+
+#[derive(Serialize)]
+struct CompletionResponse<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: Vec<CompletionChoice<'a>>,
+    service_tier: Null,
+    system_fingerprint: Null,
+    usage: UsageJson,
+    kv_transfer_params: Null,
+}
+
+#[derive(Serialize)]
+struct CompletionChoice<'a> {
+    index: usize,
+    text: &'a str,
+    logprobs: Null,
+    finish_reason: Option<&'a str>,
+    stop_reason: Null,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_logprobs: Option<Null>,
+}
+
 /// Non-streaming `/v1/completions` response.
-pub fn completion_response(head: &ResponseHead, choices: &[FinishedChoice], usage: Usage) -> Value {
-    let choices: Vec<Value> = choices
-        .iter()
-        .map(|choice| {
-            json!({
-                "index": choice.index,
-                "text": choice.text,
-                "logprobs": null,
-                "finish_reason": choice.finish_reason,
-                "stop_reason": null,
-                "prompt_logprobs": null,
+pub fn completion_response(
+    head: &ResponseHead,
+    choices: &[FinishedChoice],
+    usage: Usage,
+) -> String {
+    to_json(&CompletionResponse {
+        id: &head.id,
+        object: "text_completion",
+        created: head.created,
+        model: &head.model,
+        choices: choices
+            .iter()
+            .map(|choice| CompletionChoice {
+                index: choice.index,
+                text: &choice.text,
+                logprobs: None,
+                finish_reason: Some(choice.finish_reason),
+                stop_reason: None,
+                prompt_logprobs: Some(None),
             })
-        })
-        .collect();
-    json!({
-        "id": head.id,
-        "object": "text_completion",
-        "created": head.created,
-        "model": head.model,
-        "choices": choices,
-        "service_tier": null,
-        "system_fingerprint": null,
-        "usage": usage.to_json(),
-        "kv_transfer_params": null,
+            .collect(),
+        service_tier: None,
+        system_fingerprint: None,
+        usage: usage.json(),
+        kv_transfer_params: None,
     })
+}
+
+#[derive(Serialize)]
+struct ChatResponse<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: [ChatChoice<'a>; 1],
+    service_tier: Null,
+    system_fingerprint: Null,
+    usage: UsageJson,
+    prompt_logprobs: Null,
+    kv_transfer_params: Null,
+}
+
+#[derive(Serialize)]
+struct ChatChoice<'a> {
+    index: usize,
+    message: ChatMessage<'a>,
+    logprobs: Null,
+    finish_reason: &'a str,
+    stop_reason: Null,
+}
+
+#[derive(Serialize)]
+struct ChatMessage<'a> {
+    role: &'static str,
+    content: &'a str,
+    refusal: Null,
+    annotations: Null,
+    audio: Null,
+    function_call: Null,
+    tool_calls: [(); 0],
+    reasoning_content: Null,
 }
 
 /// Non-streaming `/v1/chat/completions` response.
-pub fn chat_response(head: &ResponseHead, choice: &FinishedChoice, usage: Usage) -> Value {
-    json!({
-        "id": head.id,
-        "object": "chat.completion",
-        "created": head.created,
-        "model": head.model,
-        "choices": [{
-            "index": choice.index,
-            "message": {
-                "role": "assistant",
-                "content": choice.text,
-                "refusal": null,
-                "annotations": null,
-                "audio": null,
-                "function_call": null,
-                "tool_calls": [],
-                "reasoning_content": null,
+pub fn chat_response(head: &ResponseHead, choice: &FinishedChoice, usage: Usage) -> String {
+    to_json(&ChatResponse {
+        id: &head.id,
+        object: "chat.completion",
+        created: head.created,
+        model: &head.model,
+        choices: [ChatChoice {
+            index: choice.index,
+            message: ChatMessage {
+                role: "assistant",
+                content: &choice.text,
+                refusal: None,
+                annotations: None,
+                audio: None,
+                function_call: None,
+                tool_calls: [],
+                reasoning_content: None,
             },
-            "logprobs": null,
-            "finish_reason": choice.finish_reason,
-            "stop_reason": null,
+            logprobs: None,
+            finish_reason: choice.finish_reason,
+            stop_reason: None,
         }],
-        "service_tier": null,
-        "system_fingerprint": null,
-        "usage": usage.to_json(),
-        "prompt_logprobs": null,
-        "kv_transfer_params": null,
+        service_tier: None,
+        system_fingerprint: None,
+        usage: usage.json(),
+        prompt_logprobs: None,
+        kv_transfer_params: None,
     })
 }
 
-/// A streamed `/v1/completions` chunk (vLLM serialises every field, `usage: null` included).
+/// A streamed `/v1/completions` chunk or its final usage chunk (vLLM serialises every field).
+#[derive(Serialize)]
+struct CompletionChunk<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: Vec<CompletionChoice<'a>>,
+    usage: Option<UsageJson>,
+}
+
+/// A streamed `/v1/completions` chunk (`usage: null` included, as vLLM does).
 pub fn completion_chunk(
     head: &ResponseHead,
     index: usize,
     text: &str,
     finish_reason: Option<&str>,
-) -> Value {
-    json!({
-        "id": head.id,
-        "object": "text_completion",
-        "created": head.created,
-        "model": head.model,
-        "choices": [{
-            "index": index,
-            "text": text,
-            "logprobs": null,
-            "finish_reason": finish_reason,
-            "stop_reason": null,
+) -> String {
+    to_json(&CompletionChunk {
+        id: &head.id,
+        object: "text_completion",
+        created: head.created,
+        model: &head.model,
+        choices: vec![CompletionChoice {
+            index,
+            text,
+            logprobs: None,
+            finish_reason,
+            stop_reason: None,
+            prompt_logprobs: None,
         }],
-        "usage": null,
+        usage: None,
     })
 }
 
 /// The final usage chunk of a streamed `/v1/completions` (`stream_options.include_usage`).
-pub fn completion_usage_chunk(head: &ResponseHead, usage: Usage) -> Value {
-    json!({
-        "id": head.id,
-        "object": "text_completion",
-        "created": head.created,
-        "model": head.model,
-        "choices": [],
-        "usage": usage.to_json(),
+pub fn completion_usage_chunk(head: &ResponseHead, usage: Usage) -> String {
+    to_json(&CompletionChunk {
+        id: &head.id,
+        object: "text_completion",
+        created: head.created,
+        model: &head.model,
+        choices: Vec::new(),
+        usage: Some(usage.json()),
+    })
+}
+
+/// A streamed chat chunk. vLLM serialises these with `exclude_unset`: `usage` only on the usage
+/// chunk, `stop_reason` only with the finish reason, `role` only on the first delta.
+#[derive(Serialize)]
+struct ChatChunk<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: Vec<ChatChunkChoice<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<UsageJson>,
+}
+
+#[derive(Serialize)]
+struct ChatChunkChoice<'a> {
+    index: usize,
+    delta: Delta<'a>,
+    logprobs: Null,
+    finish_reason: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stop_reason: Option<Null>,
+}
+
+#[derive(Serialize)]
+struct Delta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'static str>,
+    content: &'a str,
+}
+
+fn chat_chunk<'a>(
+    head: &'a ResponseHead,
+    choice: Option<ChatChunkChoice<'a>>,
+    usage: Option<Usage>,
+) -> String {
+    to_json(&ChatChunk {
+        id: &head.id,
+        object: "chat.completion.chunk",
+        created: head.created,
+        model: &head.model,
+        choices: choice.into_iter().collect(),
+        usage: usage.map(Usage::json),
     })
 }
 
 /// The first streamed chat chunk: the assistant role with empty content.
-pub fn chat_role_chunk(head: &ResponseHead, index: usize) -> Value {
-    json!({
-        "id": head.id,
-        "object": "chat.completion.chunk",
-        "created": head.created,
-        "model": head.model,
-        "choices": [{
-            "index": index,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": null,
-            "finish_reason": null,
-        }],
-    })
+pub fn chat_role_chunk(head: &ResponseHead, index: usize) -> String {
+    let choice = ChatChunkChoice {
+        index,
+        delta: Delta {
+            role: Some("assistant"),
+            content: "",
+        },
+        logprobs: None,
+        finish_reason: None,
+        stop_reason: None,
+    };
+    chat_chunk(head, Some(choice), None)
 }
 
-/// A streamed chat content chunk; the last one carries `finish_reason` and `stop_reason`
-/// (vLLM serialises chat chunks with `exclude_unset`, so `stop_reason` only appears there).
+/// A streamed chat content chunk; the last one carries `finish_reason` and `stop_reason`.
 pub fn chat_content_chunk(
     head: &ResponseHead,
     index: usize,
     text: &str,
     finish_reason: Option<&str>,
-) -> Value {
-    let mut choice = json!({
-        "index": index,
-        "delta": {"content": text},
-        "logprobs": null,
-        "finish_reason": finish_reason,
-    });
-    if finish_reason.is_some()
-        && let Some(object) = choice.as_object_mut()
-    {
-        object.insert("stop_reason".to_string(), Value::Null);
-    }
-    json!({
-        "id": head.id,
-        "object": "chat.completion.chunk",
-        "created": head.created,
-        "model": head.model,
-        "choices": [choice],
-    })
+) -> String {
+    let choice = ChatChunkChoice {
+        index,
+        delta: Delta {
+            role: None,
+            content: text,
+        },
+        logprobs: None,
+        finish_reason,
+        stop_reason: finish_reason.map(|_| None),
+    };
+    chat_chunk(head, Some(choice), None)
 }
 
 /// The final usage chunk of a streamed chat.
-pub fn chat_usage_chunk(head: &ResponseHead, usage: Usage) -> Value {
-    json!({
-        "id": head.id,
-        "object": "chat.completion.chunk",
-        "created": head.created,
-        "model": head.model,
-        "choices": [],
-        "usage": usage.to_json(),
-    })
+pub fn chat_usage_chunk(head: &ResponseHead, usage: Usage) -> String {
+    chat_chunk(head, None, Some(usage))
 }
 
 /// vLLM's error body.
@@ -396,9 +522,9 @@ pub fn models_response(model: &str, created: u64, max_model_len: usize) -> Value
     })
 }
 
-/// One SSE event carrying `value`.
-pub fn sse_data(value: &Value) -> String {
-    format!("data: {value}\n\n")
+/// One SSE event carrying the JSON text `json`.
+pub fn sse_data(json: &str) -> String {
+    format!("data: {json}\n\n")
 }
 
 /// The SSE stream terminator.

@@ -99,18 +99,32 @@ fn ttft_matches_public_prefill_throughput() {
 
 #[test]
 fn decode_matches_single_stream_and_batching_gain() {
-    println!("| concurrent streams | context tokens | inter-token latency (ms) | throughput vs 1 stream |");
+    println!(
+        "| concurrent streams | context tokens | inter-token latency (ms) | throughput vs 1 stream |"
+    );
     println!("|---:|---:|---:|---:|");
     let single = inter_token_latency(1, 1000).as_secs_f64() * 1000.0;
-    for (streams, context) in [(1u32, 1000u32), (8, 1000), (32, 1000), (8, 4000), (64, 2000)] {
+    for (streams, context) in [
+        (1u32, 1000u32),
+        (8, 1000),
+        (32, 1000),
+        (8, 4000),
+        (64, 2000),
+    ] {
         let itl = inter_token_latency(streams, context).as_secs_f64() * 1000.0;
         println!(
             "| {streams} | {context} | {itl:.2} | {:.2}x |",
             f64::from(streams) * single / itl
         );
     }
-    assert!((13.0..13.6).contains(&single), "single stream {single:.2} ms (public: 13.3)");
+    assert!(
+        (13.0..13.6).contains(&single),
+        "single stream {single:.2} ms (public: 13.3)"
+    );
     let eight = inter_token_latency(8, 1000).as_secs_f64() * 1000.0;
     let gain = 8.0 * single / eight;
-    assert!((6.0..7.2).contains(&gain), "8 streams give {gain:.2}x (public: about 6.6x)");
+    assert!(
+        (6.0..7.2).contains(&gain),
+        "8 streams give {gain:.2}x (public: about 6.6x)"
+    );
 }

@@ -378,7 +378,10 @@ fn a_client_that_gives_up_on_a_whole_response_aborts_it() {
             },
         )
         .await;
-        assert!(gave_up, "4000 tokens take far longer than 300 ms even at 20x");
+        assert!(
+            gave_up,
+            "4000 tokens take far longer than 300 ms even at 20x"
+        );
         drop(pool);
     });
     let deadline = Instant::now() + SETTLE_TIMEOUT;
@@ -422,4 +425,47 @@ fn injected_faults_fail_and_cut_responses() {
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(error["error"]["code"], 503);
     });
+}
+
+#[test]
+fn several_engines_share_executor_threads_and_keep_separate_caches() {
+    let cluster = SimCluster::start(ClusterConfig {
+        engines: 3,
+        speedup: 100.0,
+        executor_threads: 2,
+        ..ClusterConfig::default()
+    })
+    .expect("cluster starts");
+    let urls = cluster.engine_urls();
+    assert_eq!(urls.len(), 3);
+    let prompt: Vec<u32> = (7000..7100).collect();
+    let target = urls[1].clone();
+    let all = urls.clone();
+    let sent = prompt.clone();
+    on_executor(|pool| async move {
+        for url in all {
+            let (status, _) = send(&pool, Method::GET, format!("{url}/health"), None).await;
+            assert_eq!(status, StatusCode::OK);
+        }
+        let (status, _) = post_json(
+            &pool,
+            format!("{target}/v1/completions"),
+            json!({"prompt": sent, "max_tokens": 1}),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+    });
+    let probes = cluster.probe(&prompt);
+    let cached: Vec<usize> = probes
+        .iter()
+        .map(|probe| probe.cached_prefix_tokens)
+        .collect();
+    assert_eq!(
+        cached,
+        vec![0, 96, 0],
+        "only engine 1 holds the prompt's 6 full blocks"
+    );
+    let counters = cluster.counters();
+    assert_eq!(counters[1].prefix_cache_queries, 100);
+    assert_eq!(counters[0].prefix_cache_queries, 0);
 }

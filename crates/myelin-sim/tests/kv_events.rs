@@ -143,6 +143,34 @@ fn run_requests(cluster: &SimCluster, prompts: &[Vec<u32>], reset: bool) {
         });
 }
 
+/// `GET /kv_event_sources` (vLLM 0.31+): status and body.
+fn kv_event_sources(cluster: &SimCluster) -> (StatusCode, Value) {
+    let url = format!("{}/kv_event_sources", cluster.engine_urls()[0]);
+    glommio::LocalExecutorBuilder::default()
+        .io_memory(DEFAULT_IO_MEMORY_BYTES)
+        .make()
+        .expect("executor")
+        .run(async move {
+            let pool = Pool::new(PoolConfig::default());
+            let request = Request::builder()
+                .uri(url)
+                .body(body::empty())
+                .expect("request");
+            let response = pool.send(request).await.expect("response");
+            let status = response.status();
+            let bytes = response
+                .into_body()
+                .collect()
+                .await
+                .expect("body")
+                .to_bytes();
+            (
+                status,
+                serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+            )
+        })
+}
+
 fn range(start: u32, end: u32) -> Vec<u32> {
     (start..end).collect()
 }
@@ -270,6 +298,23 @@ fn check_message(message: &Value, seq: i64, wire: WireVersion, with_topic: bool)
 
 fn check_wire_version(wire: WireVersion) {
     let cluster = cluster(wire, FaultConfig::default());
+    let (status, sources) = kv_event_sources(&cluster);
+    match wire {
+        WireVersion::V0_22 => assert_eq!(status, StatusCode::NOT_FOUND, "added in vLLM 0.31"),
+        WireVersion::V0_33 => {
+            assert_eq!(status, StatusCode::OK);
+            assert_eq!(sources["0"]["topic"], TOPIC);
+            let port = cluster.kv_event_endpoints()[0]
+                .as_ref()
+                .and_then(|endpoints| endpoints.publish.rsplit(':').next().map(str::to_string))
+                .expect("endpoint");
+            assert!(
+                sources["0"]["endpoint"]
+                    .as_str()
+                    .is_some_and(|e| e.ends_with(&port))
+            );
+        }
+    }
     let mut decoder = Decoder::start(&cluster, wire);
     run_requests(&cluster, &scenario_prompts(), true);
 

@@ -1,0 +1,84 @@
+//! The token ids an engine computes for a text request, for the oracle's probe: the simulated
+//! engines tokenize completions prompts with special tokens, and render chat messages with the
+//! ChatML template before tokenizing without them (crates/myelin-sim, text.rs); this does the
+//! same with the same bundled files.
+
+use myelin_tokenize::{ChatTemplate, TokenizeError, Tokenizer};
+
+use crate::request_body::chat_messages;
+use crate::workload::{Api, PlannedRequest, PromptFormat, TokenAlphabet};
+
+/// Tokenizes requests the way the simulated engines do.
+pub struct EngineTokenizer {
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+}
+
+impl EngineTokenizer {
+    /// The bundled tokenizer and the ChatML template (the simulated engines' defaults).
+    pub fn bundled() -> Result<Self, TokenizeError> {
+        Ok(Self {
+            tokenizer: Tokenizer::bundled()?,
+            template: ChatTemplate::chatml(),
+        })
+    }
+
+    /// The prompt token ids an engine will compute for `request`.
+    pub fn engine_tokens(
+        &self,
+        api: Api,
+        format: PromptFormat,
+        request: &PlannedRequest,
+        alphabet: &TokenAlphabet,
+    ) -> Result<Vec<u32>, String> {
+        match (api, format) {
+            (Api::Completions, PromptFormat::TokenIds) => Ok(request.tokens.clone()),
+            (Api::Completions, PromptFormat::Text) => self
+                .tokenizer
+                .encode(&alphabet.render(&request.tokens), true)
+                .map_err(|error| error.to_string()),
+            (Api::Chat, _) => {
+                let rendered = self
+                    .template
+                    .render(&chat_messages(request, alphabet), true)
+                    .map_err(|error| error.to_string())?;
+                self.tokenizer
+                    .encode(&rendered, false)
+                    .map_err(|error| error.to_string())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_completions_tokenize_to_the_planned_ids_and_chat_adds_the_template() {
+        let engine = EngineTokenizer::bundled().unwrap();
+        let path = myelin_tokenize::bundled_tokenizer_path().unwrap();
+        let alphabet = TokenAlphabet::words_from_tokenizer(&path).unwrap();
+        let request = PlannedRequest {
+            tokens: (0..300)
+                .map(|draw| alphabet.pick(crate::rng::draw(1, 2, draw)))
+                .collect(),
+            shared_len: 200,
+            output_tokens: 1,
+            label: 0,
+        };
+        let completions = engine
+            .engine_tokens(Api::Completions, PromptFormat::Text, &request, &alphabet)
+            .unwrap();
+        assert!(completions.ends_with(&request.tokens));
+        let chat = engine
+            .engine_tokens(Api::Chat, PromptFormat::Text, &request, &alphabet)
+            .unwrap();
+        assert!(chat.len() > request.tokens.len());
+        // The system message's words appear verbatim in the templated ids.
+        assert!(
+            chat.windows(200)
+                .any(|window| window == &request.tokens[..200])
+        );
+    }
+}

@@ -1,0 +1,134 @@
+//! Criterion benchmarks of the routing core: shard lookup (tree + verified mirror) and the
+//! scoring decision, for 512- and 8,192-token prompts over a shard holding 100k prefixes.
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use myelin_routing::{
+    BackendId, BackendState, BackendView, Policy, ResidencyMode, Router, RouterConfig, Shard,
+    ShardConfig,
+};
+
+const BLOCK_SIZE: u32 = 16;
+const SYSTEM_PROMPTS: usize = 256;
+const SYSTEM_TOKENS: usize = 256;
+const CHAT_PREFIXES: usize = 98_000;
+const CHAT_TOKENS: usize = 512;
+const LONG_PREFIXES: usize = 2_000;
+const LONG_TOKENS: usize = 8_192;
+const BACKENDS: u32 = 8;
+
+/// xorshift64* (Vigna 2016).
+struct Tokens(u64);
+
+impl Tokens {
+    fn next(&mut self) -> u32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40) as u32 % 128_000
+    }
+
+    fn prompt(&mut self, system: &[u32], total: usize) -> Vec<u32> {
+        let mut tokens = system.to_vec();
+        while tokens.len() < total {
+            tokens.push(self.next());
+        }
+        tokens
+    }
+}
+
+fn benches(criterion: &mut Criterion) {
+    let mut random = Tokens(0x2545_f491_4f6c_dd1d);
+    let systems: Vec<Vec<u32>> = (0..SYSTEM_PROMPTS)
+        .map(|_| random.prompt(&[], SYSTEM_TOKENS))
+        .collect();
+    let chats: Vec<Vec<u32>> = (0..CHAT_PREFIXES)
+        .map(|index| random.prompt(&systems[index % SYSTEM_PROMPTS], CHAT_TOKENS))
+        .collect();
+    let longs: Vec<Vec<u32>> = (0..LONG_PREFIXES)
+        .map(|index| random.prompt(&systems[index % SYSTEM_PROMPTS], LONG_TOKENS))
+        .collect();
+    let mut shard = Shard::new(ShardConfig {
+        block_size: BLOCK_SIZE,
+        max_blocks: 4 << 20,
+    })
+    .expect("valid config");
+    for (index, prompt) in chats.iter().chain(&longs).enumerate() {
+        let backend = BackendId(index as u32 % BACKENDS);
+        let chain = shard.chain(prompt);
+        shard
+            .learn_chain(&chain, backend, index as u64, 0)
+            .expect("same block size");
+        // Half the backends publish KV events: mirror what they were routed.
+        if backend.0 < BACKENDS / 2 {
+            for &hash in chain.hashes() {
+                shard.apply_block_stored(backend, hash);
+            }
+        }
+    }
+    for backend in 0..BACKENDS / 2 {
+        shard.set_mirror_live(BackendId(backend), true);
+    }
+    eprintln!(
+        "shard: {} stored blocks, {} mirrored blocks, {} bytes",
+        shard.tree_stats().stored_blocks,
+        shard.mirror().block_count(),
+        shard.memory_bytes()
+    );
+
+    // Long prompt 8 was routed to backend 0 (mirror live): the verified walk covers all of it.
+    let chat = &chats[8];
+    let long = &longs[8];
+    let chat_chain = shard.chain(chat);
+    let long_chain = shard.chain(long);
+    let views: Vec<BackendView> = (0..BACKENDS)
+        .map(|id| BackendView::new(BackendId(id), BackendState::Up, u64::from(id) * 300))
+        .collect();
+    let many_views: Vec<BackendView> = (0..64)
+        .map(|id| BackendView::new(BackendId(id), BackendState::Up, u64::from(id) * 37))
+        .collect();
+
+    let mut group = criterion.benchmark_group("routing");
+    group.bench_function("shard_lookup/512_tokens_prehashed", |bench| {
+        bench.iter(|| shard.lookup_chain(black_box(&chat_chain), 1))
+    });
+    group.bench_function("shard_lookup/8192_tokens_prehashed", |bench| {
+        bench.iter(|| shard.lookup_chain(black_box(&long_chain), 1))
+    });
+    group.bench_function("shard_lookup/8192_tokens_from_tokens", |bench| {
+        bench.iter(|| shard.lookup(black_box(long), 1))
+    });
+    let chat_match = shard.lookup_chain(&chat_chain, 1).expect("same block size");
+    let long_match = shard.lookup_chain(&long_chain, 1).expect("same block size");
+    let mut router = Router::new(Policy::Prefix, ResidencyMode::Auto, RouterConfig::default());
+    group.bench_function("decide/prefix_auto_8_backends_512_tokens", |bench| {
+        bench.iter(|| router.decide(512, black_box(&chat_match), black_box(&views)))
+    });
+    group.bench_function("decide/prefix_auto_8_backends_8192_tokens", |bench| {
+        bench.iter(|| router.decide(8192, black_box(&long_match), black_box(&views)))
+    });
+    group.bench_function("decide/prefix_auto_64_backends_8192_tokens", |bench| {
+        bench.iter(|| router.decide(8192, black_box(&long_match), black_box(&many_views)))
+    });
+    let mut round_robin = Router::new(
+        Policy::RoundRobin,
+        ResidencyMode::Off,
+        RouterConfig::default(),
+    );
+    group.bench_function("decide/round_robin_8_backends", |bench| {
+        bench.iter(|| round_robin.decide(512, black_box(&chat_match), black_box(&views)))
+    });
+    group.finish();
+}
+
+criterion_group! {
+    name = routing;
+    config = Criterion::default()
+        .sample_size(30)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
+    targets = benches
+}
+criterion_main!(routing);
