@@ -39,7 +39,7 @@ impl Tokens {
 }
 
 /// 100k prefixes: 98k chats (one of 256 system prompts + a user turn, 512 tokens) and 2k long
-/// conversations (8,192 tokens), spread over 8 backends.
+/// conversations (8,192 tokens), spread over 8 backends so each system prompt is held by all 8.
 struct Corpus {
     systems: Vec<Vec<u32>>,
     chats: Vec<Vec<u32>>,
@@ -71,9 +71,15 @@ fn build_tree(corpus: &Corpus) -> PrefixTree {
     })
     .expect("valid config");
     for (index, prompt) in corpus.chats.iter().chain(&corpus.longs).enumerate() {
-        tree.insert(prompt, BackendId(index as u32 % BACKENDS), index as u64);
+        tree.insert(prompt, backend_of(index), index as u64);
     }
     tree
+}
+
+/// Prefix `index` goes to this backend: consecutive users of one system prompt land on
+/// different backends, so shared blocks carry several entries.
+fn backend_of(index: usize) -> BackendId {
+    BackendId((index / SYSTEM_PROMPTS) as u32 % BACKENDS)
 }
 
 fn benches(criterion: &mut Criterion) {
@@ -122,7 +128,7 @@ fn benches(criterion: &mut Criterion) {
         for block in prompt.chunks_exact(BLOCK_SIZE as usize) {
             parent = chain_hash(parent, block);
             let holders = flat.entry(parent).or_default();
-            let backend = BackendId(index as u32 % BACKENDS);
+            let backend = backend_of(index);
             if !holders.contains(&backend) {
                 holders.push(backend);
             }
@@ -156,7 +162,7 @@ fn benches(criterion: &mut Criterion) {
     drop(tree_at_bound);
     let tree = &mut tree;
     for (index, prompt) in corpus.chats.iter().chain(&corpus.longs).enumerate() {
-        tree.insert(prompt, BackendId(index as u32 % BACKENDS), index as u64);
+        tree.insert(prompt, backend_of(index), index as u64);
     }
     let mut now_ms = 1_000_000u64;
     let mut fresh_chat = corpus.chats[1].clone();

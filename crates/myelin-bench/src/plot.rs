@@ -130,6 +130,8 @@ pub fn ttft_cdf(path: &Path, legs: &[LegSeries], title: &str) -> Result<(), Plot
         .configure_mesh()
         .x_desc("TTFT (ms, simulated time, log scale)")
         .y_desc("fraction of requests")
+        .x_label_formatter(&|value| format!("{value:.0}"))
+        .y_label_formatter(&|value| format!("{value:.1}"))
         .label_style(("sans-serif", 16))
         .axis_desc_style(("sans-serif", 18))
         .draw()
@@ -194,6 +196,8 @@ pub fn ttft_over_time(
             "time into the leg (s, simulated; {window_s:.0} s windows)"
         ))
         .y_desc("TTFT P99 (ms, simulated)")
+        .x_label_formatter(&|value| format!("{value:.0}"))
+        .y_label_formatter(&|value| format!("{value:.0}"))
         .label_style(("sans-serif", 16))
         .axis_desc_style(("sans-serif", 18))
         .draw()

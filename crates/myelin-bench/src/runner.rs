@@ -140,15 +140,16 @@ fn prepare(args: &BenchArgs) -> Result<RunContext, BenchError> {
 
 fn run_all_legs(context: &RunContext) -> Result<Vec<LegRun>, BenchError> {
     let config = &context.config;
+    let traffic_s = context.workload.traffic_s(config.duration_s);
     eprintln!(
-        "myelin bench: workload {} ({}), {} engines, speedup {}, {} simulated s per leg (~{:.0} wall s), legs: {}{}; \
-         output in {}",
+        "myelin bench: workload {} ({}), {} engines, speedup {}, {:.0} simulated s of traffic per leg \
+         (~{:.0} wall s), legs: {}{}; output in {}",
         config.name,
-        config.description,
+        context.workload.describe(),
         config.cluster.engines,
         config.cluster.speedup,
-        config.duration_s,
-        config.wall_duration_s(),
+        traffic_s,
+        traffic_s / config.cluster.speedup,
         context
             .legs
             .iter()
@@ -202,7 +203,8 @@ fn file_safe(name: &str) -> String {
 }
 
 fn progress_bar(context: &RunContext, leg: &LegSpec, repeat: u32) -> ProgressBar {
-    let wall_ms = (context.config.wall_duration_s() * 1000.0) as u64;
+    let traffic_s = context.workload.traffic_s(context.config.duration_s);
+    let wall_ms = (traffic_s / context.config.cluster.speedup * 1000.0) as u64;
     let bar = ProgressBar::with_draw_target(
         Some(wall_ms.max(1)),
         if context.show_progress {
@@ -282,6 +284,7 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
     let handle = loadgen::start(plan, target)
         .map_err(io_error("starting", Path::new("the load generator")))?;
 
+    let traffic_wall_s = context.workload.traffic_s(config.duration_s) / speedup;
     let bar = progress_bar(context, leg, repeat);
     let started = Instant::now();
     let warmup_wall = Duration::from_secs_f64(config.warmup_s / speedup);
@@ -306,7 +309,7 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
                 .load(Ordering::Relaxed)
                 .saturating_sub(progress.completed.load(Ordering::Relaxed)),
             progress.errors.load(Ordering::Relaxed),
-            if elapsed.as_secs_f64() > config.wall_duration_s() {
+            if elapsed.as_secs_f64() > traffic_wall_s {
                 " (draining)"
             } else {
                 ""

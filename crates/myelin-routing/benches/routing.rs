@@ -39,6 +39,12 @@ impl Tokens {
     }
 }
 
+/// Prefix `index` goes to this backend: consecutive users of one system prompt land on
+/// different backends, so shared blocks carry several entries.
+fn backend_of(index: usize) -> BackendId {
+    BackendId((index / SYSTEM_PROMPTS) as u32 % BACKENDS)
+}
+
 fn benches(criterion: &mut Criterion) {
     let mut random = Tokens(0x2545_f491_4f6c_dd1d);
     let systems: Vec<Vec<u32>> = (0..SYSTEM_PROMPTS)
@@ -56,7 +62,7 @@ fn benches(criterion: &mut Criterion) {
     })
     .expect("valid config");
     for (index, prompt) in chats.iter().chain(&longs).enumerate() {
-        let backend = BackendId(index as u32 % BACKENDS);
+        let backend = backend_of(index);
         let chain = shard.chain(prompt);
         shard
             .learn_chain(&chain, backend, index as u64, 0)
@@ -78,9 +84,11 @@ fn benches(criterion: &mut Criterion) {
         shard.memory_bytes()
     );
 
-    // Long prompt 8 was routed to backend 0 (mirror live): the verified walk covers all of it.
+    // Both were routed to backend 0 (mirror live): the verified walk covers all their blocks.
     let chat = &chats[8];
-    let long = &longs[8];
+    let long = &longs[400];
+    assert_eq!(backend_of(8), BackendId(0));
+    assert_eq!(backend_of(CHAT_PREFIXES + 400), BackendId(0));
     let chat_chain = shard.chain(chat);
     let long_chain = shard.chain(long);
     let views: Vec<BackendView> = (0..BACKENDS)

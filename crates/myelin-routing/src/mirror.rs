@@ -27,7 +27,71 @@ impl Hasher for ChainHashKeyHasher {
 }
 
 /// Copies of one block per backend (vLLM can hold several physical copies of one hash).
-type Holders = Vec<(BackendId, u32)>;
+/// Almost every block has one holder: that case lives inline, with no allocation.
+#[derive(Debug, Clone)]
+enum Holders {
+    One(BackendId, u32),
+    Many(Vec<(BackendId, u32)>),
+}
+
+impl Holders {
+    fn contains(&self, backend: BackendId) -> bool {
+        match self {
+            Holders::One(holder, _) => *holder == backend,
+            Holders::Many(holders) => holders.iter().any(|(holder, _)| *holder == backend),
+        }
+    }
+
+    fn add_copy(&mut self, backend: BackendId) {
+        match self {
+            Holders::One(holder, copies) if *holder == backend => {
+                *copies = copies.saturating_add(1);
+            }
+            Holders::One(holder, copies) => {
+                *self = Holders::Many(vec![(*holder, *copies), (backend, 1)]);
+            }
+            Holders::Many(holders) => {
+                match holders.iter_mut().find(|(holder, _)| *holder == backend) {
+                    Some((_, copies)) => *copies = copies.saturating_add(1),
+                    None => holders.push((backend, 1)),
+                }
+            }
+        }
+    }
+
+    /// Drops one copy (or all copies with `all`); returns whether anyone still holds it.
+    fn drop_copy(&mut self, backend: BackendId, all: bool) -> bool {
+        match self {
+            Holders::One(holder, copies) => {
+                if *holder == backend {
+                    *copies = if all { 0 } else { copies.saturating_sub(1) };
+                }
+                *copies > 0
+            }
+            Holders::Many(holders) => {
+                if let Some(position) = holders.iter().position(|(holder, _)| *holder == backend) {
+                    let copies = &mut holders[position].1;
+                    *copies = if all { 0 } else { copies.saturating_sub(1) };
+                    if *copies == 0 {
+                        holders.swap_remove(position);
+                    }
+                }
+                if let [(holder, copies)] = holders.as_slice() {
+                    *self = Holders::One(*holder, *copies);
+                    return true;
+                }
+                !holders.is_empty()
+            }
+        }
+    }
+
+    fn heap_bytes(&self) -> usize {
+        match self {
+            Holders::One(..) => 0,
+            Holders::Many(holders) => holders.capacity() * std::mem::size_of::<(BackendId, u32)>(),
+        }
+    }
+}
 
 /// Per block chain hash, which backends hold how many copies; per backend, whether its event
 /// stream is live (in sync) so its mirror may be trusted.
@@ -60,11 +124,10 @@ impl ResidencyMirror {
 
     /// `backend` stored one copy of the block with chain hash `block_hash`.
     pub fn block_stored(&mut self, backend: BackendId, block_hash: u64) {
-        let holders = self.blocks.entry(block_hash).or_default();
-        match holders.iter_mut().find(|(holder, _)| *holder == backend) {
-            Some((_, copies)) => *copies = copies.saturating_add(1),
-            None => holders.push((backend, 1)),
-        }
+        self.blocks
+            .entry(block_hash)
+            .and_modify(|holders| holders.add_copy(backend))
+            .or_insert(Holders::One(backend, 1));
     }
 
     /// `backend` evicted one copy of the block; unknown blocks are ignored.
@@ -72,30 +135,22 @@ impl ResidencyMirror {
         let Some(holders) = self.blocks.get_mut(&block_hash) else {
             return;
         };
-        if let Some(position) = holders.iter().position(|(holder, _)| *holder == backend) {
-            holders[position].1 -= 1;
-            if holders[position].1 == 0 {
-                holders.swap_remove(position);
-            }
-        }
-        if holders.is_empty() {
+        if !holders.drop_copy(backend, false) {
             self.blocks.remove(&block_hash);
         }
     }
 
     /// Drops every block of `backend` (vLLM AllBlocksCleared, or a mirror being rebuilt).
     pub fn clear_backend(&mut self, backend: BackendId) {
-        self.blocks.retain(|_, holders| {
-            holders.retain(|(holder, _)| *holder != backend);
-            !holders.is_empty()
-        });
+        self.blocks
+            .retain(|_, holders| holders.drop_copy(backend, true));
     }
 
     /// Whether `backend` holds the block.
     pub fn holds(&self, backend: BackendId, block_hash: u64) -> bool {
         self.blocks
             .get(&block_hash)
-            .is_some_and(|holders| holders.iter().any(|(holder, _)| *holder == backend))
+            .is_some_and(|holders| holders.contains(backend))
     }
 
     /// For each live backend, how many leading blocks of `chain` it holds (stops at the first
@@ -111,7 +166,7 @@ impl ResidencyMirror {
             let holders = self.blocks.get(&block_hash);
             still_matching.retain(|&index| {
                 let backend = prefixes[index].0;
-                let held = holders.is_some_and(|h| h.iter().any(|(holder, _)| *holder == backend));
+                let held = holders.is_some_and(|holders| holders.contains(backend));
                 if held {
                     prefixes[index].1 += 1;
                 }
@@ -134,11 +189,7 @@ impl ResidencyMirror {
         };
         std::mem::size_of::<Self>()
             + buckets * (std::mem::size_of::<(u64, Holders)>() + 1)
-            + self
-                .blocks
-                .values()
-                .map(|holders| holders.capacity() * std::mem::size_of::<(BackendId, u32)>())
-                .sum::<usize>()
+            + self.blocks.values().map(Holders::heap_bytes).sum::<usize>()
             + self.live.len() * std::mem::size_of::<BackendId>() * 2
     }
 }

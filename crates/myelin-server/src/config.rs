@@ -33,6 +33,7 @@ impl Defaults {
     pub const BREAKER_FAILURES: u32 = 5;
     pub const BREAKER_OPEN_MS: u64 = 5_000;
     pub const DRAIN_TIMEOUT_MS: u64 = 30_000;
+    pub const TOKENIZE_PREFIX_BYTES: usize = 2048;
     pub const TOKENIZE_CACHE_BYTES: usize = 16 * 1024 * 1024;
     pub const SIM_SPEEDUP: f64 = 1.0;
     pub const LOAD_BOUND_TOKENS: u64 = myelin_routing::DEFAULT_LOAD_BOUND_TOKENS;
@@ -231,6 +232,11 @@ pub struct ServeArgs {
     #[arg(long, env = "MYELIN_TOKENIZE_CACHE_BYTES", value_name = "BYTES")]
     pub tokenize_cache_bytes: Option<usize>,
 
+    /// Tokenize only this many leading bytes of a prompt first; the rest only when the prefix
+    /// matches some backend to its end. 0 always tokenizes whole prompts. [default: 2048]
+    #[arg(long, env = "MYELIN_TOKENIZE_PREFIX_BYTES", value_name = "BYTES")]
+    pub tokenize_prefix_bytes: Option<usize>,
+
     /// Prefix policy: load differences up to this many tokens are treated as noise (a
     /// backend's load counts only beyond the least-loaded one's plus this); 0 means pure
     /// expected-cost scoring. [default: 2048]
@@ -272,6 +278,7 @@ pub struct FileConfig {
     pub breaker_open_ms: Option<u64>,
     pub drain_timeout_ms: Option<u64>,
     pub tokenize_cache_bytes: Option<usize>,
+    pub tokenize_prefix_bytes: Option<usize>,
     pub load_bound_tokens: Option<u64>,
 }
 
@@ -322,6 +329,7 @@ pub struct ServeConfig {
     pub health: HealthConfig,
     pub drain_timeout: Duration,
     pub tokenize_cache_bytes: usize,
+    pub tokenize_prefix_bytes: usize,
     pub load_bound_tokens: u64,
 }
 
@@ -542,6 +550,10 @@ impl ServeConfig {
                 .tokenize_cache_bytes
                 .or(file.tokenize_cache_bytes)
                 .unwrap_or(Defaults::TOKENIZE_CACHE_BYTES),
+            tokenize_prefix_bytes: args
+                .tokenize_prefix_bytes
+                .or(file.tokenize_prefix_bytes)
+                .unwrap_or(Defaults::TOKENIZE_PREFIX_BYTES),
             load_bound_tokens: args
                 .load_bound_tokens
                 .or(file.load_bound_tokens)

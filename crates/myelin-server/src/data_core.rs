@@ -131,6 +131,7 @@ pub async fn run_data_core(setup: DataCoreSetup) -> ServeReport {
         setup.template,
         setup.added_tokens,
         setup.config.tokenize_cache_bytes,
+        setup.config.block_size,
     );
     let shutdown = Shutdown::new();
     shutdown.follow(setup.stop.clone(), STOP_POLL_INTERVAL);

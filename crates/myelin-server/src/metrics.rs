@@ -13,6 +13,9 @@ pub const REQUEST_DURATION_SECONDS: &str = "myelin_request_duration_seconds";
 pub const ROUTING_DECISION_SECONDS: &str = "myelin_routing_decision_seconds";
 /// Time to render the chat template and tokenize a prompt.
 pub const TOKENIZE_SECONDS: &str = "myelin_tokenize_seconds";
+/// Prompts tokenized, by `extent`: `whole` (short or token ids), `prefix` (only the leading
+/// `--tokenize-prefix-bytes`: its match ended before its end), `prefix_then_whole`.
+pub const TOKENIZE_PROMPTS_TOTAL: &str = "myelin_tokenize_prompts_total";
 /// Prompt segments whose token ids came from the per-core cache.
 pub const TOKENIZE_CACHED_SEGMENTS_TOTAL: &str = "myelin_tokenize_cached_segments_total";
 /// Prompt segments tokenized afresh.
@@ -99,6 +102,10 @@ fn describe() {
         TOKENIZE_SECONDS,
         Unit::Seconds,
         "Template rendering plus tokenization."
+    );
+    describe_counter!(
+        TOKENIZE_PROMPTS_TOTAL,
+        "Prompts tokenized, by how much of them."
     );
     describe_counter!(
         TOKENIZE_CACHED_SEGMENTS_TOTAL,

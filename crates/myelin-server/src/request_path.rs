@@ -21,6 +21,7 @@ use crate::metrics as names;
 use crate::openai::{ApiError, Endpoint, GenerationRequest, parse_generation_request};
 use crate::proxy::{self, Attempt, BACKEND_HEADER, FailedAttempt, UpstreamRequest};
 use crate::relay::{RelayBody, RelayObserver, StreamEnd};
+use crate::routing_glue::deepest_match;
 
 /// Output tokens assumed for load accounting when a request sets no `max_tokens`.
 const DEFAULT_EXPECTED_OUTPUT_TOKENS: u64 = 256;
@@ -200,40 +201,69 @@ async fn generate(
         Err(error) => return error_response(&error),
     };
 
-    // Tokenize: the chat template and the tokenizer, with the per-core segment cache.
+    // Tokenize: render the chat template, then tokenize only the prompt's leading
+    // `--tokenize-prefix-bytes` (with the per-core segment cache): a prefix that matches
+    // nothing to its end cannot match further, so that is all routing needs.
     let tokenize_started = Instant::now();
+    let prefix_limit = Some(core.config.tokenize_prefix_bytes).filter(|&limit| limit > 0);
     let tokenized = core
         .tokenizer
-        .borrow_mut()
-        .prompt_tokens(&generation.prompt);
-    let (prompt_tokens, stats) = match tokenized {
+        .borrow()
+        .render(&generation.prompt)
+        .and_then(|rendered| {
+            let tokens = core
+                .tokenizer
+                .borrow_mut()
+                .tokens(&rendered, prefix_limit)?;
+            Ok((rendered, tokens))
+        });
+    let (rendered, mut tokens) = match tokenized {
         Ok(tokenized) => tokenized,
-        Err(error) => {
-            return error_response(&ApiError::invalid_request(
-                format!("cannot tokenize the prompt: {error}"),
-                None,
-                "invalid_prompt",
-            ));
-        }
+        Err(error) => return error_response(&tokenize_error(&error)),
     };
-    metrics::histogram!(names::TOKENIZE_SECONDS).record(tokenize_started.elapsed().as_secs_f64());
-    metrics::counter!(names::TOKENIZE_CACHED_SEGMENTS_TOTAL)
-        .increment(stats.cached_segments.into());
-    metrics::counter!(names::TOKENIZE_SEGMENTS_TOTAL).increment(stats.tokenized_segments.into());
+    let mut tokenize_time = tokenize_started.elapsed();
+    let mut extent = if tokens.complete { "whole" } else { "prefix" };
 
     // Lookup: the shard owning the first block answers with every backend's match.
-    let decision_started = Instant::now();
-    let (owner, query) = core.routing.borrow().query(&prompt_tokens);
-    let answer = core.lookup(owner, query.clone()).await;
+    let lookup_started = Instant::now();
+    let (mut owner, mut query) = core.routing.borrow().query(&tokens.ids);
+    let mut answer = core.lookup(owner, query.clone()).await;
+    let prefix_blocks = (tokens.ids.len() / core.config.block_size) as u32;
+    if !tokens.complete && deepest_match(&answer).saturating_add(1) >= prefix_blocks {
+        // The match reaches the end of what was tokenized: it may go further.
+        let started = Instant::now();
+        let whole = core.tokenizer.borrow_mut().tokens(&rendered, None);
+        tokens = match whole {
+            Ok(whole) => whole,
+            Err(error) => return error_response(&tokenize_error(&error)),
+        };
+        tokenize_time += started.elapsed();
+        extent = "prefix_then_whole";
+        (owner, query) = core.routing.borrow().query(&tokens.ids);
+        answer = core.lookup(owner, query.clone()).await;
+    }
+    metrics::histogram!(names::TOKENIZE_SECONDS).record(tokenize_time.as_secs_f64());
+    metrics::counter!(names::TOKENIZE_PROMPTS_TOTAL, "extent" => extent).increment(1);
+    metrics::counter!(names::TOKENIZE_CACHED_SEGMENTS_TOTAL)
+        .increment(tokens.stats.cached_segments.into());
+    metrics::counter!(names::TOKENIZE_SEGMENTS_TOTAL)
+        .increment(tokens.stats.tokenized_segments.into());
 
     // Score: lowest expected cost wins.
+    let prompt_tokens = tokens.estimated_total;
     let mut tried: Vec<BackendId> = Vec::new();
     let mut choice = core
         .routing
         .borrow_mut()
-        .decide(&answer, prompt_tokens.len(), &tried);
-    metrics::histogram!(names::ROUTING_DECISION_SECONDS)
-        .record(decision_started.elapsed().as_secs_f64());
+        .decide(&answer, prompt_tokens, &tried);
+    let decision_time = lookup_started
+        .elapsed()
+        .saturating_sub(if extent == "prefix_then_whole" {
+            tokenize_time
+        } else {
+            Duration::ZERO
+        });
+    metrics::histogram!(names::ROUTING_DECISION_SECONDS).record(decision_time.as_secs_f64());
 
     // Proxy: retried on another backend only before the first response byte.
     let upstream = UpstreamRequest {
@@ -246,7 +276,7 @@ async fn generate(
         headers: proxy::end_to_end_headers(&parts.headers),
         body,
     };
-    let request_tokens = prompt_tokens.len() as u64
+    let request_tokens = prompt_tokens as u64
         + generation
             .max_tokens
             .unwrap_or(DEFAULT_EXPECTED_OUTPUT_TOKENS);
@@ -300,7 +330,7 @@ async fn generate(
             choice = core
                 .routing
                 .borrow_mut()
-                .decide(&answer, prompt_tokens.len(), &tried);
+                .decide(&answer, prompt_tokens, &tried);
         }
         if choice.is_none() {
             return match failure {
@@ -329,6 +359,14 @@ async fn generate(
         Timer::new(backoff).await;
         backoff = backoff.saturating_mul(2);
     }
+}
+
+fn tokenize_error(error: &crate::route_tokens::RouteTokensError) -> ApiError {
+    ApiError::invalid_request(
+        format!("cannot tokenize the prompt: {error}"),
+        None,
+        "invalid_prompt",
+    )
 }
 
 /// Reads a request body up to `limit` bytes (413 past it).

@@ -177,6 +177,32 @@ pub struct TokenizeStats {
     pub tokenized_segments: u32,
 }
 
+/// A prompt ready to tokenize: rendered chat or completion text, or ids given by the client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RenderedPrompt {
+    /// Text; `add_special_tokens` for completion prompts (the engine adds the BOS), not for
+    /// rendered chats (the template writes it).
+    Text {
+        text: String,
+        add_special_tokens: bool,
+    },
+    /// Token ids from the request.
+    Tokens(Vec<u32>),
+}
+
+/// Token ids of a prompt, or of its leading part.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromptTokens {
+    /// Exact ids of the prompt, or of its first whole blocks when `complete` is false.
+    pub ids: Vec<u32>,
+    /// True when `ids` are the whole prompt.
+    pub complete: bool,
+    /// Prompt length in tokens: exact when complete, extrapolated from the bytes covered
+    /// otherwise.
+    pub estimated_total: usize,
+    pub stats: TokenizeStats,
+}
+
 /// Per-core tokenizer for routing: template rendering, tokenization, segment cache.
 pub struct RouteTokenizer {
     tokenizer: Tokenizer,
@@ -186,6 +212,7 @@ pub struct RouteTokenizer {
     /// prepends: then a completion prompt is `prefix + segments` and can use the cache too.
     completion_prefix: Option<Vec<u32>>,
     cache: Option<SegmentCache>,
+    block_size: usize,
 }
 
 impl RouteTokenizer {
@@ -195,6 +222,7 @@ impl RouteTokenizer {
         template: Arc<ChatTemplate>,
         added_tokens: Option<Arc<AddedTokens>>,
         cache_budget_bytes: usize,
+        block_size: usize,
     ) -> RouteTokenizer {
         let completion_prefix = Self::probe_completion_prefix(&tokenizer);
         let cache = (cache_budget_bytes > 0 && added_tokens.is_some())
@@ -205,6 +233,7 @@ impl RouteTokenizer {
             added_tokens,
             completion_prefix,
             cache,
+            block_size: block_size.max(1),
         }
     }
 
@@ -218,40 +247,91 @@ impl RouteTokenizer {
         (expected == with_special).then_some(prefix)
     }
 
-    /// Token ids of a request's prompt as the engine computes them.
-    pub fn prompt_tokens(
-        &mut self,
-        prompt: &PromptInput,
-    ) -> Result<(Vec<u32>, TokenizeStats), RouteTokensError> {
-        match prompt {
-            PromptInput::Tokens(ids) => Ok((ids.clone(), TokenizeStats::default())),
-            PromptInput::Chat(messages) => {
-                let text = self.template.render(messages, true)?;
-                self.encode(&text, None)
-            }
-            PromptInput::Text(text) => match self.completion_prefix.clone() {
-                Some(prefix) => self.encode(text, Some(prefix)),
-                None => Ok((self.tokenizer.encode(text, true)?, TokenizeStats::default())),
+    /// Renders a chat with the chat template (generation prompt on, as engines do).
+    pub fn render(&self, prompt: &PromptInput) -> Result<RenderedPrompt, RouteTokensError> {
+        Ok(match prompt {
+            PromptInput::Chat(messages) => RenderedPrompt::Text {
+                text: self.template.render(messages, true)?,
+                add_special_tokens: false,
             },
-        }
+            PromptInput::Text(text) => RenderedPrompt::Text {
+                text: text.clone(),
+                add_special_tokens: true,
+            },
+            PromptInput::Tokens(ids) => RenderedPrompt::Tokens(ids.clone()),
+        })
     }
 
-    /// Tokenizes `text` without special tokens, segment by segment, after `prefix`.
+    /// Token ids of a request's prompt as the engine computes them.
+    ///
+    /// With `byte_limit`, only the first `byte_limit` bytes of a longer text are tokenized and
+    /// the ids are cut back to whole blocks, minus one block: the text cut can change the last
+    /// tokens before it (the tokenizer would have merged across it), never tokens a block
+    /// before it unless one pre-token (a run of letters without a space) is longer than a block.
+    pub fn tokens(
+        &mut self,
+        prompt: &RenderedPrompt,
+        byte_limit: Option<usize>,
+    ) -> Result<PromptTokens, RouteTokensError> {
+        let (text, add_special_tokens) = match prompt {
+            RenderedPrompt::Tokens(ids) => {
+                return Ok(PromptTokens {
+                    ids: ids.clone(),
+                    complete: true,
+                    estimated_total: ids.len(),
+                    stats: TokenizeStats::default(),
+                });
+            }
+            RenderedPrompt::Text {
+                text,
+                add_special_tokens,
+            } => (text.as_str(), *add_special_tokens),
+        };
+        let piece = match byte_limit {
+            Some(limit) if text.len() > limit => &text[..text.floor_char_boundary(limit)],
+            _ => text,
+        };
+        let (mut ids, stats) = self.encode(piece, add_special_tokens)?;
+        if piece.len() == text.len() {
+            let total = ids.len();
+            return Ok(PromptTokens {
+                ids,
+                complete: true,
+                estimated_total: total,
+                stats,
+            });
+        }
+        let piece_tokens = ids.len();
+        let estimated_total = (piece_tokens * text.len()).div_ceil(piece.len().max(1));
+        let kept_blocks = piece_tokens.saturating_sub(self.block_size) / self.block_size;
+        ids.truncate(kept_blocks * self.block_size);
+        Ok(PromptTokens {
+            ids,
+            complete: false,
+            estimated_total,
+            stats,
+        })
+    }
+
+    /// Tokenizes `text` segment by segment (special tokens first when asked).
     fn encode(
         &mut self,
         text: &str,
-        prefix: Option<Vec<u32>>,
+        add_special_tokens: bool,
     ) -> Result<(Vec<u32>, TokenizeStats), RouteTokensError> {
         let mut stats = TokenizeStats::default();
-        let (Some(added_tokens), Some(cache)) = (&self.added_tokens, &mut self.cache) else {
-            let ids = match prefix {
-                Some(_) => self.tokenizer.encode(text, true)?,
-                None => self.tokenizer.encode(text, false)?,
-            };
-            stats.tokenized_segments = 1;
-            return Ok((ids, stats));
+        let prefix = if add_special_tokens {
+            self.completion_prefix.clone()
+        } else {
+            Some(Vec::new())
         };
-        let mut ids = prefix.unwrap_or_default();
+        let (Some(added_tokens), Some(cache), Some(prefix)) =
+            (&self.added_tokens, &mut self.cache, prefix)
+        else {
+            stats.tokenized_segments = 1;
+            return Ok((self.tokenizer.encode(text, add_special_tokens)?, stats));
+        };
+        let mut ids = prefix;
         for segment in added_tokens.split(text) {
             match segment {
                 Segment::Added(id) => ids.push(id),
@@ -315,8 +395,13 @@ mod tests {
             )
             .unwrap(),
         );
-        let mut routed =
-            RouteTokenizer::new(tokenizer.clone(), template.clone(), Some(added), 1 << 20);
+        let mut routed = RouteTokenizer::new(
+            tokenizer.clone(),
+            template.clone(),
+            Some(added),
+            1 << 20,
+            16,
+        );
         let system = "You are a careful assistant. Answer in full sentences, cite sources, and  keep\n\n  whitespace   odd 12345 ünïcödé 漢字 テスト.";
         let messages = json!([
             {"role": "system", "content": system},
@@ -324,23 +409,60 @@ mod tests {
             {"role": "assistant", "content": "4. It is four — obviously!\r\n"},
             {"role": "user", "content": "And <b>3+3</b>?  "}
         ]);
+        let chat = routed.render(&PromptInput::Chat(messages.clone())).unwrap();
         for round in 0..2 {
-            let (ids, stats) = routed
-                .prompt_tokens(&PromptInput::Chat(messages.clone()))
-                .unwrap();
+            let tokens = routed.tokens(&chat, None).unwrap();
             let whole = tokenizer
                 .encode(&template.render(&messages, true).unwrap(), false)
                 .unwrap();
-            assert_eq!(ids, whole, "round {round}");
+            assert_eq!(tokens.ids, whole, "round {round}");
+            assert!(tokens.complete);
+            assert_eq!(tokens.estimated_total, whole.len());
             if round == 1 {
-                assert!(stats.cached_segments >= 1, "{stats:?}");
+                assert!(tokens.stats.cached_segments >= 1, "{:?}", tokens.stats);
             }
         }
         let text = format!("{system} and then some more text to complete");
-        let (ids, _) = routed
-            .prompt_tokens(&PromptInput::Text(text.clone()))
+        let completion = routed.render(&PromptInput::Text(text.clone())).unwrap();
+        let tokens = routed.tokens(&completion, None).unwrap();
+        assert_eq!(tokens.ids, tokenizer.encode(&text, true).unwrap());
+        let ids = routed
+            .tokens(&RenderedPrompt::Tokens(vec![5, 6, 7]), Some(1))
             .unwrap();
-        assert_eq!(ids, tokenizer.encode(&text, true).unwrap());
+        assert!(ids.complete);
+        assert_eq!(ids.ids, vec![5, 6, 7]);
+    }
+
+    #[test]
+    fn a_prefix_tokenization_is_an_exact_prefix_in_whole_blocks() {
+        let (tokenizer, added) = bundled();
+        let template = Arc::new(ChatTemplate::chatml());
+        let sentence = "Routers tokenize prompts; engines cache their blocks. Numbers like 123456 \
+                        and punctuation (a, b; c!) and  double  spaces\n\nand newlines. ";
+        let messages = json!([
+            {"role": "system", "content": sentence.repeat(20)},
+            {"role": "user", "content": "question?"}
+        ]);
+        let mut routed = RouteTokenizer::new(tokenizer, template, Some(added), 1 << 20, 16);
+        let chat = routed.render(&PromptInput::Chat(messages)).unwrap();
+        let whole = routed.tokens(&chat, None).unwrap();
+        for limit in [100, 777, 1000, 1500, 2048] {
+            let part = routed.tokens(&chat, Some(limit)).unwrap();
+            assert!(!part.complete, "limit {limit}");
+            assert_eq!(part.ids.len() % 16, 0);
+            assert!(!part.ids.is_empty() || limit < 200);
+            assert_eq!(&whole.ids[..part.ids.len()], &part.ids[..], "limit {limit}");
+            let error = part.estimated_total.abs_diff(whole.ids.len());
+            assert!(
+                error * 5 < whole.ids.len(),
+                "estimate {} vs {}",
+                part.estimated_total,
+                whole.ids.len()
+            );
+        }
+        let beyond = routed.tokens(&chat, Some(1 << 20)).unwrap();
+        assert!(beyond.complete);
+        assert_eq!(beyond.ids, whole.ids);
     }
 
     #[test]

@@ -21,6 +21,20 @@ pub struct LookupQuery {
 /// The owner's answer: every backend's match (plain data, crosses cores).
 pub type LookupAnswer = PrefixMatch;
 
+/// Deepest match of any backend in an answer, in blocks (history or verified mirror).
+pub fn deepest_match(answer: &LookupAnswer) -> u32 {
+    answer
+        .backends
+        .iter()
+        .map(|entry| {
+            entry
+                .matched_blocks
+                .max(entry.verified_resident_blocks.unwrap_or(0))
+        })
+        .max()
+        .unwrap_or(0)
+}
+
 /// "This prompt went to this backend", for the owner shard to record.
 #[derive(Debug, Clone)]
 pub struct RouteLesson {

@@ -23,7 +23,7 @@ const RATE_PER_SECOND: u64 = 100;
 /// Requests per TTFT run (10 s at 100 req/s).
 const TTFT_REQUESTS: usize = 1_000;
 /// Words per generated prompt: about 2k tokens with the bundled tokenizer.
-const PROMPT_WORDS: usize = 1_500;
+const PROMPT_WORDS: usize = 1_820;
 
 const WORDS: &[&str] = &[
     "cache",
@@ -363,29 +363,44 @@ fn tokenization_cost() {
         ]))
     };
     let iterations = 200;
-    let mut measure = |name: &str, template: &Arc<ChatTemplate>, cache_bytes: usize| {
+    let mut measure = |name: &str,
+                       template: &Arc<ChatTemplate>,
+                       cache_bytes: usize,
+                       prefix_bytes: Option<usize>| {
         let mut routed = RouteTokenizer::new(
             tokenizer.clone(),
             template.clone(),
             added.clone(),
             cache_bytes,
+            16,
         );
-        let (tokens, _) = routed.prompt_tokens(&turn(&mut state)).expect("tokens");
+        let rendered = routed.render(&turn(&mut state)).expect("render");
+        let tokens = routed.tokens(&rendered, prefix_bytes).expect("tokens");
         let mut samples = Vec::with_capacity(iterations);
         for _ in 0..iterations {
             let prompt = turn(&mut state);
             let started = Instant::now();
-            routed.prompt_tokens(&prompt).expect("tokens");
+            let rendered = routed.render(&prompt).expect("render");
+            routed.tokens(&rendered, prefix_bytes).expect("tokens");
             samples.push(started.elapsed());
         }
-        summary(&format!("{name} ({} tokens)", tokens.len()), samples);
+        summary(
+            &format!(
+                "{name} ({} of ~{} tokens)",
+                tokens.ids.len(),
+                tokens.estimated_total
+            ),
+            samples,
+        );
     };
     println!("\nrender + tokenize one chat request: same 2k-token history, new 30-word turn:");
-    measure("ChatML, no cache", &chatml, 0);
-    measure("DeepSeek template, no cache", &deepseek_style, 0);
+    measure("ChatML, whole prompt", &chatml, 0, None);
+    measure("ChatML, first 2048 bytes", &chatml, 0, Some(2048));
+    measure("DeepSeek template, whole prompt", &deepseek_style, 0, None);
     measure(
         "DeepSeek template, segment cache",
         &deepseek_style,
         16 << 20,
+        None,
     );
 }

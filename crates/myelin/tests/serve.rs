@@ -126,6 +126,68 @@ fn same_prefix_goes_to_the_same_backend() {
 }
 
 #[test]
+fn long_prompts_are_tokenized_in_full_only_when_their_prefix_matches() {
+    let engines = [Engine::start("a", normal()), Engine::start("b", normal())];
+    // One shard: every request sees the same history.
+    let router = Router::start_raw(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--shards",
+            "1",
+            "--no-pin",
+            "--backend",
+            &engines[0].url(),
+            "--backend",
+            &engines[1].url(),
+            "--tokenize-prefix-bytes",
+            "1024",
+        ],
+        &[],
+    );
+    let shared = "A long shared document about caches and routers. ".repeat(120);
+    let unique = |seed: usize| format!("Unrelated text number {seed}. ").repeat(200);
+    let mut chosen = Vec::new();
+    for turn in 0..4 {
+        let response = router.post_json(
+            "/v1/chat/completions",
+            &chat_body(&format!("{shared} question {turn}"), false),
+        );
+        assert_eq!(response.status, 200);
+        chosen.push(response.header("x-myelin-backend").unwrap().to_string());
+    }
+    assert!(chosen.iter().all(|url| url == &chosen[0]), "{chosen:?}");
+    for seed in 0..3 {
+        let response = router.post_json("/v1/chat/completions", &chat_body(&unique(seed), false));
+        assert_eq!(response.status, 200);
+    }
+    let metrics = router.metrics();
+    let extent = |name: &str| {
+        metric_value(
+            &metrics,
+            &[
+                "myelin_tokenize_prompts_total",
+                &format!("extent=\"{name}\""),
+            ],
+        )
+    };
+    // The first shared-prefix request and the unique ones stop after the prefix; the shared
+    // ones after the first match it to its end and are tokenized in full.
+    assert_eq!(extent("prefix"), 4.0);
+    assert_eq!(extent("prefix_then_whole"), 3.0);
+    // The full-depth match is learned: the last shared request matched far past the prefix.
+    let deep_matches = metric_value(
+        &metrics,
+        &["myelin_router_prefix_match_blocks_bucket", "le=\"512\""],
+    ) - metric_value(
+        &metrics,
+        &["myelin_router_prefix_match_blocks_bucket", "le=\"64\""],
+    );
+    assert!(deep_matches >= 1.0, "{metrics}");
+}
+
+#[test]
 fn fails_over_before_the_first_byte() {
     let dead = dead_backend_url();
     let busy = Engine::start("busy", Behavior::Status(503));

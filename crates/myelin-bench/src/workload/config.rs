@@ -255,11 +255,6 @@ impl WorkloadConfig {
         }
     }
 
-    /// Simulated seconds of traffic per leg, in wall seconds.
-    pub fn wall_duration_s(&self) -> f64 {
-        self.duration_s / self.cluster.speedup
-    }
-
     fn invalid(&self, problem: impl Into<String>) -> WorkloadError {
         WorkloadError::Invalid {
             name: self.name.clone(),

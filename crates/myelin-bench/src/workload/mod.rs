@@ -71,6 +71,29 @@ impl Workload {
         }
     }
 
+    /// Simulated seconds during which requests are sent, given the configured duration: a
+    /// trace replay ends with its last request.
+    pub fn traffic_s(&self, duration_s: f64) -> f64 {
+        match self {
+            Workload::Trace(trace) => duration_s.min(trace.span_s()),
+            _ => duration_s,
+        }
+    }
+
+    /// What drives the traffic, in words (for the run's first line).
+    pub fn describe(&self) -> String {
+        match self {
+            Workload::Churn(churn) => format!("{} closed-loop users", churn.users()),
+            Workload::SharedPrefix(shared) => format!("{} closed-loop users", shared.users()),
+            Workload::Trace(trace) => format!(
+                "{} requests over {:.0} simulated s from {}",
+                trace.len(),
+                trace.span_s(),
+                trace.source_name()
+            ),
+        }
+    }
+
     /// The `seq`-th request of closed-loop user `user`, sent `elapsed_s` simulated seconds into
     /// the leg. A trace workload answers with its requests in order.
     pub fn closed_loop_request(&self, user: u32, seq: u64, elapsed_s: f64) -> PlannedRequest {
