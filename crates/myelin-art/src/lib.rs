@@ -7,9 +7,9 @@
 //! its parent's hash, so one 64-bit value names a whole prefix, as vLLM's block hashes do).
 //!
 //! The tree is a radix tree whose edges are runs of whole blocks (path compression: a branch-free
-//! run of any length is one node) and whose child index adapts to fan-out (a linear-scanned
-//! vector up to 16 children, a hash map beyond; the roles of Node4/16 and Node48/256 in Leis et
-//! al.'s ART). Every node carries per-backend entries: how many of its blocks the backend holds,
+//! run of any length is one node) and whose child index adapts to fan-out (one child inline, a
+//! linear-scanned vector up to 16, a hash map beyond; the roles of Node4/16 and Node48/256 in
+//! Leis et al.'s ART). Every node carries per-backend entries: how many of its blocks the backend holds,
 //! when it last routed through them (caller's clock), and an opaque residency stamp. Size is
 //! bounded by `max_blocks`; inserts past it evict the least recently inserted leaves. See
 //! `docs/art.md` for the design and its measurements.

@@ -47,8 +47,8 @@ pub struct BackendPrefix {
     pub backend: BackendId,
     /// Longest prefix of the chain, in blocks, this backend was routed.
     pub matched_blocks: u32,
-    /// When (caller's ms clock) this backend last routed a prefix through the deepest node it
-    /// matched: the oldest use among its matched blocks, at node granularity.
+    /// When (caller's ms clock) this backend was last routed a prefix covering its deepest
+    /// matched block: the oldest use among its matched blocks.
     pub last_routed_ms: u64,
     /// The caller's residency stamp recorded with that use (see [`PrefixTree::insert_chain`]).
     pub residency_stamp: u64,
@@ -311,19 +311,16 @@ impl PrefixTree {
             };
             let run_len = self.nodes[child_id as usize].hashes.len();
             let matched = common_prefix_len(&self.nodes[child_id as usize].hashes, rest);
-            if matched < run_len && matched < rest.len() {
-                // Diverges inside the run: split so the divergence falls on a node boundary;
-                // the next iteration hangs the new leaf under the upper half.
+            if matched < run_len {
+                // The chain diverges or ends inside the run: split there, so the use recorded
+                // below (time, stamp, recency) covers exactly the blocks this chain touched.
+                // On divergence the next iteration hangs the new leaf under the upper half.
                 self.split(child_id, matched);
             }
-            let covered = matched.min(self.nodes[child_id as usize].hashes.len());
-            self.record_use(child_id, backend, to_u32(covered), now_ms, residency_stamp);
+            self.record_use(child_id, backend, to_u32(matched), now_ms, residency_stamp);
             path.push(child_id);
-            depth += covered;
+            depth += matched;
             node_id = child_id;
-            if covered < self.nodes[child_id as usize].hashes.len() {
-                break; // the chain ends inside this run
-            }
         }
         // Deepest first, so each node ends nearer the head than its descendants.
         for &id in path.iter().rev() {

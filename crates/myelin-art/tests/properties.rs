@@ -188,6 +188,39 @@ fn lookup_reports_every_backend_and_segments_in_one_walk() {
 }
 
 #[test]
+fn use_records_stay_exact_per_block_when_a_shorter_prefix_is_refreshed() {
+    let mut tree = PrefixTree::new(TreeConfig {
+        block_size: 2,
+        max_blocks: 100,
+    })
+    .unwrap();
+    let long: Vec<u32> = (0..10).collect();
+    tree.insert_chain(tree.chain(&long).hashes(), BackendId(0), 10, 1);
+    tree.insert_chain(tree.chain(&long[..4]).hashes(), BackendId(0), 100, 2);
+    let found = tree.lookup(&long);
+    assert_eq!(found.backends[0].matched_blocks, 5);
+    assert_eq!(
+        found.backends[0].last_routed_ms, 10,
+        "deepest block last used at 10"
+    );
+    assert_eq!(found.backends[0].residency_stamp, 1);
+    let segments: Vec<(u32, u32, u64, u64)> = found
+        .segments
+        .iter()
+        .map(|s| {
+            (
+                s.start_block,
+                s.end_block,
+                s.last_routed_ms,
+                s.residency_stamp,
+            )
+        })
+        .collect();
+    assert_eq!(segments, vec![(0, 2, 100, 2), (2, 5, 10, 1)]);
+    assert_eq!(tree.check_invariants(), Ok(()));
+}
+
+#[test]
 fn remove_block_cuts_the_chain_below_and_frees_unheld_blocks() {
     let mut tree = PrefixTree::new(TreeConfig {
         block_size: 2,

@@ -111,7 +111,18 @@ impl Shared {
     }
 }
 
+/// Marks the generator finished when dropped, so the main thread stops waiting even if the
+/// generator's thread panics.
+struct FinishOnDrop(Arc<LoadProgress>);
+
+impl Drop for FinishOnDrop {
+    fn drop(&mut self) {
+        self.0.finished.store(true, Ordering::Release);
+    }
+}
+
 async fn drive(plan: LoadPlan, target: Target) -> LoadOutcome {
+    let _finish = FinishOnDrop(plan.progress.clone());
     let cpu_at_start = thread_cpu_us();
     let engines = match &target {
         Target::Oracle { engine_urls, .. } => engine_urls.len(),
@@ -199,7 +210,6 @@ async fn drive(plan: LoadPlan, target: Target) -> LoadOutcome {
 
     let records = std::mem::take(&mut *shared.records.borrow_mut());
     let cpu_us = thread_cpu_us().saturating_sub(cpu_at_start);
-    shared.plan.progress.finished.store(true, Ordering::Release);
     let loop_lag_us = std::mem::take(&mut *lag_samples.borrow_mut());
     LoadOutcome {
         harness: HarnessCost {

@@ -99,7 +99,13 @@ impl Shutdown {
             if self.inner.triggered.get() {
                 Poll::Ready(())
             } else {
-                self.inner.waiters.borrow_mut().push(cx.waker().clone());
+                // A task that polls `wait` again (e.g. in `or` inside a loop) must not add a
+                // waker clone each time: each clone holds a task reference, and glommio panics
+                // when a task's reference count overflows (32,767).
+                let mut waiters = self.inner.waiters.borrow_mut();
+                if !waiters.iter().any(|waiter| waiter.will_wake(cx.waker())) {
+                    waiters.push(cx.waker().clone());
+                }
                 Poll::Pending
             }
         })

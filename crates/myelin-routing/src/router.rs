@@ -43,11 +43,13 @@ pub struct Decision {
     /// The chosen backend's score: uncached prefill + counted load, in tokens.
     pub expected_cost_tokens: f64,
     /// The eligible backend with the longest historical match (None when nobody matched);
-    /// among equals, the one history-only scoring prefers.
+    /// among equals, the one undiscounted scoring (see `residency_downgrade`) prefers.
     pub historical_best: Option<BackendId>,
-    /// True when `historical_best` would have been chosen with every resident probability
-    /// forced to 1.0 but was not: its residency was discounted. Feeds
-    /// `myelin_router_residency_route_downgrades_total`.
+    /// True when `historical_best` would have been chosen with the resident probability of
+    /// every historically matched block forced to 1.0 ("undiscounted" scoring: expected cached
+    /// = max(expected cached, matched blocks × block size) per backend) but was not: its
+    /// residency was discounted. Always false for residency `off` and for non-prefix policies.
+    /// Feeds `myelin_router_residency_route_downgrades_total`.
     pub residency_downgrade: bool,
 }
 
@@ -59,7 +61,8 @@ struct Candidate {
     matched_blocks: u32,
     expected_cached_tokens: f64,
     cost_tokens: f64,
-    history_cost_tokens: f64,
+    /// Cost with every historically matched block's probability forced to 1.0.
+    undiscounted_cost_tokens: f64,
 }
 
 /// Chooses backends. `E` supplies resident probabilities for the `estimate`/`auto` modes.
@@ -168,13 +171,16 @@ impl<E: ResidencyEstimator> Router<E> {
                 .load_tokens
                 .saturating_sub(self.config.load_bound_tokens)
                 .max(min_load) as f64;
+            // Counterfactual for downgrades: every historically matched block forced resident;
+            // what residency adds beyond history (verified blocks routed elsewhere) stays.
+            let undiscounted_cached = expected_cached.max(history_cached);
             candidates.push(Candidate {
                 id: view.id,
                 load_tokens: view.load_tokens,
                 matched_blocks,
                 expected_cached_tokens: expected_cached,
                 cost_tokens: prompt - expected_cached + counted_load,
-                history_cost_tokens: prompt - history_cached + counted_load,
+                undiscounted_cost_tokens: prompt - undiscounted_cached + counted_load,
             });
         }
         if candidates.is_empty() {
@@ -200,7 +206,7 @@ impl<E: ResidencyEstimator> Router<E> {
             let index = lowest(
                 &candidates,
                 after,
-                |c| c.history_cost_tokens,
+                |c| c.undiscounted_cost_tokens,
                 |c| c.matched_blocks == longest,
             );
             candidates[index].id
@@ -208,9 +214,9 @@ impl<E: ResidencyEstimator> Router<E> {
         let chosen = candidates[chosen_index];
         let residency_downgrade = match historical_best {
             Some(best) if self.policy == Policy::Prefix && self.residency != ResidencyMode::Off => {
-                let history_winner =
-                    lowest(&candidates, after, |c| c.history_cost_tokens, |_| true);
-                candidates[history_winner].id == best && chosen.id != best
+                let undiscounted_winner =
+                    lowest(&candidates, after, |c| c.undiscounted_cost_tokens, |_| true);
+                candidates[undiscounted_winner].id == best && chosen.id != best
             }
             _ => false,
         };

@@ -206,17 +206,14 @@ async fn generate(
     // nothing to its end cannot match further, so that is all routing needs.
     let tokenize_started = Instant::now();
     let prefix_limit = Some(core.config.tokenize_prefix_bytes).filter(|&limit| limit > 0);
-    let tokenized = core
-        .tokenizer
-        .borrow()
-        .render(&generation.prompt)
-        .and_then(|rendered| {
-            let tokens = core
-                .tokenizer
-                .borrow_mut()
-                .tokens(&rendered, prefix_limit)?;
-            Ok((rendered, tokens))
-        });
+    let rendered = core.tokenizer.borrow().render(&generation.prompt);
+    let tokenized = rendered.and_then(|rendered| {
+        let tokens = core
+            .tokenizer
+            .borrow_mut()
+            .tokens(&rendered, prefix_limit)?;
+        Ok((rendered, tokens))
+    });
     let (rendered, mut tokens) = match tokenized {
         Ok(tokenized) => tokenized,
         Err(error) => return error_response(&tokenize_error(&error)),

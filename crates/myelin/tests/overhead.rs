@@ -404,3 +404,50 @@ fn tokenization_cost() {
         None,
     );
 }
+
+/// How old load updates are when another data core applies them (2 data cores, closed loop).
+#[test]
+#[ignore = "measurement; run in release mode (see the module docs)"]
+fn load_view_staleness() {
+    let engine = Engine::start(
+        "fast",
+        Behavior::Normal {
+            chunks: 1,
+            interval: Duration::ZERO,
+        },
+    );
+    let router = Router::start(&["--backend", &engine.url()]);
+    let body = chat_request("Be brief.", "What is a KV cache?", false);
+    let clients: Vec<_> = (0..8)
+        .map(|_| {
+            let body = body.clone();
+            let addr = router.addr;
+            std::thread::spawn(move || {
+                for _ in 0..500 {
+                    let response = request(
+                        addr,
+                        "POST",
+                        "/v1/chat/completions",
+                        &[("content-type", "application/json")],
+                        Some(body.as_bytes()),
+                    );
+                    assert_eq!(response.status, 200);
+                    let _ = response.body();
+                }
+            })
+        })
+        .collect();
+    for client in clients {
+        client.join().expect("client");
+    }
+    let metrics = router.metrics();
+    let metric = "myelin_load_view_staleness_seconds";
+    let count = metric_value(&metrics, &[&format!("{metric}_count")]);
+    let p50 = histogram_quantile(&metrics, metric, 0.50).unwrap_or(f64::NAN);
+    let p99 = histogram_quantile(&metrics, metric, 0.99).unwrap_or(f64::NAN);
+    println!(
+        "\nload-view staleness, 2 data cores, 4,000 requests: {count} updates, p50<={:.3} ms p99<={:.3} ms (bucket bounds)",
+        p50 * 1e3,
+        p99 * 1e3
+    );
+}

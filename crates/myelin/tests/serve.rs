@@ -329,17 +329,21 @@ fn health_checks_take_a_backend_down_and_bring_it_back() {
     assert_eq!(flaky.requests(), before);
     assert_eq!(router.get("/health").status, 200);
     steady.set_healthy(false);
+    // State changes reach the cores one message apart: poll instead of racing them.
     wait_until("steady to be down", || state_of(&steady.url()) == "down");
-    assert_eq!(router.get("/health").status, 503);
-    let response = router.post_json("/v1/chat/completions", &chat_body("hi", false));
-    assert_eq!(response.status, 503);
+    wait_until("health to fail", || router.get("/health").status == 503);
+    wait_until("requests to be refused", || {
+        router
+            .post_json("/v1/chat/completions", &chat_body("hi", false))
+            .status
+            == 503
+    });
     flaky.set_healthy(true);
     wait_until("flaky to be up again", || state_of(&flaky.url()) == "up");
-    let response = router.post_json("/v1/chat/completions", &chat_body("hi", false));
-    assert_eq!(
-        response.header("x-myelin-backend"),
-        Some(flaky.url().as_str())
-    );
+    wait_until("requests to reach flaky again", || {
+        let response = router.post_json("/v1/chat/completions", &chat_body("hi", false));
+        response.header("x-myelin-backend") == Some(flaky.url().as_str())
+    });
     let metrics = router.metrics();
     assert!(
         metric_value(
@@ -649,12 +653,10 @@ fn metrics_are_served_on_both_listeners() {
         "--metrics-listen",
         &metrics_listen,
     ]);
-    assert_eq!(
-        router
-            .post_json("/v1/chat/completions", &chat_body("hi", true))
-            .status,
-        200
-    );
+    let streamed = router.post_json("/v1/chat/completions", &chat_body("hi", true));
+    assert_eq!(streamed.status, 200);
+    // Read to the end: the duration is recorded when the body ends.
+    assert!(streamed.text().ends_with("data: [DONE]\n\n"));
     let text = router.metrics();
     for name in [
         "myelin_requests_total{route=\"/v1/chat/completions\",status=\"200\"}",
