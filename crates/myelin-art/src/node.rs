@@ -32,6 +32,89 @@ pub(crate) struct Entry {
     pub(crate) residency_stamp: u64,
 }
 
+/// A node's entries, sorted by backend. Most nodes have exactly one (a conversation's own
+/// blocks): that case lives inline, with no allocation.
+#[derive(Debug, Clone)]
+pub(crate) enum Entries {
+    One(Entry),
+    Many(Vec<Entry>),
+}
+
+impl Entries {
+    pub(crate) const fn new() -> Self {
+        Entries::Many(Vec::new())
+    }
+
+    pub(crate) fn insert(&mut self, index: usize, entry: Entry) {
+        match self {
+            Entries::One(only) => {
+                let mut many = Vec::with_capacity(2);
+                many.push(*only);
+                many.insert(index, entry);
+                *self = Entries::Many(many);
+            }
+            Entries::Many(many) if many.is_empty() => *self = Entries::One(entry),
+            Entries::Many(many) => many.insert(index, entry),
+        }
+    }
+
+    pub(crate) fn remove(&mut self, index: usize) -> Entry {
+        match self {
+            Entries::One(only) => {
+                let removed = *only;
+                *self = Entries::new();
+                removed
+            }
+            Entries::Many(many) => {
+                let removed = many.remove(index);
+                if let [only] = many.as_slice() {
+                    *self = Entries::One(*only);
+                }
+                removed
+            }
+        }
+    }
+
+    pub(crate) fn heap_bytes(&self) -> usize {
+        match self {
+            Entries::One(_) => 0,
+            Entries::Many(many) => many.capacity() * std::mem::size_of::<Entry>(),
+        }
+    }
+}
+
+impl From<Vec<Entry>> for Entries {
+    fn from(mut entries: Vec<Entry>) -> Self {
+        match entries.as_slice() {
+            [only] => Entries::One(*only),
+            _ => {
+                entries.shrink_to_fit();
+                Entries::Many(entries)
+            }
+        }
+    }
+}
+
+impl std::ops::Deref for Entries {
+    type Target = [Entry];
+
+    fn deref(&self) -> &[Entry] {
+        match self {
+            Entries::One(only) => std::slice::from_ref(only),
+            Entries::Many(many) => many,
+        }
+    }
+}
+
+impl std::ops::DerefMut for Entries {
+    fn deref_mut(&mut self) -> &mut [Entry] {
+        match self {
+            Entries::One(only) => std::slice::from_mut(only),
+            Entries::Many(many) => many,
+        }
+    }
+}
+
 /// Children with at most this many entries live in a linear-scanned vector (Node4/Node16's
 /// role in Leis et al.); beyond it a hash map keyed by the child's first block hash (Node48/256).
 pub(crate) const SMALL_CHILDREN_MAX: usize = 16;
@@ -188,10 +271,10 @@ impl Children {
 /// every backend with an entry in a child covers the whole run of this node.
 pub(crate) struct Node {
     /// Chain hashes of this node's blocks (path compression: one node per branch-free run).
-    pub(crate) hashes: Vec<u64>,
+    pub(crate) hashes: Box<[u64]>,
     pub(crate) children: Children,
     /// Sorted by backend id.
-    pub(crate) entries: Vec<Entry>,
+    pub(crate) entries: Entries,
     pub(crate) parent: NodeId,
     /// Recency list links (more recent towards the head); root and free nodes are unlinked.
     pub(crate) lru_prev: NodeId,
@@ -200,11 +283,11 @@ pub(crate) struct Node {
 }
 
 impl Node {
-    pub(crate) const fn empty() -> Self {
+    pub(crate) fn empty() -> Self {
         Node {
-            hashes: Vec::new(),
+            hashes: Box::new([]),
             children: Children::new(),
-            entries: Vec::new(),
+            entries: Entries::new(),
             parent: NIL,
             lru_prev: NIL,
             lru_next: NIL,
@@ -226,8 +309,8 @@ impl Node {
     }
 
     pub(crate) fn heap_bytes(&self) -> usize {
-        self.hashes.capacity() * std::mem::size_of::<u64>()
-            + self.entries.capacity() * std::mem::size_of::<Entry>()
+        self.hashes.len() * std::mem::size_of::<u64>()
+            + self.entries.heap_bytes()
             + self.children.heap_bytes()
     }
 }

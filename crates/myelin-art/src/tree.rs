@@ -7,11 +7,12 @@ use std::num::NonZeroU32;
 
 use crate::error::ConfigError;
 use crate::hash::{BlockChain, chain_hashes_into};
-use crate::node::{BackendId, Entry, NIL, Node, NodeId};
+use crate::node::{BackendId, Entries, Entry, NIL, Node, NodeId};
 
 /// Tokens per block unless configured (vLLM's default).
 pub const DEFAULT_BLOCK_SIZE: u32 = 16;
-/// Stored blocks unless configured: about 30 MiB per shard at ~30 bytes per block.
+/// Stored blocks unless configured: ~15-20 MiB per shard at the 13-19 bytes per block measured
+/// on realistic trees (docs/performance.md).
 pub const DEFAULT_MAX_BLOCKS: usize = 1 << 20;
 
 const ROOT: NodeId = 0;
@@ -224,7 +225,7 @@ impl PrefixTree {
             // Backends in a child are a subset of those in its parent, and both lists are
             // sorted: merge in one pass instead of searching per entry.
             let mut cursor = 0usize;
-            for entry in &child.entries {
+            for entry in child.entries.iter() {
                 let covered = entry.covered_blocks.min(to_u32(matched));
                 if covered == 0 {
                     continue;
@@ -293,13 +294,13 @@ impl PrefixTree {
             let rest = &hashes[depth..];
             let Some(child_id) = self.nodes[node_id as usize].children.get(rest[0]) else {
                 let leaf = self.allocate(Node {
-                    hashes: rest.to_vec(),
-                    entries: vec![Entry {
+                    hashes: rest.into(),
+                    entries: Entries::One(Entry {
                         backend,
                         covered_blocks: to_u32(rest.len()),
                         last_routed_ms: now_ms,
                         residency_stamp,
-                    }],
+                    }),
                     parent: node_id,
                     ..Node::empty()
                 });
@@ -479,7 +480,7 @@ impl PrefixTree {
                     return Err(format!("node {child_id}: run longer than any entry"));
                 }
                 if id != ROOT {
-                    for entry in &child.entries {
+                    for entry in child.entries.iter() {
                         let full_in_parent = node
                             .entry_index(entry.backend)
                             .map(|i| node.entries[i].covered_blocks == to_u32(node.hashes.len()))
@@ -560,12 +561,12 @@ impl PrefixTree {
     /// rest, the children and the entries' coverage beyond `keep`.
     fn split(&mut self, id: NodeId, keep: usize) {
         let node = &mut self.nodes[id as usize];
-        let lower_hashes = node.hashes.split_off(keep);
-        node.hashes.shrink_to_fit();
+        let lower_hashes: Box<[u64]> = node.hashes[keep..].into();
+        node.hashes = node.hashes[..keep].into();
         let lower_children = std::mem::replace(&mut node.children, crate::node::Children::new());
         let keep_u32 = to_u32(keep);
         let mut lower_entries = Vec::new();
-        for entry in &mut node.entries {
+        for entry in node.entries.iter_mut() {
             if entry.covered_blocks > keep_u32 {
                 lower_entries.push(Entry {
                     covered_blocks: entry.covered_blocks - keep_u32,
@@ -579,7 +580,7 @@ impl PrefixTree {
         let lower = self.allocate(Node {
             hashes: lower_hashes,
             children: lower_children,
-            entries: lower_entries,
+            entries: Entries::from(lower_entries),
             parent: id,
             ..Node::empty()
         });
@@ -661,8 +662,7 @@ impl PrefixTree {
             }
             let node = &mut self.nodes[id as usize];
             self.stored_blocks -= node.hashes.len() - keep;
-            node.hashes.truncate(keep);
-            node.hashes.shrink_to_fit();
+            node.hashes = node.hashes[..keep].into();
         }
         claims
     }

@@ -65,7 +65,9 @@ mod shard;
 pub use backend::{BackendId, BackendState, BackendView};
 pub use error::{NoBackend, ParseNameError, RoutingError};
 pub use mirror::ResidencyMirror;
-pub use myelin_art::{BlockChain, InsertOutcome, MatchSegment, TreeStats};
+pub use myelin_art::{
+    BlockChain, InsertOutcome, MatchSegment, ROOT_CHAIN_HASH, TreeStats, chain_hash,
+};
 pub use ownership::{owner_shard, owner_shard_of_chain, owner_shard_of_key};
 pub use policy::Policy;
 pub use residency::{

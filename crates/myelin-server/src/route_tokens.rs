@@ -14,7 +14,8 @@
 //! default ChatML template with a tokenizer that lacks `<|im_start|>`), the whole prompt is one
 //! segment and the cache only helps exact repeats.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::Path;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -26,6 +27,8 @@ use crate::openai::PromptInput;
 
 /// Segments shorter than this are tokenized directly: a lookup would cost about as much.
 const MIN_CACHED_SEGMENT_BYTES: usize = 64;
+/// Prompt prefixes remembered as matching to their end, per generation (see `PrefixMemo`).
+const PREFIX_MEMO_ENTRIES: usize = 32 * 1024;
 
 /// Why a prompt could not be turned into token ids.
 #[derive(Debug, thiserror::Error)]
@@ -170,6 +173,35 @@ impl SegmentCache {
     }
 }
 
+/// Hashes of prompt prefixes (their leading bytes) whose match reached their end, so the next
+/// prompt starting with the same bytes is tokenized whole at once instead of prefix first.
+/// Two generations of bounded sets: the older is dropped when the newer is full.
+#[derive(Debug, Default)]
+struct PrefixMemo {
+    current: HashSet<u64>,
+    previous: HashSet<u64>,
+}
+
+impl PrefixMemo {
+    fn contains(&mut self, key: u64) -> bool {
+        if self.current.contains(&key) {
+            return true;
+        }
+        if self.previous.remove(&key) {
+            self.insert(key);
+            return true;
+        }
+        false
+    }
+
+    fn insert(&mut self, key: u64) {
+        if self.current.len() >= PREFIX_MEMO_ENTRIES {
+            self.previous = std::mem::take(&mut self.current);
+        }
+        self.current.insert(key);
+    }
+}
+
 /// Counters of one tokenization, for metrics.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct TokenizeStats {
@@ -213,6 +245,7 @@ pub struct RouteTokenizer {
     completion_prefix: Option<Vec<u32>>,
     cache: Option<SegmentCache>,
     block_size: usize,
+    long_prefixes: PrefixMemo,
 }
 
 impl RouteTokenizer {
@@ -234,6 +267,7 @@ impl RouteTokenizer {
             completion_prefix,
             cache,
             block_size: block_size.max(1),
+            long_prefixes: PrefixMemo::default(),
         }
     }
 
@@ -311,6 +345,32 @@ impl RouteTokenizer {
             estimated_total,
             stats,
         })
+    }
+
+    /// Key of a prompt's leading `limit` bytes, when the prompt is longer than that.
+    fn prefix_key(prompt: &RenderedPrompt, limit: usize) -> Option<u64> {
+        let RenderedPrompt::Text { text, .. } = prompt else {
+            return None;
+        };
+        if text.len() <= limit {
+            return None;
+        }
+        let mut hasher = DefaultHasher::new();
+        text[..text.floor_char_boundary(limit)].hash(&mut hasher);
+        Some(hasher.finish())
+    }
+
+    /// Whether a prompt with the same leading `limit` bytes matched some backend to the end
+    /// of that prefix before (then tokenizing the prefix alone would be wasted).
+    pub fn is_known_long_prefix(&mut self, prompt: &RenderedPrompt, limit: usize) -> bool {
+        Self::prefix_key(prompt, limit).is_some_and(|key| self.long_prefixes.contains(key))
+    }
+
+    /// Remembers that this prompt's leading `limit` bytes matched to their end.
+    pub fn remember_long_prefix(&mut self, prompt: &RenderedPrompt, limit: usize) {
+        if let Some(key) = Self::prefix_key(prompt, limit) {
+            self.long_prefixes.insert(key);
+        }
     }
 
     /// Tokenizes `text` segment by segment (special tokens first when asked).

@@ -450,4 +450,12 @@ fn load_view_staleness() {
         p50 * 1e3,
         p99 * 1e3
     );
+    let metric = "myelin_routing_decision_seconds";
+    let p50 = histogram_quantile(&metrics, metric, 0.50).unwrap_or(f64::NAN);
+    let p99 = histogram_quantile(&metrics, metric, 0.99).unwrap_or(f64::NAN);
+    println!(
+        "routing decision, 2 data cores (half the lookups cross cores): p50<={:.3} ms p99<={:.3} ms (bucket bounds)",
+        p50 * 1e3,
+        p99 * 1e3
+    );
 }

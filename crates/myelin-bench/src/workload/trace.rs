@@ -225,8 +225,12 @@ mod tests {
             trace.time_scale = 0.5;
         }
         let fast = TraceWorkload::load(&config, TokenAlphabet::token_ids()).unwrap();
-        let normal = workload(None);
+        if let Some(trace) = config.trace.as_mut() {
+            trace.time_scale = 1.0;
+        }
+        let normal = TraceWorkload::load(&config, TokenAlphabet::token_ids()).unwrap();
         assert_eq!(fast.send_at_s(200) * 2.0, normal.send_at_s(200));
+        assert_eq!(normal.send_at_s(299), 102.0);
     }
 
     #[test]
