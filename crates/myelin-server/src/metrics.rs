@@ -14,7 +14,9 @@ pub const ROUTING_DECISION_SECONDS: &str = "myelin_routing_decision_seconds";
 /// Time to render the chat template and tokenize a prompt.
 pub const TOKENIZE_SECONDS: &str = "myelin_tokenize_seconds";
 /// Prompts tokenized, by `extent`: `whole` (short or token ids), `prefix` (only the leading
-/// `--tokenize-prefix-bytes`: its match ended before its end), `prefix_then_whole`.
+/// `--tokenize-prefix-bytes`: its match ended before its end), `prefix_then_whole` (the match
+/// reached the prefix's end), `known_long_prefix` (whole at once: that prefix matched to its
+/// end before).
 pub const TOKENIZE_PROMPTS_TOTAL: &str = "myelin_tokenize_prompts_total";
 /// Prompt segments whose token ids came from the per-core cache.
 pub const TOKENIZE_CACHED_SEGMENTS_TOTAL: &str = "myelin_tokenize_cached_segments_total";

@@ -208,18 +208,24 @@ async fn generate(
     let prefix_limit = Some(core.config.tokenize_prefix_bytes).filter(|&limit| limit > 0);
     let rendered = core.tokenizer.borrow().render(&generation.prompt);
     let tokenized = rendered.and_then(|rendered| {
-        let tokens = core
-            .tokenizer
-            .borrow_mut()
-            .tokens(&rendered, prefix_limit)?;
-        Ok((rendered, tokens))
+        let mut tokenizer = core.tokenizer.borrow_mut();
+        // A prefix that matched to its end before will again: go whole at once.
+        let known_long =
+            prefix_limit.is_some_and(|limit| tokenizer.is_known_long_prefix(&rendered, limit));
+        let limit = if known_long { None } else { prefix_limit };
+        let tokens = tokenizer.tokens(&rendered, limit)?;
+        Ok((rendered, tokens, known_long))
     });
-    let (rendered, mut tokens) = match tokenized {
+    let (rendered, mut tokens, known_long) = match tokenized {
         Ok(tokenized) => tokenized,
         Err(error) => return error_response(&tokenize_error(&error)),
     };
     let mut tokenize_time = tokenize_started.elapsed();
-    let mut extent = if tokens.complete { "whole" } else { "prefix" };
+    let mut extent = match (tokens.complete, known_long) {
+        (_, true) => "known_long_prefix",
+        (true, false) => "whole",
+        (false, false) => "prefix",
+    };
 
     // Lookup: the shard owning the first block answers with every backend's match.
     let lookup_started = Instant::now();
@@ -229,7 +235,13 @@ async fn generate(
     if !tokens.complete && deepest_match(&answer).saturating_add(1) >= prefix_blocks {
         // The match reaches the end of what was tokenized: it may go further.
         let started = Instant::now();
-        let whole = core.tokenizer.borrow_mut().tokens(&rendered, None);
+        let whole = {
+            let mut tokenizer = core.tokenizer.borrow_mut();
+            if let Some(limit) = prefix_limit {
+                tokenizer.remember_long_prefix(&rendered, limit);
+            }
+            tokenizer.tokens(&rendered, None)
+        };
         tokens = match whole {
             Ok(whole) => whole,
             Err(error) => return error_response(&tokenize_error(&error)),
