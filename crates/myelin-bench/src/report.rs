@@ -262,6 +262,23 @@ fn harness_table(legs: &[LegSummary]) -> Table {
     }
 }
 
+/// Warnings for legs the harness may have limited.
+fn harness_warnings(legs: &[LegSummary], speedup: f64) -> Vec<String> {
+    legs.iter()
+        .filter(|leg| leg.harness.may_limit_leg)
+        .map(|leg| {
+            format!(
+                "WARNING: on {} the harness's loop lag P99 ({:.0} ms simulated) is over {:.0}% of the leg's TTFT \
+                 P99 ({:.0} ms): the harness may limit this leg; lower --speedup",
+                leg.name,
+                leg.harness.loop_lag_p99_us as f64 * speedup / 1000.0,
+                crate::stats::HARNESS_LIMIT_FRACTION * 100.0,
+                leg.ttft_ms.p99
+            )
+        })
+        .collect()
+}
+
 fn gates_lines(gates: &[Gate]) -> String {
     gates
         .iter()
@@ -309,6 +326,10 @@ pub fn render_text(report: &Report<'_>) -> String {
     out.push_str(&legs_table(report.legs).plain());
     out.push('\n');
     out.push_str(&harness_table(report.legs).plain());
+    for warning in harness_warnings(report.legs, report.speedup) {
+        out.push_str(&warning);
+        out.push('\n');
+    }
     out.push('\n');
     out.push_str(&gates_lines(report.gates));
     out.push_str(&verdict(report.gates));
@@ -348,6 +369,9 @@ pub fn render_markdown(report: &Report<'_>, plots: &[(&str, &str)]) -> String {
     out.push_str(&legs_table(report.legs).markdown());
     out.push_str("\n## Harness cost\n\n");
     out.push_str(&harness_table(report.legs).markdown());
+    for warning in harness_warnings(report.legs, report.speedup) {
+        out.push_str(&format!("\n{warning}\n"));
+    }
     out.push_str("\n## Gates\n\n");
     for gate in report.gates {
         out.push_str(&format!(

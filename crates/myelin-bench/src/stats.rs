@@ -83,7 +83,13 @@ pub struct HarnessSummary {
     /// Oracle legs: probe time P50 and P99, microseconds (wall clock).
     pub oracle_probe_p50_us: Option<u64>,
     pub oracle_probe_p99_us: Option<u64>,
+    /// The loop lag's P99, in simulated time, exceeds [`HARNESS_LIMIT_FRACTION`] of the leg's
+    /// TTFT P99: the harness may be what limits this leg's latencies.
+    pub may_limit_leg: bool,
 }
+
+/// Above this fraction of a leg's TTFT P99, the harness's loop lag is flagged.
+pub const HARNESS_LIMIT_FRACTION: f64 = 0.1;
 
 /// One run of one leg: everything measured.
 #[derive(Debug, Clone)]
@@ -225,6 +231,12 @@ pub fn summarize(runs: &[&LegRun]) -> LegSummary {
             0.0
         }
     };
+    let ttft_ms = percentiles(measured_ok().filter_map(|record| record.ttft_us), speedup);
+    let loop_lag_p99_us = lag
+        .as_ref()
+        .map_or(0, |histogram| histogram.value_at_quantile(0.99));
+    let may_limit_leg = requests > 0
+        && loop_lag_p99_us as f64 * speedup / 1000.0 > HARNESS_LIMIT_FRACTION * ttft_ms.p99;
     LegSummary {
         name: first.name.clone(),
         kind: first.kind.describe().to_string(),
@@ -236,7 +248,7 @@ pub fn summarize(runs: &[&LegRun]) -> LegSummary {
         downgrade_rate: downgrades
             .filter(|_| requests_sent > 0)
             .map(|count| count as f64 / requests_sent as f64),
-        ttft_ms: percentiles(measured_ok().filter_map(|record| record.ttft_us), speedup),
+        ttft_ms,
         e2e_ms: percentiles(measured_ok().filter_map(|record| record.e2e_us), speedup),
         throughput_rps: per_second(requests as f64),
         output_tokens_per_s: per_second(output_tokens as f64),
@@ -254,9 +266,7 @@ pub fn summarize(runs: &[&LegRun]) -> LegSummary {
             } else {
                 0.0
             },
-            loop_lag_p99_us: lag
-                .as_ref()
-                .map_or(0, |histogram| histogram.value_at_quantile(0.99)),
+            loop_lag_p99_us,
             loop_lag_max_us: lag.as_ref().map_or(0, |histogram| histogram.max()),
             oracle_probe_p50_us: probes
                 .as_ref()
@@ -264,6 +274,7 @@ pub fn summarize(runs: &[&LegRun]) -> LegSummary {
             oracle_probe_p99_us: probes
                 .as_ref()
                 .map(|histogram| histogram.value_at_quantile(0.99)),
+            may_limit_leg,
         },
     }
 }
@@ -405,6 +416,10 @@ pub(crate) mod tests {
         assert_eq!((summary.evictions, summary.preemptions), (7, 1));
         assert_eq!(summary.downgrades, Some(2));
         assert!((summary.harness.cpu_us_per_request - 5000.0 / 6.0).abs() < 1e-9);
+        // A 30 us lag is 0.3 simulated ms against a TTFT P99 of 3 s: not limiting.
+        assert!(!summary.harness.may_limit_leg);
+        leg.harness.loop_lag_us = vec![100_000; 10];
+        assert!(summarize(&[&leg]).harness.may_limit_leg);
     }
 
     #[test]

@@ -526,6 +526,48 @@ mod tests {
     }
 
     #[test]
+    fn long_prefixes_are_remembered_by_their_leading_bytes() {
+        let (tokenizer, added) = bundled();
+        let mut routed = RouteTokenizer::new(
+            tokenizer,
+            Arc::new(ChatTemplate::chatml()),
+            Some(added),
+            0,
+            16,
+        );
+        let text = |tail: &str| RenderedPrompt::Text {
+            text: format!("{}{tail}", "shared ".repeat(100)),
+            add_special_tokens: false,
+        };
+        assert!(!routed.is_known_long_prefix(&text("a"), 256));
+        routed.remember_long_prefix(&text("a"), 256);
+        assert!(
+            routed.is_known_long_prefix(&text("b"), 256),
+            "same first 256 bytes"
+        );
+        assert!(
+            !routed.is_known_long_prefix(&text("b"), 512),
+            "other limit, other key"
+        );
+        let short = RenderedPrompt::Text {
+            text: "short".into(),
+            add_special_tokens: false,
+        };
+        routed.remember_long_prefix(&short, 256);
+        assert!(
+            !routed.is_known_long_prefix(&short, 256),
+            "short prompts are never prefixes"
+        );
+        let mut memo = PrefixMemo::default();
+        for key in 0..(PREFIX_MEMO_ENTRIES as u64 * 3) {
+            memo.insert(key);
+        }
+        assert!(memo.current.len() + memo.previous.len() <= 2 * PREFIX_MEMO_ENTRIES);
+        assert!(!memo.contains(0));
+        assert!(memo.contains(PREFIX_MEMO_ENTRIES as u64 * 3 - 1));
+    }
+
+    #[test]
     fn cache_is_bounded() {
         let mut cache = SegmentCache::new(10_000);
         for index in 0..1_000 {

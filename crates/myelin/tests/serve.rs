@@ -172,10 +172,11 @@ fn long_prompts_are_tokenized_in_full_only_when_their_prefix_matches() {
             ],
         )
     };
-    // The first shared-prefix request and the unique ones stop after the prefix; the shared
-    // ones after the first match it to its end and are tokenized in full.
+    // The first shared-prefix request and the unique ones stop after the prefix; the second
+    // matches it to its end and is tokenized in full; later ones go whole at once.
     assert_eq!(extent("prefix"), 4.0);
-    assert_eq!(extent("prefix_then_whole"), 3.0);
+    assert_eq!(extent("prefix_then_whole"), 1.0);
+    assert_eq!(extent("known_long_prefix"), 2.0);
     // The full-depth match is learned: the last shared request matched far past the prefix.
     let deep_matches = metric_value(
         &metrics,
