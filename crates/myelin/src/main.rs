@@ -5,7 +5,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "myelin", version, about = "KV-cache-aware router for LLM serving")]
+#[command(
+    name = "myelin",
+    version,
+    about = "KV-cache-aware router for LLM serving"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
