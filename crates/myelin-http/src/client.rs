@@ -5,7 +5,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::io;
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_lite::future::or;
 use glommio::net::TcpStream;
@@ -76,10 +76,15 @@ impl ClientError {
     }
 }
 
+/// How long a resolved engine address is reused before the name is looked up again. Lookups
+/// block the executor (the system resolver is synchronous), so they must be rare.
+const RESOLVE_TTL: Duration = Duration::from_secs(30);
+
 /// A keep-alive pool of HTTP/1.1 connections, keyed by `host:port`.
 pub struct Pool {
     config: PoolConfig,
     idle: RefCell<HashMap<Authority, Vec<SendRequest<Body>>>>,
+    resolved: RefCell<HashMap<Authority, (SocketAddr, Instant)>>,
 }
 
 impl Pool {
@@ -88,6 +93,7 @@ impl Pool {
         Self {
             config,
             idle: RefCell::new(HashMap::new()),
+            resolved: RefCell::new(HashMap::new()),
         }
     }
 
@@ -140,8 +146,24 @@ impl Pool {
         }
     }
 
-    async fn connect(&self, authority: &Authority) -> Result<SendRequest<Body>, ClientError> {
+    /// The engine's address, from the cache while it is fresh. IP literals never block; host
+    /// names block the executor only once per `RESOLVE_TTL`.
+    fn resolve_cached(&self, authority: &Authority) -> Result<SocketAddr, ClientError> {
+        let now = Instant::now();
+        if let Some(&(addr, resolved_at)) = self.resolved.borrow().get(authority)
+            && now.duration_since(resolved_at) < RESOLVE_TTL
+        {
+            return Ok(addr);
+        }
         let addr = resolve(authority)?;
+        self.resolved
+            .borrow_mut()
+            .insert(authority.clone(), (addr, now));
+        Ok(addr)
+    }
+
+    async fn connect(&self, authority: &Authority) -> Result<SendRequest<Body>, ClientError> {
+        let addr = self.resolve_cached(authority)?;
         let timeout = self.config.connect_timeout;
         let connected = or(async { Some(TcpStream::connect(addr).await) }, async {
             Timer::new(timeout).await;

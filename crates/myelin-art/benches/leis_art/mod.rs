@@ -33,10 +33,12 @@ pub const PREFIX_CAPACITY: usize = BLOCK_BYTES - 1;
 pub fn encode_key(tokens: &[u32], out: &mut Vec<u8>) {
     let whole_tokens = tokens.len() / BLOCK_TOKENS * BLOCK_TOKENS;
     out.clear();
-    out.resize(whole_tokens * 4, 0);
-    for (bytes, token) in out.chunks_exact_mut(4).zip(tokens) {
-        bytes.copy_from_slice(&token.to_be_bytes());
-    }
+    // Measured the fastest of three safe encodings on the benchmark machine.
+    out.extend(
+        tokens[..whole_tokens]
+            .iter()
+            .flat_map(|token| token.to_be_bytes()),
+    );
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
