@@ -41,7 +41,8 @@ pub struct BackendInfo {
     pub state: BackendState,
 }
 
-/// Load on a backend from one core: requests in flight and their tokens (prompt + expected
+/// Load on a backend from one core: requests in flight and the work they still queue there, in
+/// tokens (uncached prompt tokens until the first output token arrives, then only the expected
 /// output), as used by the load part of routing scores.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Load {

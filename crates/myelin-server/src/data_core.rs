@@ -215,7 +215,9 @@ impl Drop for InFlightPermit {
 pub struct LoadGuard {
     core: Rc<DataCore>,
     backend: BackendId,
-    tokens: u64,
+    /// Uncached prompt tokens still counted as queued prefill (0 once the first token came).
+    prefill_tokens: u64,
+    decode_tokens: u64,
     label: String,
 }
 
@@ -223,25 +225,27 @@ impl LoadGuard {
     pub fn backend(&self) -> BackendId {
         self.backend
     }
+
+    /// The engine produced its first output token, so the prompt is prefilled: from now on the
+    /// request only queues its decode work there.
+    pub fn prefill_done(&mut self) {
+        let prefilled = std::mem::take(&mut self.prefill_tokens);
+        if prefilled > 0 {
+            self.core.change_load(self.backend, |load| {
+                load.tokens = load.tokens.saturating_sub(prefilled);
+            });
+        }
+    }
 }
 
 impl Drop for LoadGuard {
     fn drop(&mut self) {
         metrics::gauge!(names::BACKEND_IN_FLIGHT, "backend" => self.label.clone()).decrement(1.0);
-        let load = {
-            let mut backends = self.core.backends.borrow_mut();
-            let Some(entry) = backends.get_mut(self.backend) else {
-                return;
-            };
-            entry.local.requests = entry.local.requests.saturating_sub(1);
-            entry.local.tokens = entry.local.tokens.saturating_sub(self.tokens);
-            entry.local
-        };
-        self.core
-            .routing
-            .borrow_mut()
-            .set_load(self.backend, self.core.shard, load);
-        self.core.broadcast_load(self.backend, load);
+        let remaining = self.prefill_tokens + self.decode_tokens;
+        self.core.change_load(self.backend, |load| {
+            load.requests = load.requests.saturating_sub(1);
+            load.tokens = load.tokens.saturating_sub(remaining);
+        });
     }
 }
 
@@ -387,32 +391,48 @@ impl DataCore {
         self.send(self.shards, Message::Outcome { backend, success });
     }
 
-    /// Adds a request's load to a backend until the guard drops.
-    pub fn start_load(self: &Rc<Self>, backend: BackendId, tokens: u64) -> LoadGuard {
-        let (load, label) = {
-            let mut backends = self.backends.borrow_mut();
-            match backends.get_mut(backend) {
-                Some(entry) => {
-                    entry.local.requests += 1;
-                    entry.local.tokens += tokens;
-                    (Some(entry.local), entry.info.spec.url.clone())
-                }
-                None => (None, String::new()),
-            }
-        };
-        if let Some(load) = load {
-            self.routing
-                .borrow_mut()
-                .set_load(backend, self.shard, load);
-            self.broadcast_load(backend, load);
-        }
+    /// Adds a request's load to a backend: `prefill_tokens` until [`LoadGuard::prefill_done`],
+    /// `decode_tokens` until the guard drops.
+    pub fn start_load(
+        self: &Rc<Self>,
+        backend: BackendId,
+        prefill_tokens: u64,
+        decode_tokens: u64,
+    ) -> LoadGuard {
+        let label = self
+            .backends
+            .borrow()
+            .get(backend)
+            .map(|entry| entry.info.spec.url.clone())
+            .unwrap_or_default();
+        self.change_load(backend, |load| {
+            load.requests += 1;
+            load.tokens += prefill_tokens + decode_tokens;
+        });
         metrics::gauge!(names::BACKEND_IN_FLIGHT, "backend" => label.clone()).increment(1.0);
         LoadGuard {
             core: self.clone(),
             backend,
-            tokens,
+            prefill_tokens,
+            decode_tokens,
             label,
         }
+    }
+
+    /// Applies `change` to this core's load on `backend` and tells the other cores.
+    fn change_load(&self, backend: BackendId, change: impl FnOnce(&mut Load)) {
+        let load = {
+            let mut backends = self.backends.borrow_mut();
+            let Some(entry) = backends.get_mut(backend) else {
+                return;
+            };
+            change(&mut entry.local);
+            entry.local
+        };
+        self.routing
+            .borrow_mut()
+            .set_load(backend, self.shard, load);
+        self.broadcast_load(backend, load);
     }
 
     fn broadcast_load(&self, backend: BackendId, load: Load) {

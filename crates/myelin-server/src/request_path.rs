@@ -285,10 +285,9 @@ async fn generate(
         headers: proxy::end_to_end_headers(&parts.headers),
         body,
     };
-    let request_tokens = prompt_tokens as u64
-        + generation
-            .max_tokens
-            .unwrap_or(DEFAULT_EXPECTED_OUTPUT_TOKENS);
+    let decode_tokens = generation
+        .max_tokens
+        .unwrap_or(DEFAULT_EXPECTED_OUTPUT_TOKENS);
     let mut backoff = core.config.retry_backoff;
     loop {
         let Some(chosen) = choice.take() else {
@@ -302,7 +301,8 @@ async fn generate(
         else {
             return with_retry_after(error_response(&ApiError::no_backend()), 1);
         };
-        let load = core.start_load(chosen.backend, request_tokens);
+        let prefill_tokens = (prompt_tokens as u64).saturating_sub(chosen.expected_cached_tokens);
+        let load = core.start_load(chosen.backend, prefill_tokens, decode_tokens);
         let failure = match proxy::attempt(&core.pool, &base_url, &upstream).await {
             Attempt::Failed(failure) => failure,
             Attempt::Answered(response) => {
@@ -424,12 +424,13 @@ struct ResponseObserver {
     backend: BackendId,
     route: &'static str,
     arrived: Instant,
-    _load: LoadGuard,
+    load: LoadGuard,
     _permit: InFlightPermit,
 }
 
 impl RelayObserver for ResponseObserver {
     fn first_byte(&mut self) {
+        self.load.prefill_done();
         metrics::histogram!(names::TTFT_SECONDS, "route" => self.route)
             .record(self.arrived.elapsed().as_secs_f64());
     }
@@ -468,7 +469,7 @@ fn relay_response(
         backend: load.backend(),
         route: generation.endpoint.path(),
         arrived,
-        _load: load,
+        load,
         _permit: permit,
     };
     let relayed = RelayBody::new(body, is_event_stream, observer);

@@ -47,6 +47,8 @@ pub struct RouteLesson {
 pub struct RouteChoice {
     pub backend: BackendId,
     pub matched_blocks: u32,
+    /// Prompt tokens the chosen backend is expected to serve from its cache.
+    pub expected_cached_tokens: u64,
     pub residency_downgrade: bool,
 }
 
@@ -227,6 +229,8 @@ impl RoutingShard {
         Some(RouteChoice {
             backend: decision.backend.0,
             matched_blocks: decision.matched_blocks,
+            // Whole tokens: the expectation is a sum of block sizes weighted by probabilities.
+            expected_cached_tokens: decision.expected_cached_tokens.max(0.0).round() as u64,
             residency_downgrade: decision.residency_downgrade,
         })
     }

@@ -786,3 +786,24 @@ fn bad_configuration_is_reported_not_panicked() {
             .contains("http://")
     );
 }
+
+#[test]
+fn load_counts_the_prompt_until_the_first_token_then_only_the_output() {
+    let engine = Engine::start("gated", Behavior::Gated { chunks: 2 });
+    let router = Router::start(&["--backend", &engine.url()]);
+    let prompt: Vec<u32> = (1000..1100).collect();
+    let body = json!({"model": "m", "prompt": prompt, "max_tokens": 7, "stream": true});
+    let in_flight_tokens = || router.backends()[0]["in_flight_tokens"].as_u64().unwrap();
+
+    let mut stream = router.post_json("/v1/completions", &body);
+    assert_eq!(stream.status, 200);
+    // Nothing cached anywhere yet: the whole prompt is queued prefill, plus the output.
+    wait_until("the request's load to show", || in_flight_tokens() == 107);
+    engine.release();
+    assert!(stream.next_chunk().is_some());
+    // The first token means the prompt is prefilled: only the decode work remains queued.
+    wait_until("the prefill part to leave the load", || in_flight_tokens() == 7);
+    engine.release();
+    let _ = stream.body();
+    wait_until("the load to clear", || in_flight_tokens() == 0);
+}
