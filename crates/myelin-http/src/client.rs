@@ -7,9 +7,7 @@ use std::io;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use futures_lite::future::or;
 use glommio::net::TcpStream;
-use glommio::timer::Timer;
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderValue, Request, Response, Uri, header};
 use hyper::body::Incoming;
@@ -165,11 +163,7 @@ impl Pool {
     async fn connect(&self, authority: &Authority) -> Result<SendRequest<Body>, ClientError> {
         let addr = self.resolve_cached(authority)?;
         let timeout = self.config.connect_timeout;
-        let connected = or(async { Some(TcpStream::connect(addr).await) }, async {
-            Timer::new(timeout).await;
-            None
-        })
-        .await;
+        let connected = crate::rt::timeout(timeout, TcpStream::connect(addr)).await;
         let stream = connected
             .ok_or(ClientError::ConnectTimeout(addr))?
             .map_err(|error| ClientError::Connect {

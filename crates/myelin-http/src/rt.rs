@@ -58,3 +58,13 @@ impl Future for LocalSleep {
         Pin::new(&mut self.timer).poll(cx).map(|_| ())
     }
 }
+
+/// Runs `future` for at most `duration` on the current glommio executor: `None` if the time
+/// ran out first (the future is then dropped, which cancels it).
+pub async fn timeout<T>(duration: Duration, future: impl Future<Output = T>) -> Option<T> {
+    futures_lite::future::or(async { Some(future.await) }, async {
+        glommio::timer::Timer::new(duration).await;
+        None
+    })
+    .await
+}

@@ -257,11 +257,8 @@ where
     F: Future<Output = Response<Body>> + 'static,
 {
     stream.set_nodelay(true).map_err(io::Error::from)?;
-    let sniffed = or(async { Some(sniff_h2_preface(&mut stream).await) }, async {
-        Timer::new(config.header_read_timeout).await;
-        None
-    })
-    .await;
+    let sniffed =
+        crate::rt::timeout(config.header_read_timeout, sniff_h2_preface(&mut stream)).await;
     let (is_h2, prefix) = sniffed.ok_or(ConnectionError::HeaderTimeout)??;
     let io = GlommioIo::new(Rewind::new(prefix, stream));
     let service = service_fn(move |request| {

@@ -10,7 +10,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use futures_lite::future::or;
 use glommio::channels::shared_channel::ConnectedReceiver;
 use glommio::timer::Timer;
 use http::{Method, Request, Response, StatusCode, header};
@@ -432,11 +431,9 @@ impl Control {
                 Err(_) => false,
             }
         };
-        or(attempt, async {
-            Timer::new(self.health_config.timeout).await;
-            false
-        })
-        .await
+        myelin_http::rt::timeout(self.health_config.timeout, attempt)
+            .await
+            .unwrap_or(false)
     }
 }
 

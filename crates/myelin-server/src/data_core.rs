@@ -10,7 +10,6 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
-use futures_lite::future::or;
 use glommio::channels::shared_channel::ConnectedReceiver;
 use glommio::timer::Timer;
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -365,11 +364,7 @@ impl DataCore {
             },
         );
         let answer = if sent {
-            or(async { Some(slot.wait().await) }, async {
-                Timer::new(LOOKUP_TIMEOUT).await;
-                None
-            })
-            .await
+            myelin_http::rt::timeout(LOOKUP_TIMEOUT, slot.wait()).await
         } else {
             None
         };
@@ -466,11 +461,7 @@ impl DataCore {
             },
         );
         let outcome = if sent {
-            or(async { Some(slot.wait().await) }, async {
-                Timer::new(ADMIN_TIMEOUT).await;
-                None
-            })
-            .await
+            myelin_http::rt::timeout(ADMIN_TIMEOUT, slot.wait()).await
         } else {
             None
         };

@@ -6,7 +6,6 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use futures_lite::future::or;
 use glommio::timer::Timer;
 use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
@@ -504,11 +503,9 @@ async fn models(core: &Rc<DataCore>) -> Response<Body> {
         .map(|url| {
             let core = core.clone();
             glommio::spawn_local(async move {
-                or(fetch_models(&core, &url), async {
-                    Timer::new(MODELS_TIMEOUT).await;
-                    None
-                })
-                .await
+                myelin_http::rt::timeout(MODELS_TIMEOUT, fetch_models(&core, &url))
+                    .await
+                    .flatten()
             })
         })
         .collect();
