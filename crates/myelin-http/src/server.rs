@@ -265,42 +265,39 @@ where
         let handler = handler.clone();
         async move { Ok::<_, Infallible>(handler(request).await) }
     });
+    // Serves the connection; on shutdown, asks it to finish its in-flight requests and close.
+    // A macro, not a function: hyper's two connection types share no trait for this.
+    macro_rules! drive_until_shutdown {
+        ($connection:expr) => {{
+            let mut connection = pin!($connection);
+            let finished = or(async { Some(connection.as_mut().await) }, async {
+                shutdown.wait().await;
+                None
+            })
+            .await;
+            match finished {
+                Some(result) => result?,
+                None => {
+                    connection.as_mut().graceful_shutdown();
+                    connection.await?;
+                }
+            }
+        }};
+    }
     if is_h2 && config.http2 {
-        let connection = hyper::server::conn::http2::Builder::new(LocalExec)
-            .timer(GlommioTimer)
-            .serve_connection(io, service);
-        let mut connection = pin!(connection);
-        let finished = or(async { Some(connection.as_mut().await) }, async {
-            shutdown.wait().await;
-            None
-        })
-        .await;
-        match finished {
-            Some(result) => result?,
-            None => {
-                connection.as_mut().graceful_shutdown();
-                connection.await?;
-            }
-        }
+        drive_until_shutdown!(
+            hyper::server::conn::http2::Builder::new(LocalExec)
+                .timer(GlommioTimer)
+                .serve_connection(io, service)
+        );
     } else {
-        let connection = hyper::server::conn::http1::Builder::new()
-            .timer(GlommioTimer)
-            .header_read_timeout(config.header_read_timeout)
-            .keep_alive(true)
-            .serve_connection(io, service);
-        let mut connection = pin!(connection);
-        let finished = or(async { Some(connection.as_mut().await) }, async {
-            shutdown.wait().await;
-            None
-        })
-        .await;
-        match finished {
-            Some(result) => result?,
-            None => {
-                connection.as_mut().graceful_shutdown();
-                connection.await?;
-            }
-        }
+        drive_until_shutdown!(
+            hyper::server::conn::http1::Builder::new()
+                .timer(GlommioTimer)
+                .header_read_timeout(config.header_read_timeout)
+                .keep_alive(true)
+                .serve_connection(io, service)
+        );
     }
     Ok(())
 }
