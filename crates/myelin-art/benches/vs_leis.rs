@@ -11,68 +11,20 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use leis_art::{BLOCK_TOKENS, LeisArt, encode_key};
 use myelin_art::{BackendId, PrefixTree, TreeConfig, TreeMatch};
 
-// The `tree` bench's dataset, same generator and seed.
-const SYSTEM_PROMPTS: usize = 256;
-const SYSTEM_TOKENS: usize = 256;
-const CHAT_PREFIXES: usize = 98_000;
-const CHAT_TOKENS: usize = 512;
-const LONG_PREFIXES: usize = 2_000;
-const LONG_TOKENS: usize = 8_192;
-const BACKENDS: u32 = 8;
+#[path = "../../../benches/support/corpus.rs"]
+#[allow(dead_code)] // each bench uses part of the shared dataset module
+mod dataset;
 
-/// xorshift64* (Vigna 2016): deterministic tokens, no dependency.
-struct Tokens(u64);
+use dataset::{BACKENDS, CHAT_PREFIXES, LONG_PREFIXES, SYSTEM_TOKENS, min_nanos};
 
-impl Tokens {
-    fn next(&mut self) -> u32 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40) as u32 % 128_000
-    }
-
-    fn prompt(&mut self, system: &[u32], total: usize) -> Vec<u32> {
-        let mut tokens = system.to_vec();
-        while tokens.len() < total {
-            tokens.push(self.next());
-        }
-        tokens
-    }
-}
-
-/// 98k chats (one of 256 system prompts + a user turn, 512 tokens) and 2k long conversations
-/// (8,192 tokens): 100k prefixes.
+/// The `tree` bench's dataset and seed.
 fn corpus() -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
-    let mut random = Tokens(0x9e37_79b9_7f4a_7c15);
-    let systems: Vec<Vec<u32>> = (0..SYSTEM_PROMPTS)
-        .map(|_| random.prompt(&[], SYSTEM_TOKENS))
-        .collect();
-    let chats = (0..CHAT_PREFIXES)
-        .map(|index| random.prompt(&systems[index % SYSTEM_PROMPTS], CHAT_TOKENS))
-        .collect();
-    let longs = (0..LONG_PREFIXES)
-        .map(|index| random.prompt(&systems[index % SYSTEM_PROMPTS], LONG_TOKENS))
-        .collect();
+    let dataset::Corpus { chats, longs, .. } = dataset::corpus(0x9e37_79b9_7f4a_7c15);
     (chats, longs)
 }
 
-/// Consecutive users of one system prompt land on different backends (as in the `tree` bench).
 fn backend_of(index: usize) -> BackendId {
-    BackendId((index / SYSTEM_PROMPTS) as u32 % BACKENDS)
-}
-
-/// Minimum over `batches` of the mean time of `per_batch` calls, in ns: an estimate of the
-/// uncontended cost on a shared machine.
-fn min_nanos(batches: usize, per_batch: usize, mut operation: impl FnMut()) -> f64 {
-    let mut best = f64::MAX;
-    for _ in 0..batches {
-        let start = Instant::now();
-        for _ in 0..per_batch {
-            operation();
-        }
-        best = best.min(start.elapsed().as_nanos() as f64 / per_batch as f64);
-    }
-    best
+    BackendId(dataset::backend_index(index))
 }
 
 fn benches(criterion: &mut Criterion) {

@@ -10,66 +10,19 @@ use myelin_routing::{
     ShardConfig,
 };
 
+#[path = "../../../benches/support/corpus.rs"]
+#[allow(dead_code)] // each bench uses part of the shared dataset module
+mod dataset;
+
 const BLOCK_SIZE: u32 = 16;
-const SYSTEM_PROMPTS: usize = 256;
-const SYSTEM_TOKENS: usize = 256;
-const CHAT_PREFIXES: usize = 98_000;
-const CHAT_TOKENS: usize = 512;
-const LONG_PREFIXES: usize = 2_000;
-const LONG_TOKENS: usize = 8_192;
-const BACKENDS: u32 = 8;
+use dataset::{BACKENDS, CHAT_PREFIXES, min_nanos};
 
-/// xorshift64* (Vigna 2016).
-struct Tokens(u64);
-
-impl Tokens {
-    fn next(&mut self) -> u32 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40) as u32 % 128_000
-    }
-
-    fn prompt(&mut self, system: &[u32], total: usize) -> Vec<u32> {
-        let mut tokens = system.to_vec();
-        while tokens.len() < total {
-            tokens.push(self.next());
-        }
-        tokens
-    }
-}
-
-/// Prefix `index` goes to this backend: consecutive users of one system prompt land on
-/// different backends, so shared blocks carry several entries.
 fn backend_of(index: usize) -> BackendId {
-    BackendId((index / SYSTEM_PROMPTS) as u32 % BACKENDS)
-}
-
-/// Minimum over `batches` of the mean time of `per_batch` calls, in ns: an estimate of the
-/// uncontended cost on a shared machine, where criterion's means include other processes.
-fn min_nanos(batches: usize, per_batch: usize, mut operation: impl FnMut()) -> f64 {
-    let mut best = f64::MAX;
-    for _ in 0..batches {
-        let start = std::time::Instant::now();
-        for _ in 0..per_batch {
-            operation();
-        }
-        best = best.min(start.elapsed().as_nanos() as f64 / per_batch as f64);
-    }
-    best
+    BackendId(dataset::backend_index(index))
 }
 
 fn benches(criterion: &mut Criterion) {
-    let mut random = Tokens(0x2545_f491_4f6c_dd1d);
-    let systems: Vec<Vec<u32>> = (0..SYSTEM_PROMPTS)
-        .map(|_| random.prompt(&[], SYSTEM_TOKENS))
-        .collect();
-    let chats: Vec<Vec<u32>> = (0..CHAT_PREFIXES)
-        .map(|index| random.prompt(&systems[index % SYSTEM_PROMPTS], CHAT_TOKENS))
-        .collect();
-    let longs: Vec<Vec<u32>> = (0..LONG_PREFIXES)
-        .map(|index| random.prompt(&systems[index % SYSTEM_PROMPTS], LONG_TOKENS))
-        .collect();
+    let dataset::Corpus { chats, longs, .. } = dataset::corpus(0x2545_f491_4f6c_dd1d);
     let mut shard = Shard::new(ShardConfig {
         block_size: BLOCK_SIZE,
         max_blocks: 4 << 20,
