@@ -48,11 +48,11 @@ pub fn get(url: &str, timeout: Duration) -> Result<GetResponse, GetError> {
     let mut stream = TcpStream::connect_timeout(&address, timeout).map_err(io_error)?;
     stream.set_read_timeout(Some(timeout)).map_err(io_error)?;
     stream.set_write_timeout(Some(timeout)).map_err(io_error)?;
-    write!(
-        stream,
+    // One write of the whole request: a peer reading the head in one go sees all of it.
+    let request = format!(
         "GET {path} HTTP/1.1\r\nHost: {authority}\r\nAccept: */*\r\nConnection: close\r\n\r\n"
-    )
-    .map_err(io_error)?;
+    );
+    stream.write_all(request.as_bytes()).map_err(io_error)?;
     let mut raw = Vec::new();
     stream.read_to_end(&mut raw).map_err(io_error)?;
     parse_response(&raw).map_err(|problem| GetError::Malformed {
@@ -139,11 +139,14 @@ mod tests {
         let address = listener.local_addr().unwrap();
         let server = std::thread::spawn(move || {
             let (mut socket, _) = listener.accept().unwrap();
-            let mut request = [0u8; 1024];
-            let read = socket.read(&mut request).unwrap();
-            assert!(
-                String::from_utf8_lossy(&request[..read]).starts_with("GET /metrics HTTP/1.1\r\n")
-            );
+            let mut request = Vec::new();
+            let mut buffer = [0u8; 1024];
+            while !request.ends_with(b"\r\n\r\n") {
+                let read = socket.read(&mut buffer).unwrap();
+                assert!(read > 0, "request head cut short");
+                request.extend_from_slice(&buffer[..read]);
+            }
+            assert!(String::from_utf8_lossy(&request).starts_with("GET /metrics HTTP/1.1\r\n"));
             socket
                 .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
                 .unwrap();
