@@ -6,11 +6,11 @@ use std::cell::{Cell, RefCell};
 use std::convert::Infallible;
 use std::future::{Future, poll_fn};
 use std::io;
-use std::pin::pin;
+use std::pin::{Pin, pin};
 use std::rc::Rc;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::task::{Poll, Waker};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -71,7 +71,73 @@ pub struct Shutdown {
 #[derive(Default)]
 struct ShutdownInner {
     triggered: Cell<bool>,
-    waiters: RefCell<Vec<Waker>>,
+    waiters: RefCell<Waiters>,
+}
+
+/// Wakers of pending [`ShutdownWait`]s, one slot each; a slot is freed when its future is
+/// dropped, so code that races `wait()` against other work in a loop does not pile up wakers
+/// (each one holds a task reference, and glommio panics when a task's count overflows).
+#[derive(Default)]
+struct Waiters {
+    slots: Vec<Option<Waker>>,
+    free: Vec<usize>,
+}
+
+impl Waiters {
+    fn register(&mut self, slot: &mut Option<usize>, waker: &Waker) {
+        match *slot {
+            Some(index) => match &mut self.slots[index] {
+                Some(existing) if existing.will_wake(waker) => {}
+                entry => *entry = Some(waker.clone()),
+            },
+            None => {
+                let index = self.free.pop().unwrap_or_else(|| {
+                    self.slots.push(None);
+                    self.slots.len() - 1
+                });
+                self.slots[index] = Some(waker.clone());
+                *slot = Some(index);
+            }
+        }
+    }
+
+    fn release(&mut self, slot: &mut Option<usize>) {
+        if let Some(index) = slot.take() {
+            self.slots[index] = None;
+            self.free.push(index);
+        }
+    }
+}
+
+/// Resolves once its [`Shutdown`] is triggered.
+pub struct ShutdownWait<'a> {
+    shutdown: &'a Shutdown,
+    slot: Option<usize>,
+}
+
+impl Future for ShutdownWait<'_> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.get_mut();
+        let inner = &this.shutdown.inner;
+        let mut waiters = inner.waiters.borrow_mut();
+        if inner.triggered.get() {
+            waiters.release(&mut this.slot);
+            Poll::Ready(())
+        } else {
+            waiters.register(&mut this.slot, cx.waker());
+            Poll::Pending
+        }
+    }
+}
+
+impl Drop for ShutdownWait<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut waiters) = self.shutdown.inner.waiters.try_borrow_mut() {
+            waiters.release(&mut self.slot);
+        }
+    }
 }
 
 impl Shutdown {
@@ -83,7 +149,15 @@ impl Shutdown {
     /// Triggers the signal; every waiter wakes.
     pub fn trigger(&self) {
         self.inner.triggered.set(true);
-        for waker in self.inner.waiters.borrow_mut().drain(..) {
+        let wakers: Vec<Waker> = self
+            .inner
+            .waiters
+            .borrow_mut()
+            .slots
+            .iter_mut()
+            .filter_map(Option::take)
+            .collect();
+        for waker in wakers {
             waker.wake();
         }
     }
@@ -94,22 +168,11 @@ impl Shutdown {
     }
 
     /// Resolves once triggered.
-    pub async fn wait(&self) {
-        poll_fn(|cx| {
-            if self.inner.triggered.get() {
-                Poll::Ready(())
-            } else {
-                // A task that polls `wait` again (e.g. in `or` inside a loop) must not add a
-                // waker clone each time: each clone holds a task reference, and glommio panics
-                // when a task's reference count overflows (32,767).
-                let mut waiters = self.inner.waiters.borrow_mut();
-                if !waiters.iter().any(|waiter| waiter.will_wake(cx.waker())) {
-                    waiters.push(cx.waker().clone());
-                }
-                Poll::Pending
-            }
-        })
-        .await
+    pub fn wait(&self) -> ShutdownWait<'_> {
+        ShutdownWait {
+            shutdown: self,
+            slot: None,
+        }
     }
 
     /// Triggers this signal when `flag` (set from another thread, e.g. a signal handler) turns
@@ -317,5 +380,50 @@ async fn sniff_h2_preface(stream: &mut TcpStream) -> io::Result<(bool, Bytes)> {
         if !is_h2 || filled == H2_PREFACE.len() {
             return Ok((is_h2, Bytes::copy_from_slice(&buffer[..filled])));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dropped_waits_release_their_waker_and_trigger_wakes_the_rest() {
+        glommio::LocalExecutorBuilder::default()
+            .io_memory(crate::executor::DEFAULT_IO_MEMORY_BYTES)
+            .make()
+            .expect("executor")
+            .run(async {
+                let shutdown = Shutdown::new();
+                // More polls than glommio's task reference count allows (32,767): each race
+                // registers a waker, and dropping the losing wait must release it.
+                for _ in 0..40_000 {
+                    let finished_first = or(
+                        async {
+                            futures_lite::future::yield_now().await;
+                            true
+                        },
+                        async {
+                            shutdown.wait().await;
+                            false
+                        },
+                    )
+                    .await;
+                    assert!(finished_first);
+                }
+                let registered = |shutdown: &Shutdown| {
+                    let waiters = shutdown.inner.waiters.borrow();
+                    (waiters.slots.iter().flatten().count(), waiters.slots.len())
+                };
+                assert_eq!(registered(&shutdown), (0, 1));
+                let waiter = shutdown.clone();
+                let pending = glommio::spawn_local(async move { waiter.wait().await });
+                Timer::new(Duration::from_millis(1)).await;
+                assert_eq!(registered(&shutdown).0, 1);
+                shutdown.trigger();
+                pending.await;
+                assert!(shutdown.is_triggered());
+                shutdown.wait().await;
+            });
     }
 }
