@@ -79,6 +79,16 @@ pub fn install() -> PrometheusHandle {
     // Fails only when a recorder is already installed (in-process tests): keep that one.
     let _ = metrics::set_global_recorder(recorder);
     describe();
+    // Counters without labels are exported from the start, so a scrape before the first event
+    // reads 0 instead of a missing series (dashboards and the harness rate() them).
+    for counter in [
+        RESIDENCY_DOWNGRADES_TOTAL,
+        OVERLOAD_REJECTIONS_TOTAL,
+        UPSTREAM_STREAM_ERRORS_TOTAL,
+        CLIENT_DISCONNECTS_TOTAL,
+    ] {
+        metrics::counter!(counter).increment(0);
+    }
     handle
 }
 

@@ -654,6 +654,14 @@ fn metrics_are_served_on_both_listeners() {
         "--metrics-listen",
         &metrics_listen,
     ]);
+    // Unlabelled counters exist from the start: a scrape before any event reads 0.
+    let before = router.metrics();
+    assert!(
+        before
+            .lines()
+            .any(|line| line == "myelin_router_residency_route_downgrades_total 0"),
+        "{before}"
+    );
     let streamed = router.post_json("/v1/chat/completions", &chat_body("hi", true));
     assert_eq!(streamed.status, 200);
     // Read to the end: the duration is recorded when the body ends.
@@ -802,7 +810,9 @@ fn load_counts_the_prompt_until_the_first_token_then_only_the_output() {
     engine.release();
     assert!(stream.next_chunk().is_some());
     // The first token means the prompt is prefilled: only the decode work remains queued.
-    wait_until("the prefill part to leave the load", || in_flight_tokens() == 7);
+    wait_until("the prefill part to leave the load", || {
+        in_flight_tokens() == 7
+    });
     engine.release();
     let _ = stream.body();
     wait_until("the load to clear", || in_flight_tokens() == 0);
