@@ -103,4 +103,22 @@ mod tests {
         assert!(parser.feed(b"data: partial\n").is_empty());
         assert_eq!(parser.feed(b"\n").len(), 1);
     }
+
+    proptest::proptest! {
+        /// Engine streams are untrusted bytes: any input parses without panicking, and the
+        /// events do not depend on where the network split the chunks.
+        #[test]
+        fn any_bytes_any_split_same_events(
+            stream in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512),
+            split in 0usize..512,
+        ) {
+            let split = split.min(stream.len());
+            let mut whole = SseParser::new();
+            let expected = whole.feed(&stream);
+            let mut parts = SseParser::new();
+            let mut events = parts.feed(&stream[..split]);
+            events.extend(parts.feed(&stream[split..]));
+            proptest::prop_assert_eq!(events, expected);
+        }
+    }
 }

@@ -546,3 +546,71 @@ mod tests {
         assert_eq!(error["code"], "unknown_url");
     }
 }
+
+/// Untrusted request bodies: whatever the bytes, parsing never panics, and a rejection is a
+/// client error carrying an OpenAI error body.
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// JSON values shaped like requests: the keys the parser looks at, with any types.
+    fn request_like_json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            any::<f64>().prop_map(Value::from),
+            "[a-z ]{0,12}".prop_map(Value::String),
+        ];
+        let key = prop_oneof![
+            Just("model".to_string()),
+            Just("messages".to_string()),
+            Just("prompt".to_string()),
+            Just("stream".to_string()),
+            Just("max_tokens".to_string()),
+            Just("n".to_string()),
+            Just("role".to_string()),
+            Just("content".to_string()),
+            Just("type".to_string()),
+            Just("text".to_string()),
+            "[a-z_]{1,8}",
+        ];
+        leaf.prop_recursive(4, 48, 6, move |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                prop::collection::btree_map(key.clone(), inner, 0..6)
+                    .prop_map(|map| Value::Object(map.into_iter().collect())),
+            ]
+        })
+    }
+
+    fn check(endpoint: Endpoint, body: &[u8]) {
+        if let Err(error) = parse_generation_request(endpoint, body) {
+            assert!(error.status.is_client_error(), "{:?}", error.status);
+            let json = error.to_json();
+            assert!(
+                json["error"]["message"]
+                    .as_str()
+                    .is_some_and(|message| !message.is_empty())
+            );
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn arbitrary_bytes_are_rejected_cleanly(body in prop::collection::vec(any::<u8>(), 0..256)) {
+            check(Endpoint::ChatCompletions, &body);
+            check(Endpoint::Completions, &body);
+        }
+
+        #[test]
+        fn request_shaped_json_never_panics(value in request_like_json()) {
+            let body = value.to_string();
+            check(Endpoint::ChatCompletions, body.as_bytes());
+            check(Endpoint::Completions, body.as_bytes());
+        }
+    }
+}
