@@ -203,19 +203,7 @@ fn added_ttft_vs_direct() {
             interval: Duration::from_millis(1),
         },
     );
-    let router = Router::start_raw(
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--shards",
-            "1",
-            "--no-pin",
-            "--backend",
-            &engine.url(),
-        ],
-        &[],
-    );
+    let router = Router::start_with_shards(1, &["--backend", &engine.url()]);
     let mut state = 0x5eed_u64;
     let system = random_text(&mut state, 40);
     let bodies = |state: &mut u64| -> Vec<String> {
@@ -279,19 +267,7 @@ fn requests_per_second_per_core() {
             interval: Duration::ZERO,
         },
     );
-    let router = Router::start_raw(
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--shards",
-            "1",
-            "--no-pin",
-            "--backend",
-            &engine.url(),
-        ],
-        &[],
-    );
+    let router = Router::start_with_shards(1, &["--backend", &engine.url()]);
     const CLIENTS: usize = 16;
     const DURATION: Duration = Duration::from_secs(5);
     let stop = Arc::new(AtomicBool::new(false));

@@ -129,14 +129,9 @@ fn same_prefix_goes_to_the_same_backend() {
 fn long_prompts_are_tokenized_in_full_only_when_their_prefix_matches() {
     let engines = [Engine::start("a", normal()), Engine::start("b", normal())];
     // One shard: every request sees the same history.
-    let router = Router::start_raw(
+    let router = Router::start_with_shards(
+        1,
         &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--shards",
-            "1",
-            "--no-pin",
             "--backend",
             &engines[0].url(),
             "--backend",
@@ -144,7 +139,6 @@ fn long_prompts_are_tokenized_in_full_only_when_their_prefix_matches() {
             "--tokenize-prefix-bytes",
             "1024",
         ],
-        &[],
     );
     let shared = "A long shared document about caches and routers. ".repeat(120);
     let unique = |seed: usize| format!("Unrelated text number {seed}. ").repeat(200);
@@ -586,14 +580,9 @@ fn every_bad_input_gets_an_openai_error() {
 #[test]
 fn per_core_in_flight_limit_answers_429_with_retry_after() {
     let engine = Engine::start("gated", Behavior::Gated { chunks: 1 });
-    let router = Router::start_raw(
+    let router = Router::start_with_shards(
+        1,
         &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--shards",
-            "1",
-            "--no-pin",
             "--backend",
             &engine.url(),
             "--max-in-flight-per-core",
@@ -601,7 +590,6 @@ fn per_core_in_flight_limit_answers_429_with_retry_after() {
             "--retry-after-seconds",
             "7",
         ],
-        &[],
     );
     let mut held = router.post_json("/v1/chat/completions", &chat_body("hold", true));
     assert_eq!(held.status, 200);

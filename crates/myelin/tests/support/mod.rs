@@ -24,12 +24,19 @@ pub struct Router {
 impl Router {
     /// Starts `myelin serve` with 2 unpinned shards on an ephemeral loopback port plus `args`.
     pub fn start(args: &[&str]) -> Router {
+        Router::start_with_shards(2, args)
+    }
+
+    /// Starts `myelin serve` with `shards` unpinned shards on an ephemeral loopback port plus
+    /// `args`.
+    pub fn start_with_shards(shards: usize, args: &[&str]) -> Router {
+        let shards = shards.to_string();
         let mut all = vec![
             "serve",
             "--listen",
             "127.0.0.1:0",
             "--shards",
-            "2",
+            &shards,
             "--no-pin",
         ];
         all.extend_from_slice(args);
