@@ -88,6 +88,15 @@ impl ReferenceModel {
             .len()
     }
 
+    /// Blocks each backend holds, by backend id (backends holding none left out).
+    pub fn blocks_by_backend(&self) -> Vec<(BackendId, usize)> {
+        self.held
+            .iter()
+            .filter(|(_, set)| !set.is_empty())
+            .map(|(&backend, set)| (backend, set.len()))
+            .collect()
+    }
+
     /// Sum over backends of the blocks each holds.
     pub fn backend_blocks(&self) -> usize {
         self.held.values().map(BTreeSet::len).sum()

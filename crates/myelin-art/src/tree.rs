@@ -434,6 +434,28 @@ impl PrefixTree {
         }
     }
 
+    /// Blocks each backend holds in the tree, by backend id (walks the arena: for the admin
+    /// API, not the request path).
+    pub fn blocks_by_backend(&self) -> Vec<(BackendId, usize)> {
+        let mut counts: Vec<(BackendId, usize)> = Vec::new();
+        for entry in self
+            .nodes
+            .iter()
+            .filter(|node| node.live)
+            .flat_map(|node| node.entries.iter())
+        {
+            match counts
+                .iter_mut()
+                .find(|(backend, _)| *backend == entry.backend)
+            {
+                Some((_, blocks)) => *blocks += entry.covered_blocks as usize,
+                None => counts.push((entry.backend, entry.covered_blocks as usize)),
+            }
+        }
+        counts.sort_unstable_by_key(|(backend, _)| *backend);
+        counts
+    }
+
     /// Checks every structural invariant; for tests and fuzzing. O(nodes).
     pub fn check_invariants(&self) -> Result<(), String> {
         let root = &self.nodes[ROOT as usize];

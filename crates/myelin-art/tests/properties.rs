@@ -81,6 +81,7 @@ proptest! {
             let stats = tree.stats();
             prop_assert_eq!(stats.stored_blocks, model.stored_blocks());
             prop_assert_eq!(stats.backend_blocks, model.backend_blocks());
+            prop_assert_eq!(tree.blocks_by_backend(), model.blocks_by_backend());
         }
     }
 

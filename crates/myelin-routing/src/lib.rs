@@ -74,4 +74,4 @@ pub use residency::{
     EstimateInput, PlaceholderEstimator, ResidencyEstimator, ResidencyMode, expected_cached_tokens,
 };
 pub use router::{DEFAULT_LOAD_BOUND_TOKENS, Decision, Router, RouterConfig};
-pub use shard::{BackendMatch, PrefixMatch, Shard, ShardConfig};
+pub use shard::{BackendMatch, BlockCounts, PrefixMatch, Shard, ShardConfig};

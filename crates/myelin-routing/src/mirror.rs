@@ -176,6 +176,24 @@ impl ResidencyMirror {
         prefixes
     }
 
+    /// Blocks each backend holds according to its events, by backend id (walks the mirror:
+    /// for the admin API, not the request path). Live and stale mirrors alike.
+    pub fn blocks_by_backend(&self) -> Vec<(BackendId, usize)> {
+        let mut counts: Vec<(BackendId, usize)> = Vec::new();
+        let mut count = |backend: BackendId| match counts.iter_mut().find(|(b, _)| *b == backend) {
+            Some((_, blocks)) => *blocks += 1,
+            None => counts.push((backend, 1)),
+        };
+        for holders in self.blocks.values() {
+            match holders {
+                Holders::One(holder, _) => count(*holder),
+                Holders::Many(holders) => holders.iter().for_each(|(holder, _)| count(*holder)),
+            }
+        }
+        counts.sort_unstable_by_key(|(backend, _)| *backend);
+        counts
+    }
+
     /// Distinct blocks mirrored.
     pub fn block_count(&self) -> usize {
         self.blocks.len()

@@ -85,6 +85,15 @@ pub struct Shard {
     mirror: ResidencyMirror,
 }
 
+/// Blocks per backend held by one shard (see [`Shard::blocks_by_backend`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BlockCounts {
+    /// Blocks of learned routes in the prefix tree, by backend id.
+    pub routed: Vec<(BackendId, usize)>,
+    /// Blocks the verified mirror holds, by backend id.
+    pub mirrored: Vec<(BackendId, usize)>,
+}
+
 impl Shard {
     /// An empty shard. Fails on a zero block size.
     pub fn new(config: ShardConfig) -> Result<Self, RoutingError> {
@@ -226,6 +235,15 @@ impl Shard {
     /// Read access to the verified mirror.
     pub fn mirror(&self) -> &ResidencyMirror {
         &self.mirror
+    }
+
+    /// Blocks each backend holds, by backend id: in the prefix tree (routes learned here) and
+    /// in the verified mirror (its KV events). Walks both: for the admin API.
+    pub fn blocks_by_backend(&self) -> BlockCounts {
+        BlockCounts {
+            routed: self.tree.blocks_by_backend(),
+            mirrored: self.mirror.blocks_by_backend(),
+        }
     }
 
     /// Size figures of the prefix tree.

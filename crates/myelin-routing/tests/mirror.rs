@@ -68,6 +68,15 @@ proptest! {
             }
             let distinct: BTreeSet<u64> = copies.keys().map(|&(_, block)| block).collect();
             prop_assert_eq!(mirror.block_count(), distinct.len());
+            let mut by_backend: BTreeMap<u32, usize> = BTreeMap::new();
+            for &(backend, _) in copies.keys() {
+                *by_backend.entry(backend).or_default() += 1;
+            }
+            let want_counts: Vec<(BackendId, usize)> = by_backend
+                .into_iter()
+                .map(|(backend, blocks)| (BackendId(backend), blocks))
+                .collect();
+            prop_assert_eq!(mirror.blocks_by_backend(), want_counts);
             let want: Vec<(BackendId, u32)> = live
                 .iter()
                 .map(|&backend| {

@@ -15,6 +15,7 @@ use crate::data_core::DataCore;
 use crate::messages::{AdminOp, AdminOutcome};
 use crate::openai::ApiError;
 use crate::request_path::{error_response, json_response};
+use crate::routing_glue::BlockCounts;
 
 /// Largest admin request body.
 const MAX_ADMIN_BODY_BYTES: usize = 64 * 1024;
@@ -28,11 +29,12 @@ struct AddBackend {
     kv_events: Option<String>,
 }
 
-/// One backend as the admin API shows it.
-fn backend_json(core: &DataCore, entry: &BackendEntry) -> Value {
+/// One backend as the admin API shows it. `counts` are the blocks the shards hold for it
+/// (`None` when not gathered: the answer to an admin change).
+fn backend_json(core: &DataCore, entry: &BackendEntry, counts: Option<&BlockCounts>) -> Value {
     let load = entry.total_load();
     let residency = core.routing.borrow().residency_of(entry.info.id);
-    json!({
+    let mut json = json!({
         "id": entry.info.id,
         "url": entry.info.spec.url,
         "kv_events": entry.info.spec.kv_events,
@@ -40,15 +42,27 @@ fn backend_json(core: &DataCore, entry: &BackendEntry) -> Value {
         "in_flight_requests": load.requests,
         "in_flight_tokens": load.tokens,
         "residency": residency,
-        // Known only from a live KV-event mirror, which this build does not subscribe to yet.
-        "resident_blocks": Value::Null,
-    })
+    });
+    if let Some(counts) = counts {
+        let routed = counts.routed_of(entry.info.id);
+        // What routing believes the engine holds: its own KV events when they are in effect,
+        // else the learned routes (which the estimate then discounts by age and pressure).
+        let (resident, source) = if residency == "verified" {
+            (counts.mirrored_of(entry.info.id), "kv-events")
+        } else {
+            (routed, "routes")
+        };
+        json["routed_blocks"] = json!(routed);
+        json["resident_blocks"] = json!(resident);
+        json["resident_blocks_source"] = json!(source);
+    }
+    json
 }
 
 fn info_json(core: &DataCore, info: &BackendInfo) -> Value {
     let backends = core.backends.borrow();
     match backends.get(info.id) {
-        Some(entry) => backend_json(core, entry),
+        Some(entry) => backend_json(core, entry, None),
         None => json!({
             "id": info.id,
             "url": info.spec.url,
@@ -58,14 +72,22 @@ fn info_json(core: &DataCore, info: &BackendInfo) -> Value {
     }
 }
 
-/// GET /admin/backends.
-pub fn list(core: &DataCore) -> Response<Body> {
+/// GET /admin/backends: every backend, with the blocks every shard holds for it.
+pub async fn list(core: &Rc<DataCore>) -> Response<Body> {
+    let (counts, shards_answered) = core.block_counts().await;
     let backends = core.backends.borrow();
     let list: Vec<Value> = backends
         .iter()
-        .map(|entry| backend_json(core, entry))
+        .map(|entry| backend_json(core, entry, Some(&counts)))
         .collect();
-    json_response(StatusCode::OK, &json!({ "backends": list }))
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "backends": list,
+            "shards": core.shards,
+            "shards_answered": shards_answered,
+        }),
+    )
 }
 
 /// POST /admin/backends with `{"url": "...", "kv_events": "..."}`.

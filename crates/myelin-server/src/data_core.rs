@@ -23,13 +23,15 @@ use crate::mesh::{Mesh, MeshEnds, OneShot, SendError};
 use crate::messages::{AdminOp, AdminOutcome, Message};
 use crate::metrics as names;
 use crate::route_tokens::{AddedTokens, RouteTokenizer};
-use crate::routing_glue::{LookupAnswer, LookupQuery, RouteLesson, RoutingShard};
+use crate::routing_glue::{BlockCounts, LookupAnswer, LookupQuery, RouteLesson, RoutingShard};
 
 /// How long a request waits for the owner shard's lookup reply before routing without it
 /// (the owner is normally microseconds away; this only matters while cores shut down).
 const LOOKUP_TIMEOUT: Duration = Duration::from_millis(50);
 /// How long an admin request waits for the control core and every data core.
 const ADMIN_TIMEOUT: Duration = Duration::from_secs(5);
+/// Time the admin API waits for the other shards' block counts.
+const BLOCK_COUNTS_TIMEOUT: Duration = Duration::from_secs(1);
 /// Period of the full load and shard-stats broadcast that heals dropped updates.
 const RESYNC_INTERVAL: Duration = Duration::from_secs(1);
 /// How often the server loop looks at the process-wide stop flag.
@@ -78,6 +80,7 @@ pub struct DataCore {
     shard_label: String,
     pending_lookups: RefCell<HashMap<u64, OneShot<LookupAnswer>>>,
     pending_admin: RefCell<HashMap<u64, OneShot<AdminOutcome>>>,
+    pending_block_counts: RefCell<HashMap<u64, OneShot<BlockCounts>>>,
     next_request_id: Cell<u64>,
     in_flight: Cell<usize>,
 }
@@ -150,6 +153,7 @@ pub async fn run_data_core(setup: DataCoreSetup) -> ServeReport {
         shard_label: setup.shard.to_string(),
         pending_lookups: RefCell::new(HashMap::new()),
         pending_admin: RefCell::new(HashMap::new()),
+        pending_block_counts: RefCell::new(HashMap::new()),
         next_request_id: Cell::new(1),
         in_flight: Cell::new(0),
         config: setup.config.clone(),
@@ -265,6 +269,18 @@ impl DataCore {
                 }
             }
             Message::Learn(lesson) => self.routing.borrow_mut().learn(lesson),
+            Message::BlockCounts {
+                request_id,
+                reply_to,
+            } => {
+                let counts = self.routing.borrow().block_counts();
+                self.send(reply_to, Message::BlockCountsReply { request_id, counts });
+            }
+            Message::BlockCountsReply { request_id, counts } => {
+                if let Some(slot) = self.pending_block_counts.borrow_mut().remove(&request_id) {
+                    slot.fill(counts);
+                }
+            }
             Message::Load(update) => {
                 metrics::histogram!(names::LOAD_VIEW_STALENESS_SECONDS)
                     .record(update.sent_at.elapsed().as_secs_f64());
@@ -370,6 +386,40 @@ impl DataCore {
         };
         self.pending_lookups.borrow_mut().remove(&request_id);
         answer.unwrap_or_default()
+    }
+
+    /// Blocks per backend summed over every data core's shard, and how many shards answered
+    /// within the admin timeout.
+    pub async fn block_counts(&self) -> (BlockCounts, usize) {
+        let mut total = self.routing.borrow().block_counts();
+        let mut answered = 1;
+        let mut waiting = Vec::new();
+        for peer in (0..self.shards).filter(|&peer| peer != self.shard) {
+            let request_id = self.next_request_id();
+            let slot = OneShot::default();
+            self.pending_block_counts
+                .borrow_mut()
+                .insert(request_id, slot.clone());
+            let message = Message::BlockCounts {
+                request_id,
+                reply_to: self.shard,
+            };
+            if self.send(peer, message) {
+                waiting.push((request_id, slot));
+            } else {
+                self.pending_block_counts.borrow_mut().remove(&request_id);
+            }
+        }
+        let deadline = Instant::now() + BLOCK_COUNTS_TIMEOUT;
+        for (request_id, slot) in waiting {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if let Some(counts) = myelin_http::rt::timeout(left, slot.wait()).await {
+                total.add(&counts);
+                answered += 1;
+            }
+            self.pending_block_counts.borrow_mut().remove(&request_id);
+        }
+        (total, answered)
     }
 
     /// Tells the owner shard which backend a prompt went to.

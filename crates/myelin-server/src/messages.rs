@@ -2,7 +2,7 @@
 
 use crate::backend_spec::BackendSpec;
 use crate::backends::{BackendId, BackendInfo, BackendState, LoadUpdate};
-use crate::routing_glue::{LookupAnswer, LookupQuery, RouteLesson};
+use crate::routing_glue::{BlockCounts, LookupAnswer, LookupQuery, RouteLesson};
 
 /// An operator action from the admin API, executed by the control core.
 #[derive(Debug, Clone)]
@@ -39,6 +39,13 @@ pub enum Message {
     },
     /// A prompt was routed to a backend: the owner records it.
     Learn(RouteLesson),
+    /// Blocks per backend in the receiver's shard (admin API); answered by `BlockCountsReply`.
+    BlockCounts { request_id: u64, reply_to: usize },
+    /// Answer to `BlockCounts`.
+    BlockCountsReply {
+        request_id: u64,
+        counts: BlockCounts,
+    },
 
     // Data core -> every other data core.
     /// The sender's load on one backend (absolute, so a dropped update heals).
@@ -78,6 +85,8 @@ impl Message {
             Message::Lookup { .. } => "lookup",
             Message::LookupReply { .. } => "lookup_reply",
             Message::Learn(_) => "learn",
+            Message::BlockCounts { .. } => "block_counts",
+            Message::BlockCountsReply { .. } => "block_counts_reply",
             Message::Load(_) => "load",
             Message::Outcome { .. } => "outcome",
             Message::Admin { .. } => "admin",

@@ -122,7 +122,7 @@ pub async fn handle(core: Rc<DataCore>, request: Request<Incoming>) -> Response<
                 Route::Models => models(&core).await,
                 Route::Health => health(&core),
                 Route::Metrics => metrics_text(&core),
-                Route::AdminList => crate::admin::list(&core),
+                Route::AdminList => crate::admin::list(&core).await,
                 Route::AdminAdd => crate::admin::add(&core, request).await,
                 Route::AdminRemove(id) => crate::admin::remove(&core, id).await,
                 Route::AdminDrain(id) => crate::admin::drain(&core, id).await,

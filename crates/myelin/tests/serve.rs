@@ -387,6 +387,65 @@ fn circuit_breaker_opens_on_consecutive_failures_and_closes_after_a_probe() {
     });
 }
 
+/// The admin listing sums every shard's blocks per backend: token-id prompts of exactly four
+/// blocks, alternated over two backends, each with its own first block (so owners differ).
+#[test]
+fn admin_counts_routed_blocks_across_shards() {
+    let first = Engine::start("first", normal());
+    let second = Engine::start("second", normal());
+    let router = Router::start(&[
+        "--backend",
+        &first.url(),
+        "--backend",
+        &second.url(),
+        "--routing",
+        "round-robin",
+        "--block-size",
+        "16",
+    ]);
+    let before = router.get("/admin/backends").json();
+    assert_eq!(before["shards_answered"], 2);
+    for backend in before["backends"].as_array().unwrap() {
+        assert_eq!(backend["routed_blocks"], 0);
+    }
+    let mut sent_to: std::collections::BTreeMap<String, u64> = Default::default();
+    for prompt in 0..6u32 {
+        let ids: Vec<u32> = (0..64).map(|token| 1_000 + prompt * 100 + token).collect();
+        let response = router.post_json(
+            "/v1/completions",
+            &json!({"model": "m", "prompt": ids, "max_tokens": 4}),
+        );
+        assert_eq!(response.status, 200);
+        let backend = response.header("x-myelin-backend").unwrap().to_string();
+        *sent_to.entry(backend).or_default() += 1;
+    }
+    // A route reaches its owner shard by message: give the last one a moment to land.
+    let expected_total = 6 * 4;
+    let mut listing = router.get("/admin/backends").json();
+    for _ in 0..40 {
+        let total: u64 = listing["backends"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|backend| backend["routed_blocks"].as_u64())
+            .sum();
+        if total == expected_total {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        listing = router.get("/admin/backends").json();
+    }
+    assert_eq!(listing["shards"], 2);
+    assert_eq!(listing["shards_answered"], 2);
+    for backend in listing["backends"].as_array().unwrap() {
+        let url = backend["url"].as_str().unwrap();
+        let prompts = sent_to.get(url).copied().unwrap_or(0);
+        assert_eq!(backend["routed_blocks"], prompts * 4, "{backend}");
+        assert_eq!(backend["resident_blocks"], prompts * 4, "{backend}");
+        assert_eq!(backend["resident_blocks_source"], "routes");
+    }
+}
+
 #[test]
 fn admin_adds_drains_and_removes_backends() {
     let first = Engine::start("first", normal());
@@ -401,7 +460,9 @@ fn admin_adds_drains_and_removes_backends() {
         "in_flight_requests",
         "in_flight_tokens",
         "residency",
+        "routed_blocks",
         "resident_blocks",
+        "resident_blocks_source",
     ] {
         assert!(listed[0].get(key).is_some(), "missing {key}");
     }
