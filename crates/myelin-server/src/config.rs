@@ -237,6 +237,11 @@ pub struct ServeArgs {
     #[arg(long, env = "MYELIN_TOKENIZE_PREFIX_BYTES", value_name = "BYTES")]
     pub tokenize_prefix_bytes: Option<usize>,
 
+    /// Always tokenize with HuggingFace `tokenizers`, never with the built-in fast byte-level
+    /// BPE path (same ids, checked at startup; used when the tokenizer is one it reproduces).
+    #[arg(long, env = "MYELIN_NO_FAST_TOKENIZER")]
+    pub no_fast_tokenizer: bool,
+
     /// Prefix policy: load differences up to this many tokens are treated as noise (a
     /// backend's load counts only beyond the least-loaded one's plus this); 0 means pure
     /// expected-cost scoring. [default: 2048]
@@ -279,6 +284,7 @@ pub struct FileConfig {
     pub drain_timeout_ms: Option<u64>,
     pub tokenize_cache_bytes: Option<usize>,
     pub tokenize_prefix_bytes: Option<usize>,
+    pub no_fast_tokenizer: Option<bool>,
     pub load_bound_tokens: Option<u64>,
 }
 
@@ -330,6 +336,7 @@ pub struct ServeConfig {
     pub drain_timeout: Duration,
     pub tokenize_cache_bytes: usize,
     pub tokenize_prefix_bytes: usize,
+    pub fast_tokenizer: bool,
     pub load_bound_tokens: u64,
 }
 
@@ -554,6 +561,7 @@ impl ServeConfig {
                 .tokenize_prefix_bytes
                 .or(file.tokenize_prefix_bytes)
                 .unwrap_or(Defaults::TOKENIZE_PREFIX_BYTES),
+            fast_tokenizer: !(args.no_fast_tokenizer || file.no_fast_tokenizer.unwrap_or(false)),
             load_bound_tokens: args
                 .load_bound_tokens
                 .or(file.load_bound_tokens)

@@ -15,7 +15,7 @@ use glommio::timer::Timer;
 use metrics_exporter_prometheus::PrometheusHandle;
 use myelin_http::client::{Pool, PoolConfig};
 use myelin_http::server::{ServeReport, ServerConfig, Shutdown};
-use myelin_tokenize::{ChatTemplate, Tokenizer};
+use myelin_tokenize::{ChatTemplate, FastBpe, Tokenizer};
 
 use crate::backends::{BackendId, BackendInfo, BackendTable, Load, LoadUpdate};
 use crate::config::ServeConfig;
@@ -57,6 +57,8 @@ pub struct DataCoreSetup {
     pub mesh_ends: MeshEnds<Message>,
     pub initial_backends: Vec<BackendInfo>,
     pub tokenizer: Tokenizer,
+    /// The verified fast tokenizer path (each core gets its own clone: own word cache).
+    pub fast_tokenizer: Option<FastBpe>,
     pub template: Arc<ChatTemplate>,
     pub added_tokens: Option<Arc<AddedTokens>>,
     pub metrics: PrometheusHandle,
@@ -130,6 +132,7 @@ pub async fn run_data_core(setup: DataCoreSetup) -> ServeReport {
     }
     let tokenizer = RouteTokenizer::new(
         setup.tokenizer,
+        setup.fast_tokenizer,
         setup.template,
         setup.added_tokens,
         setup.config.tokenize_cache_bytes,

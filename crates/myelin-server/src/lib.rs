@@ -33,7 +33,7 @@ use std::sync::mpsc;
 use glommio::ExecutorJoinHandle;
 use myelin_http::executor::{ExecutorSpec, spawn_executor};
 use myelin_http::server::ServeReport;
-use myelin_tokenize::{ChatTemplate, Tokenizer};
+use myelin_tokenize::{ChatTemplate, FastBpe, Tokenizer};
 
 pub use config::{ServeArgs, ServeConfig};
 
@@ -117,6 +117,32 @@ impl Server {
     }
 }
 
+/// The exact fast tokenizer path for `path`, when it reproduces this tokenizer and agrees
+/// with HuggingFace `tokenizers` on the self-check corpus; says on stdout which path is used.
+fn fast_tokenizer(path: &std::path::Path, tokenizer: &Tokenizer) -> Option<FastBpe> {
+    let reason = match FastBpe::from_tokenizer_json_or_reason(path) {
+        Ok(Ok(fast)) => match fast.with_added_tokens(tokenizer) {
+            Ok(mut fast) => {
+                match fast.verify_against(tokenizer, myelin_tokenize::fast_bpe::SELF_CHECK_CORPUS) {
+                    Ok(()) => {
+                        fast.clear_cache();
+                        println!(
+                            "myelin: tokenizer fast path on (matches tokenizers on the self-check corpus)"
+                        );
+                        return Some(fast);
+                    }
+                    Err(disagreement) => disagreement.to_string(),
+                }
+            }
+            Err(unsupported) => format!("unsupported added tokens: {unsupported}"),
+        },
+        Ok(Err(unsupported)) => format!("{unsupported}"),
+        Err(error) => error.to_string(),
+    };
+    println!("myelin: tokenizer fast path off ({reason}); using tokenizers");
+    None
+}
+
 /// Starts the router. Setting `stop` (or calling [`Server::stop`]) begins a graceful drain.
 pub fn start(config: ServeConfig, stop: Arc<AtomicBool>) -> Result<Server, ServeError> {
     let tokenizer_path = match &config.tokenizer {
@@ -129,6 +155,12 @@ pub fn start(config: ServeConfig, stop: Arc<AtomicBool>) -> Result<Server, Serve
         None => ChatTemplate::chatml(),
     });
     let added_tokens = AddedTokens::from_tokenizer_json(&tokenizer_path).map(Arc::new);
+    let fast_tokenizer = if config.fast_tokenizer {
+        fast_tokenizer(&tokenizer_path, &tokenizer)
+    } else {
+        println!("myelin: tokenizer fast path off (--no-fast-tokenizer)");
+        None
+    };
 
     let mut config = config;
     let sim = if config.sim > 0 {
@@ -181,6 +213,7 @@ pub fn start(config: ServeConfig, stop: Arc<AtomicBool>) -> Result<Server, Serve
             mesh_ends: ends,
             initial_backends: initial_backends.clone(),
             tokenizer: tokenizer.clone(),
+            fast_tokenizer: fast_tokenizer.clone(),
             template: template.clone(),
             added_tokens: added_tokens.clone(),
             metrics: metrics.clone(),

@@ -20,7 +20,7 @@ use std::path::Path;
 use std::rc::Rc;
 use std::sync::Arc;
 
-use myelin_tokenize::{ChatTemplate, Tokenizer};
+use myelin_tokenize::{ChatTemplate, FastBpe, Tokenizer};
 use serde_json::Value;
 
 use crate::openai::PromptInput;
@@ -40,10 +40,19 @@ pub enum RouteTokensError {
 }
 
 /// Added tokens of a tokenizer, indexed by first byte for leftmost-longest matching.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct AddedTokens {
-    /// For each first byte: (token text, id), longest first.
-    by_first_byte: HashMap<u8, Vec<(Box<str>, u32)>>,
+    /// For each first byte (the index): (token text, id), longest first. Indexed, not hashed:
+    /// the split probes it once per byte of every prompt.
+    by_first_byte: Vec<Vec<(Box<str>, u32)>>,
+}
+
+impl Default for AddedTokens {
+    fn default() -> Self {
+        AddedTokens {
+            by_first_byte: vec![Vec::new(); 256],
+        }
+    }
 }
 
 impl AddedTokens {
@@ -76,13 +85,9 @@ impl AddedTokens {
             let Some(&first) = content.as_bytes().first() else {
                 continue;
             };
-            tokens
-                .by_first_byte
-                .entry(first)
-                .or_default()
-                .push((content.into(), id));
+            tokens.by_first_byte[usize::from(first)].push((content.into(), id));
         }
-        for candidates in tokens.by_first_byte.values_mut() {
+        for candidates in &mut tokens.by_first_byte {
             candidates.sort_by_key(|(content, _)| std::cmp::Reverse(content.len()));
         }
         Some(tokens)
@@ -96,14 +101,9 @@ impl AddedTokens {
         let mut plain_start = 0;
         let mut position = 0;
         while position < bytes.len() {
-            let matched = self
-                .by_first_byte
-                .get(&bytes[position])
-                .and_then(|candidates| {
-                    candidates
-                        .iter()
-                        .find(|(content, _)| bytes[position..].starts_with(content.as_bytes()))
-                });
+            let matched = self.by_first_byte[usize::from(bytes[position])]
+                .iter()
+                .find(|(content, _)| bytes[position..].starts_with(content.as_bytes()));
             match matched {
                 Some((content, id)) => {
                     if plain_start < position {
@@ -238,6 +238,8 @@ pub struct PromptTokens {
 /// Per-core tokenizer for routing: template rendering, tokenization, segment cache.
 pub struct RouteTokenizer {
     tokenizer: Tokenizer,
+    /// The exact fast path for plain segments, when the tokenizer is one it reproduces.
+    fast: Option<FastBpe>,
     template: Arc<ChatTemplate>,
     added_tokens: Option<Arc<AddedTokens>>,
     /// Ids the tokenizer puts before a completion prompt (usually the BOS), when it only
@@ -249,9 +251,13 @@ pub struct RouteTokenizer {
 }
 
 impl RouteTokenizer {
-    /// Builds one core's tokenizer. `added_tokens` is `None` to disable segment caching.
+    /// Builds one core's tokenizer. `added_tokens` is `None` when splitting at added tokens is
+    /// not exact for this tokenizer: then prompts are tokenized whole by `tokenizer`, without
+    /// the segment cache or the fast path. `fast` (verified against `tokenizer` by the caller)
+    /// tokenizes the plain segments.
     pub fn new(
         tokenizer: Tokenizer,
+        fast: Option<FastBpe>,
         template: Arc<ChatTemplate>,
         added_tokens: Option<Arc<AddedTokens>>,
         cache_budget_bytes: usize,
@@ -262,6 +268,7 @@ impl RouteTokenizer {
             .then(|| SegmentCache::new(cache_budget_bytes));
         RouteTokenizer {
             tokenizer,
+            fast: added_tokens.is_some().then_some(fast).flatten(),
             template,
             added_tokens,
             completion_prefix,
@@ -385,36 +392,53 @@ impl RouteTokenizer {
         } else {
             Some(Vec::new())
         };
-        let (Some(added_tokens), Some(cache), Some(prefix)) =
-            (&self.added_tokens, &mut self.cache, prefix)
-        else {
+        let (Some(added_tokens), Some(prefix)) = (&self.added_tokens, prefix) else {
             stats.tokenized_segments = 1;
             return Ok((self.tokenizer.encode(text, add_special_tokens)?, stats));
         };
         let mut ids = prefix;
         for segment in added_tokens.split(text) {
-            match segment {
-                Segment::Added(id) => ids.push(id),
-                Segment::Plain(plain) if plain.len() < MIN_CACHED_SEGMENT_BYTES => {
-                    ids.extend(self.tokenizer.encode(plain, false)?);
-                    stats.tokenized_segments += 1;
+            let plain = match segment {
+                Segment::Added(id) => {
+                    ids.push(id);
+                    continue;
                 }
-                Segment::Plain(plain) => match cache.get(plain) {
-                    Some(cached) => {
-                        ids.extend_from_slice(&cached);
-                        stats.cached_segments += 1;
-                    }
-                    None => {
-                        let fresh: Rc<[u32]> = self.tokenizer.encode(plain, false)?.into();
-                        ids.extend_from_slice(&fresh);
-                        cache.insert(plain, fresh);
-                        stats.tokenized_segments += 1;
-                    }
-                },
+                Segment::Plain(plain) => plain,
+            };
+            let cache = self
+                .cache
+                .as_mut()
+                .filter(|_| plain.len() >= MIN_CACHED_SEGMENT_BYTES);
+            if let Some(cache) = cache {
+                if let Some(cached) = cache.get(plain) {
+                    ids.extend_from_slice(&cached);
+                    stats.cached_segments += 1;
+                    continue;
+                }
+                let start = ids.len();
+                encode_plain(&self.tokenizer, self.fast.as_mut(), plain, &mut ids)?;
+                cache.insert(plain, ids[start..].into());
+            } else {
+                encode_plain(&self.tokenizer, self.fast.as_mut(), plain, &mut ids)?;
             }
+            stats.tokenized_segments += 1;
         }
         Ok((ids, stats))
     }
+}
+
+/// Appends the ids of `plain` (text without added tokens): the fast path when there is one.
+fn encode_plain(
+    tokenizer: &Tokenizer,
+    fast: Option<&mut FastBpe>,
+    plain: &str,
+    ids: &mut Vec<u32>,
+) -> Result<(), RouteTokensError> {
+    match fast {
+        Some(fast) => fast.encode_plain(plain, ids),
+        None => ids.extend(tokenizer.encode(plain, false)?),
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -427,6 +451,13 @@ mod tests {
         let tokenizer = Tokenizer::from_file(&path).unwrap();
         let added = AddedTokens::from_tokenizer_json(&path).expect("deepseek-v3 splits exactly");
         (tokenizer, Arc::new(added))
+    }
+
+    fn fast_path() -> FastBpe {
+        let path = myelin_tokenize::bundled_tokenizer_path().unwrap();
+        FastBpe::from_tokenizer_json(&path)
+            .unwrap()
+            .expect("the bundled tokenizer has a fast path")
     }
 
     const DEEPSEEK_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}{% elif m.role == 'assistant' %}<｜Assistant｜>{{ m.content }}<｜end▁of▁sentence｜>{% else %}{{ m.content }}{% endif %}{% endfor %}{% if add_generation_prompt %}<｜Assistant｜>{% endif %}";
@@ -446,6 +477,12 @@ mod tests {
 
     #[test]
     fn segmented_tokens_equal_whole_text_tokens() {
+        for fast in [None, Some(fast_path())] {
+            segmented_tokens_equal_whole_text_tokens_with(fast);
+        }
+    }
+
+    fn segmented_tokens_equal_whole_text_tokens_with(fast: Option<FastBpe>) {
         let (tokenizer, added) = bundled();
         let template = Arc::new(
             ChatTemplate::from_source(
@@ -457,6 +494,7 @@ mod tests {
         );
         let mut routed = RouteTokenizer::new(
             tokenizer.clone(),
+            fast,
             template.clone(),
             Some(added),
             1 << 20,
@@ -495,6 +533,12 @@ mod tests {
 
     #[test]
     fn a_prefix_tokenization_is_an_exact_prefix_in_whole_blocks() {
+        for fast in [None, Some(fast_path())] {
+            a_prefix_tokenization_is_an_exact_prefix_with(fast);
+        }
+    }
+
+    fn a_prefix_tokenization_is_an_exact_prefix_with(fast: Option<FastBpe>) {
         let (tokenizer, added) = bundled();
         let template = Arc::new(ChatTemplate::chatml());
         let sentence = "Routers tokenize prompts; engines cache their blocks. Numbers like 123456 \
@@ -503,7 +547,7 @@ mod tests {
             {"role": "system", "content": sentence.repeat(20)},
             {"role": "user", "content": "question?"}
         ]);
-        let mut routed = RouteTokenizer::new(tokenizer, template, Some(added), 1 << 20, 16);
+        let mut routed = RouteTokenizer::new(tokenizer, fast, template, Some(added), 1 << 20, 16);
         let chat = routed.render(&PromptInput::Chat(messages)).unwrap();
         let whole = routed.tokens(&chat, None).unwrap();
         for limit in [100, 777, 1000, 1500, 2048] {
@@ -530,6 +574,7 @@ mod tests {
         let (tokenizer, added) = bundled();
         let mut routed = RouteTokenizer::new(
             tokenizer,
+            None,
             Arc::new(ChatTemplate::chatml()),
             Some(added),
             0,

@@ -1,8 +1,10 @@
 //! Tokenizer loading and chat-template rendering shared by the router, the simulated engine and
 //! the harness, so all three compute the same token ids for the same request. No routing here.
 
+pub mod fast_bpe;
 mod template;
 
+pub use fast_bpe::FastBpe;
 pub use template::{ChatTemplate, TemplateError};
 
 use std::path::{Path, PathBuf};

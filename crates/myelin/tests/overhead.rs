@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use myelin_server::openai::PromptInput;
 use myelin_server::route_tokens::{AddedTokens, RouteTokenizer};
-use myelin_tokenize::{ChatTemplate, Tokenizer};
+use myelin_tokenize::{ChatTemplate, FastBpe, Tokenizer};
 use support::engine::{Behavior, Engine};
 use support::{Router, metric_value, request};
 
@@ -339,12 +339,17 @@ fn tokenization_cost() {
         ]))
     };
     let iterations = 200;
+    let fast = FastBpe::from_tokenizer_json(&path)
+        .expect("tokenizer.json")
+        .expect("the bundled tokenizer has a fast path");
     let mut measure = |name: &str,
+                       fast: Option<&FastBpe>,
                        template: &Arc<ChatTemplate>,
                        cache_bytes: usize,
                        prefix_bytes: Option<usize>| {
         let mut routed = RouteTokenizer::new(
             tokenizer.clone(),
+            fast.cloned(),
             template.clone(),
             added.clone(),
             cache_bytes,
@@ -370,15 +375,36 @@ fn tokenization_cost() {
         );
     };
     println!("\nrender + tokenize one chat request: same 2k-token history, new 30-word turn:");
-    measure("ChatML, whole prompt", &chatml, 0, None);
-    measure("ChatML, first 2048 bytes", &chatml, 0, Some(2048));
-    measure("DeepSeek template, whole prompt", &deepseek_style, 0, None);
-    measure(
-        "DeepSeek template, segment cache",
-        &deepseek_style,
-        16 << 20,
-        None,
-    );
+    for (path_name, fast) in [("HF", None), ("fast", Some(&fast))] {
+        measure(
+            &format!("{path_name}: ChatML, whole prompt"),
+            fast,
+            &chatml,
+            0,
+            None,
+        );
+        measure(
+            &format!("{path_name}: ChatML, first 2048 bytes"),
+            fast,
+            &chatml,
+            0,
+            Some(2048),
+        );
+        measure(
+            &format!("{path_name}: DeepSeek template, whole prompt"),
+            fast,
+            &deepseek_style,
+            0,
+            None,
+        );
+        measure(
+            &format!("{path_name}: DeepSeek template, segment cache"),
+            fast,
+            &deepseek_style,
+            16 << 20,
+            None,
+        );
+    }
 }
 
 /// How old load updates are when another data core applies them (2 data cores, closed loop).
