@@ -1,34 +1,29 @@
 //! The token ids an engine computes for a text request, for the oracle's probe: the simulated
-//! engines tokenize completions prompts with special tokens, and render chat messages with the
-//! ChatML template before tokenizing without them (crates/myelin-sim, text.rs); this does the
-//! same with the same bundled files.
+//! engines' own text model (crates/myelin-sim, text.rs: completions prompts with special
+//! tokens, chat messages rendered with ChatML and tokenized without them, on the exact fast
+//! tokenizer path when it applies), so the probe and the engines cannot disagree.
 
-use myelin_tokenize::{ChatTemplate, TokenizeError, Tokenizer};
+use myelin_sim::text::{TextError, TextModel};
 
 use crate::request_body::chat_messages;
 use crate::workload::{Api, PlannedRequest, PromptFormat, TokenAlphabet};
 
 /// Tokenizes requests the way the simulated engines do.
 pub struct EngineTokenizer {
-    tokenizer: Tokenizer,
-    template: ChatTemplate,
+    text: TextModel,
     /// Whether encoding with special tokens adds any (a BOS). When it adds none, a text
     /// completions prompt made of the alphabet's single-token words tokenizes to exactly the
-    /// planned ids, and tokenizing it again on every request (milliseconds for a 5k-token
-    /// prompt, on the harness's thread) is skipped.
+    /// planned ids, and tokenizing it again on every request is skipped.
     adds_special_tokens: bool,
 }
 
 impl EngineTokenizer {
     /// The bundled tokenizer and the ChatML template (the simulated engines' defaults).
-    pub fn bundled() -> Result<Self, TokenizeError> {
-        let tokenizer = Tokenizer::bundled()?;
-        let probe = " routing";
-        let adds_special_tokens =
-            tokenizer.encode(probe, true)? != tokenizer.encode(probe, false)?;
+    pub fn bundled() -> Result<Self, TextError> {
+        let text = TextModel::load(None, None)?;
+        let adds_special_tokens = !text.encode_prompt("")?.is_empty();
         Ok(Self {
-            tokenizer,
-            template: ChatTemplate::chatml(),
+            text,
             adds_special_tokens,
         })
     }
@@ -41,25 +36,17 @@ impl EngineTokenizer {
         request: &PlannedRequest,
         alphabet: &TokenAlphabet,
     ) -> Result<Vec<u32>, String> {
-        match (api, format) {
-            (Api::Completions, PromptFormat::TokenIds) => Ok(request.tokens.clone()),
+        let ids = match (api, format) {
+            (Api::Completions, PromptFormat::TokenIds) => return Ok(request.tokens.clone()),
             (Api::Completions, PromptFormat::Text) if !self.adds_special_tokens => {
-                Ok(request.tokens.clone())
+                return Ok(request.tokens.clone());
             }
-            (Api::Completions, PromptFormat::Text) => self
-                .tokenizer
-                .encode(&alphabet.render(&request.tokens), true)
-                .map_err(|error| error.to_string()),
-            (Api::Chat, _) => {
-                let rendered = self
-                    .template
-                    .render(&chat_messages(request, alphabet), true)
-                    .map_err(|error| error.to_string())?;
-                self.tokenizer
-                    .encode(&rendered, false)
-                    .map_err(|error| error.to_string())
+            (Api::Completions, PromptFormat::Text) => {
+                self.text.encode_prompt(&alphabet.render(&request.tokens))
             }
-        }
+            (Api::Chat, _) => self.text.encode_chat(&chat_messages(request, alphabet)),
+        };
+        ids.map_err(|error| error.to_string())
     }
 }
 
@@ -84,8 +71,8 @@ mod tests {
             .engine_tokens(Api::Completions, PromptFormat::Text, &request, &alphabet)
             .unwrap();
         assert!(completions.ends_with(&request.tokens));
-        let encoded = engine
-            .tokenizer
+        let encoded = myelin_tokenize::Tokenizer::bundled()
+            .unwrap()
             .encode(&alphabet.render(&request.tokens), true)
             .unwrap();
         assert_eq!(completions, encoded);

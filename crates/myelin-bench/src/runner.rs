@@ -45,6 +45,8 @@ pub enum BenchError {
     Alphabet(#[from] AlphabetError),
     #[error("finding the tokenizer: {0}")]
     Tokenizer(#[from] myelin_tokenize::TokenizeError),
+    #[error("the engines' text model: {0}")]
+    EngineText(#[from] myelin_sim::text::TextError),
     #[error(transparent)]
     Cluster(#[from] ClusterError),
     #[error(transparent)]

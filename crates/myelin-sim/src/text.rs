@@ -5,8 +5,10 @@
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::path::Path;
+use std::sync::{Mutex, PoisonError};
 
-use myelin_tokenize::{ChatTemplate, TemplateError, TokenizeError, Tokenizer};
+use myelin_tokenize::fast_bpe::SELF_CHECK_CORPUS;
+use myelin_tokenize::{ChatTemplate, FastBpe, TemplateError, TokenizeError, Tokenizer};
 use serde_json::Value;
 
 use crate::engine::OutputVocabulary;
@@ -31,10 +33,28 @@ pub enum TextError {
     Template(#[from] TemplateError),
 }
 
+/// The ids `tokenizer` puts before a completion prompt, when it only prepends them (checked
+/// on a probe): then `prefix + encode(text, false)` equals `encode(text, true)`.
+fn completion_prefix(tokenizer: &Tokenizer) -> Option<Vec<u32>> {
+    let prefix = tokenizer.encode("", true).ok()?;
+    let probe = "Probe: the quick brown fox, 42 times.\n";
+    let plain = tokenizer.encode(probe, false).ok()?;
+    let with_special = tokenizer.encode(probe, true).ok()?;
+    let mut expected = prefix.clone();
+    expected.extend_from_slice(&plain);
+    (expected == with_special).then_some(prefix)
+}
+
 /// Tokenizer, chat template and output vocabulary of the simulated model.
 #[derive(Debug)]
 pub struct TextModel {
     tokenizer: Tokenizer,
+    /// The exact fast tokenizer path (the router's), when it reproduces `tokenizer`: it keeps
+    /// the simulated engines' tokenization from crowding a laptop's cores. Shared by the
+    /// engines of a process; held only for one tokenization.
+    fast: Option<Mutex<FastBpe>>,
+    /// The ids `tokenizer` puts before a completion prompt when it only prepends them (BOS).
+    completion_prefix: Option<Vec<u32>>,
     template: ChatTemplate,
     vocabulary: OutputVocabulary,
     token_text: HashMap<u32, String>,
@@ -43,10 +63,19 @@ pub struct TextModel {
 impl TextModel {
     /// Loads the tokenizer (`None`: the bundled one) and chat template (`None`: ChatML).
     pub fn load(tokenizer: Option<&Path>, chat_template: Option<&Path>) -> Result<Self, TextError> {
-        let tokenizer = match tokenizer {
-            Some(path) => Tokenizer::from_file(path)?,
-            None => Tokenizer::bundled()?,
+        let tokenizer_path = match tokenizer {
+            Some(path) => path.to_path_buf(),
+            None => myelin_tokenize::bundled_tokenizer_path()?,
         };
+        let tokenizer = Tokenizer::from_file(&tokenizer_path)?;
+        let fast = FastBpe::from_tokenizer_json(&tokenizer_path)?
+            .and_then(|fast| fast.with_added_tokens(&tokenizer).ok())
+            .and_then(|mut fast| {
+                fast.verify_against(&tokenizer, SELF_CHECK_CORPUS)
+                    .ok()
+                    .map(|()| Mutex::new(fast))
+            });
+        let completion_prefix = completion_prefix(&tokenizer);
         let template = match chat_template {
             Some(path) => ChatTemplate::from_path(path)?,
             None => ChatTemplate::chatml(),
@@ -60,6 +89,8 @@ impl TextModel {
         }
         Ok(TextModel {
             tokenizer,
+            fast,
+            completion_prefix,
             template,
             vocabulary: OutputVocabulary::new(output_ids),
             token_text,
@@ -73,14 +104,37 @@ impl TextModel {
 
     /// Prompt tokens of a `/v1/completions` prompt string (with the BOS, as vLLM adds it).
     pub fn encode_prompt(&self, prompt: &str) -> Result<Vec<u32>, TextError> {
-        Ok(self.tokenizer.encode(prompt, true)?)
+        match (&self.fast, &self.completion_prefix) {
+            (Some(fast), Some(prefix)) => {
+                let mut ids = prefix.clone();
+                fast.lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .encode(prompt, &mut ids);
+                Ok(ids)
+            }
+            _ => Ok(self.tokenizer.encode(prompt, true)?),
+        }
     }
 
     /// Prompt tokens of a chat: the rendered template (which writes its own BOS), tokenised
     /// without special tokens.
     pub fn encode_chat(&self, messages: &Value) -> Result<Vec<u32>, TextError> {
         let rendered = self.template.render(messages, true)?;
-        Ok(self.tokenizer.encode(&rendered, false)?)
+        match &self.fast {
+            Some(fast) => {
+                let mut ids = Vec::new();
+                fast.lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .encode(&rendered, &mut ids);
+                Ok(ids)
+            }
+            None => Ok(self.tokenizer.encode(&rendered, false)?),
+        }
+    }
+
+    /// Whether the fast tokenizer path is in use.
+    pub fn uses_fast_path(&self) -> bool {
+        self.fast.is_some()
     }
 
     /// Text of one output token.
@@ -89,5 +143,32 @@ impl TextModel {
             Some(text) => text.clone(),
             None => self.tokenizer.decode(&[token_id]).unwrap_or_default(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn the_fast_path_gives_the_tokenizers_ids() {
+        let model = TextModel::load(None, None).unwrap();
+        assert!(model.uses_fast_path(), "the bundled tokenizer has one");
+        let hf = Tokenizer::bundled().unwrap();
+        let prompt = "Once upon a time, 12345 ships sailed   to 東京 🚢 — and back.\n\n  Done.";
+        assert_eq!(
+            model.encode_prompt(prompt).unwrap(),
+            hf.encode(prompt, true).unwrap()
+        );
+        let messages = json!([
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": prompt},
+        ]);
+        let rendered = ChatTemplate::chatml().render(&messages, true).unwrap();
+        assert_eq!(
+            model.encode_chat(&messages).unwrap(),
+            hf.encode(&rendered, false).unwrap()
+        );
     }
 }
