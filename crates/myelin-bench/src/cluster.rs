@@ -60,6 +60,10 @@ impl EmbeddedCluster {
                     .get(engine)
                     .and_then(|endpoints| endpoints.as_ref())
                     .map(|endpoints| endpoints.publish.clone()),
+                kv_replay: events
+                    .get(engine)
+                    .and_then(|endpoints| endpoints.as_ref())
+                    .map(|endpoints| endpoints.replay.clone()),
             })
             .collect()
     }

@@ -55,6 +55,8 @@ pub struct BackendEndpoint {
     pub url: String,
     /// The engine's KV-event publisher, when it has one.
     pub kv_events: Option<String>,
+    /// The engine's KV-event replay socket, when it has one.
+    pub kv_replay: Option<String>,
 }
 
 /// A running router.
@@ -91,7 +93,13 @@ pub fn serve_args(kind: LegKind, port: u16, backends: &[BackendEndpoint]) -> Vec
     for backend in backends {
         args.push("--backend".into());
         match (&backend.kv_events, kind.wants_kv_events()) {
-            (Some(kv_events), true) => args.push(format!("{},kv-events={kv_events}", backend.url)),
+            (Some(kv_events), true) => {
+                let mut spec = format!("{},kv-events={kv_events}", backend.url);
+                if let Some(replay) = &backend.kv_replay {
+                    spec.push_str(&format!(",kv-replay={replay}"));
+                }
+                args.push(spec);
+            }
             _ => args.push(backend.url.clone()),
         }
     }
@@ -261,10 +269,12 @@ mod tests {
             BackendEndpoint {
                 url: "http://127.0.0.1:9001".into(),
                 kv_events: Some("tcp://127.0.0.1:5557".into()),
+                kv_replay: Some("tcp://127.0.0.1:5558".into()),
             },
             BackendEndpoint {
                 url: "http://127.0.0.1:9002".into(),
                 kv_events: None,
+                kv_replay: None,
             },
         ]
     }
@@ -279,9 +289,10 @@ mod tests {
         );
         let verified =
             serve_args(LegKind::Prefix(Residency::Verified), 8000, &backends()).join(" ");
-        assert!(
-            verified.contains("--backend http://127.0.0.1:9001,kv-events=tcp://127.0.0.1:5557")
-        );
+        assert!(verified.contains(
+            "--backend http://127.0.0.1:9001,kv-events=tcp://127.0.0.1:5557,\
+                 kv-replay=tcp://127.0.0.1:5558"
+        ));
     }
 
     #[test]

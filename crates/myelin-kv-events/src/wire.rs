@@ -8,7 +8,7 @@
 //! - From 0.24 the events are maps: `{"type": tag, field: value, ...}` with every field that
 //!   equals its default (`None`) omitted.
 //!
-//! Decoding lives elsewhere (a later change); this file only encodes.
+//! This file only encodes; [`crate::decode`] reads every layout back.
 
 use std::convert::Infallible;
 

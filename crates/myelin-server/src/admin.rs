@@ -27,6 +27,8 @@ struct AddBackend {
     url: String,
     #[serde(default, alias = "kv-events")]
     kv_events: Option<String>,
+    #[serde(default, alias = "kv-replay")]
+    kv_replay: Option<String>,
 }
 
 /// One backend as the admin API shows it. `counts` are the blocks the shards hold for it
@@ -38,6 +40,7 @@ fn backend_json(core: &DataCore, entry: &BackendEntry, counts: Option<&BlockCoun
         "id": entry.info.id,
         "url": entry.info.spec.url,
         "kv_events": entry.info.spec.kv_events,
+        "kv_replay": entry.info.spec.kv_replay,
         "state": entry.info.state.as_str(),
         "in_flight_requests": load.requests,
         "in_flight_tokens": load.tokens,
@@ -101,14 +104,14 @@ pub async fn add(core: &Rc<DataCore>, request: Request<Incoming>) -> Response<Bo
         Err(error) => {
             return error_response(&ApiError::invalid_request(
                 format!(
-                    "expected {{\"url\": \"http://host:port\", \"kv_events\": optional}}: {error}"
+                    "expected {{\"url\": \"http://host:port\", \"kv_events\": optional, \"kv_replay\": optional}}: {error}"
                 ),
                 None,
                 "invalid_json",
             ));
         }
     };
-    let spec = match BackendSpec::from_parts(&add.url, &add.url, add.kv_events) {
+    let spec = match BackendSpec::from_parts(&add.url, &add.url, add.kv_events, add.kv_replay) {
         Ok(spec) => spec,
         Err(error) => {
             return error_response(&ApiError::invalid_request(

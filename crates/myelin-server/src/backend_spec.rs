@@ -1,4 +1,5 @@
-//! Parsing of backend specifications: `URL[,kv-events=ENDPOINT]` from flags, env and config file.
+//! Parsing of backend specifications: `URL[,kv-events=ENDPOINT][,kv-replay=ENDPOINT]` from
+//! flags, env and config file.
 
 use std::fmt;
 
@@ -11,6 +12,8 @@ pub struct BackendSpec {
     pub authority: String,
     /// The engine's vLLM KV-event publisher endpoint (`tcp://h:5557`), when it has one.
     pub kv_events: Option<String>,
+    /// The engine's KV-event replay endpoint (vLLM `replay_endpoint`), when it has one.
+    pub kv_replay: Option<String>,
 }
 
 /// Why a backend specification was rejected.
@@ -26,30 +29,28 @@ pub enum BackendSpecError {
     MissingHost { spec: String },
     #[error("backend `{spec}`: URL must not have a path, query or fragment past `/`")]
     UnexpectedPath { spec: String },
-    #[error("backend `{spec}`: unknown option `{option}` (known: kv-events=ENDPOINT)")]
+    #[error(
+        "backend `{spec}`: unknown option `{option}` (known: kv-events=ENDPOINT, kv-replay=ENDPOINT)"
+    )]
     UnknownOption { spec: String, option: String },
     #[error("backend `{spec}`: kv-events endpoint must start with tcp://, ipc:// or inproc://")]
     BadKvEventsEndpoint { spec: String },
+    #[error("backend `{spec}`: kv-replay endpoint must start with tcp://, ipc:// or inproc://")]
+    BadKvReplayEndpoint { spec: String },
+    #[error("backend `{spec}`: kv-replay needs kv-events")]
+    ReplayWithoutEvents { spec: String },
 }
 
 impl BackendSpec {
-    /// Parses `http://host:port[,kv-events=tcp://host:port]`.
+    /// Parses `http://host:port[,kv-events=tcp://host:port][,kv-replay=tcp://host:port]`.
     pub fn parse(spec: &str) -> Result<BackendSpec, BackendSpecError> {
         let mut parts = spec.split(',').map(str::trim);
         let url = parts.next().unwrap_or_default();
-        let mut kv_events = None;
+        let (mut kv_events, mut kv_replay) = (None, None);
         for option in parts.filter(|option| !option.is_empty()) {
             match option.split_once('=') {
-                Some(("kv-events", endpoint)) => {
-                    let endpoint = endpoint.trim();
-                    let known_transport = ["tcp://", "ipc://", "inproc://"].iter().any(|prefix| {
-                        endpoint.starts_with(prefix) && endpoint.len() > prefix.len()
-                    });
-                    if !known_transport {
-                        return Err(BackendSpecError::BadKvEventsEndpoint { spec: spec.into() });
-                    }
-                    kv_events = Some(endpoint.to_string());
-                }
+                Some(("kv-events", endpoint)) => kv_events = Some(endpoint.trim().to_string()),
+                Some(("kv-replay", endpoint)) => kv_replay = Some(endpoint.trim().to_string()),
                 _ => {
                     return Err(BackendSpecError::UnknownOption {
                         spec: spec.into(),
@@ -58,15 +59,30 @@ impl BackendSpec {
                 }
             }
         }
-        Self::from_parts(spec, url, kv_events)
+        Self::from_parts(spec, url, kv_events, kv_replay)
     }
 
-    /// Builds a spec from a URL and an optional KV-event endpoint (config-file table form).
+    /// Builds a spec from a URL and optional KV-event endpoints (config-file table form).
     pub fn from_parts(
         spec: &str,
         url: &str,
         kv_events: Option<String>,
+        kv_replay: Option<String>,
     ) -> Result<BackendSpec, BackendSpecError> {
+        let is_zmq_endpoint = |endpoint: &str| {
+            ["tcp://", "ipc://", "inproc://"]
+                .iter()
+                .any(|prefix| endpoint.starts_with(prefix) && endpoint.len() > prefix.len())
+        };
+        if kv_events.as_deref().is_some_and(|e| !is_zmq_endpoint(e)) {
+            return Err(BackendSpecError::BadKvEventsEndpoint { spec: spec.into() });
+        }
+        if kv_replay.as_deref().is_some_and(|e| !is_zmq_endpoint(e)) {
+            return Err(BackendSpecError::BadKvReplayEndpoint { spec: spec.into() });
+        }
+        if kv_replay.is_some() && kv_events.is_none() {
+            return Err(BackendSpecError::ReplayWithoutEvents { spec: spec.into() });
+        }
         let url = url.trim();
         if url.is_empty() {
             return Err(BackendSpecError::EmptyUrl { spec: spec.into() });
@@ -94,16 +110,21 @@ impl BackendSpec {
             url: format!("http://{}", rest.trim_end_matches('/')),
             authority,
             kv_events,
+            kv_replay,
         })
     }
 }
 
 impl fmt::Display for BackendSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.kv_events {
-            Some(endpoint) => write!(f, "{},kv-events={endpoint}", self.url),
-            None => f.write_str(&self.url),
+        f.write_str(&self.url)?;
+        if let Some(endpoint) = &self.kv_events {
+            write!(f, ",kv-events={endpoint}")?;
         }
+        if let Some(endpoint) = &self.kv_replay {
+            write!(f, ",kv-replay={endpoint}")?;
+        }
+        Ok(())
     }
 }
 
@@ -131,6 +152,11 @@ mod tests {
         let spec = BackendSpec::parse("http://h:8000,kv-events=tcp://h:5557").unwrap();
         assert_eq!(spec.kv_events.as_deref(), Some("tcp://h:5557"));
         assert_eq!(spec.to_string(), "http://h:8000,kv-events=tcp://h:5557");
+        assert_eq!(spec.kv_replay, None);
+        let text = "http://h:8000,kv-events=tcp://h:5557,kv-replay=tcp://h:5558";
+        let spec = BackendSpec::parse(text).unwrap();
+        assert_eq!(spec.kv_replay.as_deref(), Some("tcp://h:5558"));
+        assert_eq!(spec.to_string(), text);
     }
 
     #[test]
@@ -150,6 +176,14 @@ mod tests {
         assert!(matches!(
             BackendSpec::parse("http://h:8000,kv-events=h:5557"),
             Err(BackendSpecError::BadKvEventsEndpoint { .. })
+        ));
+        assert!(matches!(
+            BackendSpec::parse("http://h:8000,kv-events=tcp://h:1,kv-replay=5558"),
+            Err(BackendSpecError::BadKvReplayEndpoint { .. })
+        ));
+        assert!(matches!(
+            BackendSpec::parse("http://h:8000,kv-replay=tcp://h:5558"),
+            Err(BackendSpecError::ReplayWithoutEvents { .. })
         ));
         assert!(matches!(
             BackendSpec::parse("http://h:8000/v1"),

@@ -297,6 +297,8 @@ pub enum FileBackend {
         url: String,
         #[serde(rename = "kv-events", alias = "kv_events")]
         kv_events: Option<String>,
+        #[serde(default, rename = "kv-replay", alias = "kv_replay")]
+        kv_replay: Option<String>,
     },
 }
 
@@ -402,9 +404,11 @@ impl ServeConfig {
                 .iter()
                 .map(|backend| match backend {
                     FileBackend::Spec(spec) => BackendSpec::parse(spec),
-                    FileBackend::Table { url, kv_events } => {
-                        BackendSpec::from_parts(url, url, kv_events.clone())
-                    }
+                    FileBackend::Table {
+                        url,
+                        kv_events,
+                        kv_replay,
+                    } => BackendSpec::from_parts(url, url, kv_events.clone(), kv_replay.clone()),
                 })
                 .collect::<Result<Vec<_>, _>>()?
         } else {

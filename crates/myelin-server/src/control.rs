@@ -23,6 +23,8 @@ use crate::backend_spec::BackendSpec;
 use crate::backends::{BackendId, BackendInfo, BackendState};
 use crate::config::{HealthConfig, ServeConfig};
 use crate::health::{BackendHealth, HealthEvent};
+use crate::kv_feed::{KvFeed, MirrorChange};
+use crate::kv_subscriber::{FeedEvent, KvEndpoints, Subscriber};
 use crate::mesh::{Mesh, MeshEnds};
 use crate::messages::{AdminOp, AdminOutcome, Message};
 use crate::metrics as names;
@@ -33,6 +35,11 @@ const BREAKER_TICK: Duration = Duration::from_millis(50);
 const METRICS_UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
 /// How often the control loop looks at the stop flag.
 const STOP_POLL_INTERVAL: Duration = Duration::from_millis(20);
+/// How often KV-event subscribers' updates are forwarded to the data cores.
+const KV_FEED_INTERVAL: Duration = Duration::from_millis(2);
+/// Updates queued between the subscriber threads and the control core; a full queue makes the
+/// subscribers wait (and, if it lasts, the engines' PUB sockets drop: counted as gaps).
+const KV_FEED_QUEUE: usize = 16 * 1024;
 
 struct ControlBackend {
     info: BackendInfo,
@@ -74,6 +81,11 @@ struct Control {
     mesh: Mesh<Message>,
     state: RefCell<ControlState>,
     pool: Pool,
+    /// KV-event subscribers by backend; dropping one stops its thread.
+    subscribers: RefCell<HashMap<BackendId, Subscriber>>,
+    feed_sender: crossbeam_channel::Sender<FeedEvent>,
+    block_size: std::num::NonZeroU32,
+    control_cpu: Option<usize>,
 }
 
 /// Runs the control core until `stop` is set. `initial` are the configured backends (ids
@@ -88,6 +100,7 @@ pub async fn run_control(
     ready: std::sync::mpsc::Sender<Result<Option<std::net::SocketAddr>, String>>,
 ) {
     let (mesh, receivers) = mesh_ends.connect().await;
+    let (feed_sender, feed_receiver) = crossbeam_channel::bounded(KV_FEED_QUEUE);
     let next_backend_id = initial.iter().map(|info| info.id + 1).max().unwrap_or(0);
     let backends = initial
         .into_iter()
@@ -118,7 +131,17 @@ pub async fn run_control(
             connect_timeout: config.health.timeout,
             max_idle_per_host: 2,
         }),
+        subscribers: RefCell::new(HashMap::new()),
+        feed_sender,
+        block_size: std::num::NonZeroU32::new(u32::try_from(config.block_size).unwrap_or(16))
+            .unwrap_or(std::num::NonZeroU32::MIN),
+        control_cpu: config.layout.control_cpu,
     });
+    let initial_specs = control.check_targets();
+    for (id, spec) in initial_specs {
+        control.follow_kv_events(id, &spec);
+    }
+    glommio::spawn_local(feed_loop(control.clone(), feed_receiver)).detach();
 
     for (_, receiver) in receivers {
         let control = control.clone();
@@ -171,6 +194,8 @@ pub async fn run_control(
     while !stop.load(Ordering::Acquire) {
         Timer::new(STOP_POLL_INTERVAL).await;
     }
+    // Stop every subscriber thread (each notices within its receive timeout).
+    control.subscribers.borrow_mut().clear();
     if let Some(task) = metrics_server {
         task.await;
     }
@@ -187,6 +212,42 @@ fn metrics_only(handle: &PrometheusHandle, request: &Request<Incoming>) -> Respo
         .header(header::CONTENT_TYPE, "text/plain; version=0.0.4")
         .body(full(handle.render()))
         .unwrap_or_else(|_| Response::new(empty()))
+}
+
+/// Forwards the subscribers' mirror updates to the shards owning their prefixes.
+async fn feed_loop(control: Rc<Control>, receiver: crossbeam_channel::Receiver<FeedEvent>) {
+    let mut by_shard: Vec<Vec<MirrorChange>> = vec![Vec::new(); control.shards];
+    loop {
+        Timer::new(KV_FEED_INTERVAL).await;
+        // Bounded per tick, so a flood of events cannot starve the control core's other tasks.
+        for event in receiver.try_iter().take(4096) {
+            match event {
+                FeedEvent::Updates { backend, updates } => {
+                    for update in updates {
+                        if let Some(changes) = by_shard.get_mut(update.shard) {
+                            changes.push(update.change);
+                        }
+                    }
+                    for (shard, changes) in by_shard.iter_mut().enumerate() {
+                        if !changes.is_empty() {
+                            let changes = std::mem::take(changes);
+                            control.send(shard, Message::Mirror { backend, changes });
+                        }
+                    }
+                }
+                FeedEvent::Live { backend, live } => {
+                    if let Some(url) = control.url_of(backend) {
+                        metrics::gauge!(names::KV_EVENTS_LIVE, "backend" => url).set(if live {
+                            1.0
+                        } else {
+                            0.0
+                        });
+                    }
+                    control.broadcast(|| Message::MirrorLive { backend, live });
+                }
+            }
+        }
+    }
 }
 
 async fn receive_loop(control: Rc<Control>, receiver: ConnectedReceiver<Message>) {
@@ -209,6 +270,38 @@ async fn receive_loop(control: Rc<Control>, receiver: ConnectedReceiver<Message>
 }
 
 impl Control {
+    /// Starts following a backend's KV events, when its spec names an endpoint.
+    fn follow_kv_events(&self, id: BackendId, spec: &BackendSpec) {
+        let Some(publish) = spec.kv_events.clone() else {
+            return;
+        };
+        let endpoints = KvEndpoints {
+            publish,
+            replay: spec.kv_replay.clone(),
+        };
+        let feed = KvFeed::new(self.block_size, self.shards);
+        match Subscriber::start(
+            id,
+            endpoints,
+            feed,
+            self.feed_sender.clone(),
+            self.control_cpu,
+        ) {
+            Ok(subscriber) => {
+                self.subscribers.borrow_mut().insert(id, subscriber);
+            }
+            Err(error) => eprintln!("myelin: cannot follow KV events of {}: {error}", spec.url),
+        }
+    }
+
+    fn url_of(&self, id: BackendId) -> Option<String> {
+        self.state
+            .borrow()
+            .backends
+            .get(&id)
+            .map(|backend| backend.info.spec.url.clone())
+    }
+
     fn broadcast(&self, make: impl Fn() -> Message) {
         // One message per data core: each core has its own channel.
         for shard in 0..self.shards {
@@ -286,6 +379,9 @@ impl Control {
         let mut state = self.state.borrow_mut();
         let change_id = state.next_change_id;
         state.next_change_id += 1;
+        // KV-event subscriptions to start or stop once the state is released.
+        let mut follow: Option<(BackendId, BackendSpec)> = None;
+        let mut unfollow: Option<BackendId> = None;
         let (outcome, broadcast) = match op {
             AdminOp::Add(spec) => {
                 if let Some(existing) = state
@@ -306,6 +402,7 @@ impl Control {
                         state: BackendState::Up,
                     };
                     let info_copy = info.clone();
+                    follow = Some((id, info.spec.clone()));
                     metrics::gauge!(names::BACKEND_UP, "backend" => info.spec.url.clone()).set(1.0);
                     state.backends.insert(
                         id,
@@ -326,6 +423,7 @@ impl Control {
             }
             AdminOp::Remove(id) => match state.backends.remove(&id) {
                 Some(backend) => {
+                    unfollow = Some(id);
                     metrics::gauge!(names::BACKEND_UP, "backend" => backend.info.spec.url.clone())
                         .set(0.0);
                     let remove: Box<dyn Fn() -> Message> =
@@ -351,6 +449,14 @@ impl Control {
                 None => (AdminOutcome::NotFound(id), None),
             },
         };
+        drop(state);
+        if let Some((id, spec)) = follow {
+            self.follow_kv_events(id, &spec);
+        }
+        if let Some(id) = unfollow {
+            self.subscribers.borrow_mut().remove(&id);
+        }
+        let mut state = self.state.borrow_mut();
         match broadcast {
             Some(make_message) => {
                 state.pending.insert(

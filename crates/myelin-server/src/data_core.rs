@@ -310,6 +310,12 @@ impl DataCore {
                 self.routing.borrow_mut().set_state(id, state);
                 self.backends.borrow_mut().set_state(id, state);
             }
+            Message::Mirror { backend, changes } => {
+                self.routing.borrow_mut().apply_mirror(backend, &changes);
+            }
+            Message::MirrorLive { backend, live } => {
+                self.routing.borrow_mut().set_mirror_live(backend, live);
+            }
             Message::AdminReply {
                 request_id,
                 outcome,

@@ -13,6 +13,8 @@ mod control;
 pub mod cores;
 mod data_core;
 pub mod health;
+pub mod kv_feed;
+pub mod kv_subscriber;
 mod mesh;
 mod messages;
 pub mod metrics;

@@ -2,6 +2,7 @@
 
 use crate::backend_spec::BackendSpec;
 use crate::backends::{BackendId, BackendInfo, BackendState, LoadUpdate};
+use crate::kv_feed::MirrorChange;
 use crate::routing_glue::{BlockCounts, LookupAnswer, LookupQuery, RouteLesson};
 
 /// An operator action from the admin API, executed by the control core.
@@ -71,6 +72,13 @@ pub enum Message {
     BackendRemove { change_id: u64, id: BackendId },
     /// Routing state of a backend changed (health, breaker, drain).
     BackendState { id: BackendId, state: BackendState },
+    /// KV events of a backend, for the prefixes the receiving shard owns, in stream order.
+    Mirror {
+        backend: BackendId,
+        changes: Vec<MirrorChange>,
+    },
+    /// A backend's KV-event mirror became live (in sync) or stopped being followed.
+    MirrorLive { backend: BackendId, live: bool },
     /// Answer to `Admin`.
     AdminReply {
         request_id: u64,
@@ -94,6 +102,8 @@ impl Message {
             Message::BackendUpsert { .. } => "backend_upsert",
             Message::BackendRemove { .. } => "backend_remove",
             Message::BackendState { .. } => "backend_state",
+            Message::Mirror { .. } => "mirror",
+            Message::MirrorLive { .. } => "mirror_live",
             Message::AdminReply { .. } => "admin_reply",
         }
     }

@@ -50,6 +50,20 @@ pub const OVERLOAD_REJECTIONS_TOTAL: &str = "myelin_overload_rejections_total";
 pub const UPSTREAM_STREAM_ERRORS_TOTAL: &str = "myelin_upstream_stream_errors_total";
 /// Responses the client abandoned before their end (the upstream request was cancelled).
 pub const CLIENT_DISCONNECTS_TOTAL: &str = "myelin_client_disconnects_total";
+/// KV-event batches applied to the mirror, by backend (live and replayed).
+pub const KV_EVENTS_BATCHES_TOTAL: &str = "myelin_kv_events_batches_total";
+/// Blocks the KV-event feeds stored or removed in the mirror, by event.
+pub const KV_EVENTS_BLOCKS_TOTAL: &str = "myelin_kv_events_blocks_total";
+/// KV-event blocks not mirrored, by reason.
+pub const KV_EVENTS_SKIPPED_BLOCKS_TOTAL: &str = "myelin_kv_events_skipped_blocks_total";
+/// KV-event messages that could not be decoded (skipped), by backend.
+pub const KV_EVENTS_DECODE_ERRORS_TOTAL: &str = "myelin_kv_events_decode_errors_total";
+/// Gaps in a backend's KV-event sequence (batches the engine's PUB socket dropped).
+pub const KV_EVENTS_GAPS_TOTAL: &str = "myelin_kv_events_gaps_total";
+/// Engine restarts seen in the KV-event sequence (the mirror of that backend is cleared).
+pub const KV_EVENTS_RESTARTS_TOTAL: &str = "myelin_kv_events_restarts_total";
+/// 1 while a backend's KV-event mirror is live (in sync), by backend.
+pub const KV_EVENTS_LIVE: &str = "myelin_kv_events_live";
 
 /// Histogram buckets for `_seconds` metrics: 10 µs to 60 s.
 const SECONDS_BUCKETS: &[f64] = &[
@@ -165,5 +179,30 @@ fn describe() {
     describe_counter!(
         CLIENT_DISCONNECTS_TOTAL,
         "Responses abandoned by the client."
+    );
+    describe_counter!(
+        KV_EVENTS_BATCHES_TOTAL,
+        "KV-event batches applied to the verified mirror."
+    );
+    describe_counter!(
+        KV_EVENTS_BLOCKS_TOTAL,
+        "Blocks stored or removed in the verified mirror."
+    );
+    describe_counter!(
+        KV_EVENTS_SKIPPED_BLOCKS_TOTAL,
+        "KV-event blocks not mirrored, by reason."
+    );
+    describe_counter!(
+        KV_EVENTS_DECODE_ERRORS_TOTAL,
+        "KV-event messages that could not be decoded."
+    );
+    describe_counter!(KV_EVENTS_GAPS_TOTAL, "Gaps in KV-event sequences.");
+    describe_counter!(
+        KV_EVENTS_RESTARTS_TOTAL,
+        "Engine restarts seen in KV-event sequences."
+    );
+    describe_gauge!(
+        KV_EVENTS_LIVE,
+        "1 while a backend's KV-event mirror is in sync."
     );
 }

@@ -11,6 +11,7 @@ use myelin_routing::{
 
 use crate::backends::{BackendId, BackendInfo, BackendState, Load};
 use crate::config::{ResidencyMode, RoutingPolicy, ServeConfig};
+use crate::kv_feed::MirrorChange;
 
 /// What the owner shard is asked: the prompt's block chain.
 #[derive(Debug, Clone)]
@@ -235,6 +236,24 @@ impl RoutingShard {
         {
             *slot = load;
         }
+    }
+
+    /// Applies a backend's KV events for the prefixes this shard owns.
+    pub fn apply_mirror(&mut self, backend: BackendId, changes: &[MirrorChange]) {
+        let backend = myelin_routing::BackendId(backend);
+        for change in changes {
+            match *change {
+                MirrorChange::Stored(chain) => self.shard.apply_block_stored(backend, chain),
+                MirrorChange::Removed(chain) => self.shard.apply_block_removed(backend, chain),
+                MirrorChange::Cleared => self.shard.clear_mirror(backend),
+            }
+        }
+    }
+
+    /// Marks a backend's KV-event mirror live or not (`auto` uses it only while live).
+    pub fn set_mirror_live(&mut self, backend: BackendId, live: bool) {
+        self.shard
+            .set_mirror_live(myelin_routing::BackendId(backend), live);
     }
 
     /// Blocks per backend this shard holds, in the tree and the verified mirror (admin API).

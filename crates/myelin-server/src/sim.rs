@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use myelin_sim::{ClusterConfig, SimCluster};
+use myelin_sim::{ClusterConfig, KvEventsConfig, SimCluster};
 
 use crate::backend_spec::BackendSpec;
 
@@ -25,17 +25,31 @@ impl SimEngines {
             speedup,
             tokenizer_path: Some(tokenizer_path.to_path_buf()),
             chat_template_path: chat_template_path.map(Path::to_path_buf),
+            // The engines publish KV events, which the router follows (residency `verified`
+            // and `auto` then have a block-exact mirror, as with real vLLM).
+            kv_events: Some(KvEventsConfig::default()),
             ..ClusterConfig::default()
         })?;
         Ok(SimEngines { cluster })
     }
 
-    /// The engines as backends.
+    /// The engines as backends, with their KV-event endpoints.
     pub fn backend_specs(&self) -> Vec<BackendSpec> {
+        let events = self.cluster.kv_event_endpoints();
         self.cluster
             .engine_urls()
             .iter()
-            .filter_map(|url| BackendSpec::parse(url).ok())
+            .enumerate()
+            .filter_map(|(engine, url)| {
+                let endpoints = events.get(engine).and_then(Option::as_ref);
+                BackendSpec::from_parts(
+                    url,
+                    url,
+                    endpoints.map(|endpoints| endpoints.publish.clone()),
+                    endpoints.map(|endpoints| endpoints.replay.clone()),
+                )
+                .ok()
+            })
             .collect()
     }
 }

@@ -1,0 +1,339 @@
+//! One engine's KV-cache events turned into updates of the verified residency mirror, keyed by
+//! the router's own chain hashes and addressed to the shard that owns each prefix.
+//!
+//! The engine names a block by its own hash (vLLM: sha256 of the parent's hash and the block's
+//! tokens, with a seed the router cannot always know), the router by its 64-bit chain hash of
+//! the same tokens. Like Dynamo, the router does not try to reproduce the engine's hash: a
+//! `BlockStored` event carries the blocks' token ids, so the router hashes them itself,
+//! continuing the chain from the parent block, and remembers engine hash -> (chain hash, owner
+//! shard) to resolve later parents and removals. A block whose parent it never saw (stored
+//! before the router subscribed, in a gap of the stream) cannot be placed in a chain and is
+//! skipped; replaying the engine's buffered history at subscription narrows that window.
+//!
+//! Pure and synchronous: the subscriber thread feeds it decoded events in stream order.
+
+use std::collections::HashMap;
+use std::num::NonZeroU32;
+
+use myelin_kv_events::decode::{DecodedEvent, MirrorFilter};
+use myelin_kv_events::wire::{BlockRemoved, BlockStored, KvEvent};
+use myelin_routing::{ROOT_CHAIN_HASH, chain_hash, owner_shard_of_key};
+
+/// Engine blocks remembered per backend before the map is reset (a stream that lost its
+/// removals would otherwise grow it forever; a real engine holds far fewer blocks).
+pub const MAX_TRACKED_BLOCKS: usize = 4 << 20;
+
+/// A change of one shard's mirror for one backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MirrorChange {
+    /// One more copy of the block with this chain hash.
+    Stored(u64),
+    /// One copy fewer.
+    Removed(u64),
+    /// Every block of the backend is gone (sent to every shard).
+    Cleared,
+}
+
+/// A change addressed to the shard owning the prefix it belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MirrorUpdate {
+    pub shard: usize,
+    pub change: MirrorChange,
+}
+
+/// Why events or blocks were not applied, for metrics.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct FeedCounters {
+    pub stored_blocks: u64,
+    pub removed_blocks: u64,
+    /// Blocks of another medium (CPU offload), another KV-cache group (sliding window) or
+    /// another instance (`locality` REMOTE).
+    pub skipped_other_cache: u64,
+    /// LoRA blocks: their KV differs from the base model's for the same tokens.
+    pub skipped_lora: u64,
+    /// Blocks of another block size than the router's (`--block-size`).
+    pub skipped_block_size: u64,
+    /// Events whose token ids do not cover their blocks.
+    pub skipped_malformed: u64,
+    /// Stored blocks whose parent the feed never saw.
+    pub skipped_orphan: u64,
+    /// Removals of blocks the feed never saw stored.
+    pub unknown_removals: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct KnownBlock {
+    chain: u64,
+    owner: u32,
+    copies: u32,
+}
+
+/// The translator of one backend's stream.
+#[derive(Debug)]
+pub struct KvFeed {
+    filter: MirrorFilter,
+    block_size: NonZeroU32,
+    shards: usize,
+    blocks: HashMap<u64, KnownBlock>,
+    pub counters: FeedCounters,
+}
+
+impl KvFeed {
+    pub fn new(block_size: NonZeroU32, shards: usize) -> KvFeed {
+        KvFeed {
+            filter: MirrorFilter::default(),
+            block_size,
+            shards: shards.max(1),
+            blocks: HashMap::new(),
+            counters: FeedCounters::default(),
+        }
+    }
+
+    /// Engine blocks currently tracked.
+    pub fn tracked_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Appends the mirror updates `decoded` implies to `out` (none for events about another
+    /// cache than the engine's own GPU cache of its full-attention group).
+    pub fn apply(&mut self, decoded: &DecodedEvent, out: &mut Vec<MirrorUpdate>) {
+        if !self.filter.accepts(decoded) {
+            self.counters.skipped_other_cache += match &decoded.event {
+                KvEvent::BlockStored(stored) => stored.block_hashes.len() as u64,
+                KvEvent::BlockRemoved(removed) => removed.block_hashes.len() as u64,
+                KvEvent::AllBlocksCleared(_) => 0,
+            };
+            return;
+        }
+        match &decoded.event {
+            KvEvent::BlockStored(stored) => self.stored(stored, out),
+            KvEvent::BlockRemoved(removed) => self.removed(removed, out),
+            KvEvent::AllBlocksCleared(_) => self.clear(out),
+        }
+    }
+
+    /// The engine lost everything (cache reset, or it restarted: its sequence went back).
+    pub fn clear(&mut self, out: &mut Vec<MirrorUpdate>) {
+        self.blocks.clear();
+        out.extend((0..self.shards).map(|shard| MirrorUpdate {
+            shard,
+            change: MirrorChange::Cleared,
+        }));
+    }
+
+    fn stored(&mut self, stored: &BlockStored, out: &mut Vec<MirrorUpdate>) {
+        let blocks = stored.block_hashes.len() as u64;
+        if stored.lora_id.is_some() || stored.lora_name.is_some() {
+            self.counters.skipped_lora += blocks;
+            return;
+        }
+        if stored.block_size != self.block_size.get() {
+            self.counters.skipped_block_size += blocks;
+            return;
+        }
+        let size = self.block_size.get() as usize;
+        if stored.token_ids.len() != stored.block_hashes.len() * size {
+            self.counters.skipped_malformed += blocks;
+            return;
+        }
+        let (mut parent_chain, mut owner) = match stored.parent_block_hash {
+            None => (ROOT_CHAIN_HASH, None),
+            Some(parent) => match self.blocks.get(&parent) {
+                Some(known) => (known.chain, Some(known.owner)),
+                None => {
+                    self.counters.skipped_orphan += blocks;
+                    return;
+                }
+            },
+        };
+        if self.blocks.len() + stored.block_hashes.len() > MAX_TRACKED_BLOCKS {
+            self.clear(out);
+        }
+        for (&engine_hash, tokens) in stored
+            .block_hashes
+            .iter()
+            .zip(stored.token_ids.chunks_exact(size))
+        {
+            let chain = chain_hash(parent_chain, tokens);
+            let shard = *owner.get_or_insert_with(|| owner_shard_of_key(chain, self.shards) as u32);
+            self.blocks
+                .entry(engine_hash)
+                .and_modify(|known| known.copies = known.copies.saturating_add(1))
+                .or_insert(KnownBlock {
+                    chain,
+                    owner: shard,
+                    copies: 1,
+                });
+            out.push(MirrorUpdate {
+                shard: shard as usize,
+                change: MirrorChange::Stored(chain),
+            });
+            self.counters.stored_blocks += 1;
+            parent_chain = chain;
+        }
+    }
+
+    fn removed(&mut self, removed: &BlockRemoved, out: &mut Vec<MirrorUpdate>) {
+        for engine_hash in &removed.block_hashes {
+            let Some(known) = self.blocks.get_mut(engine_hash) else {
+                self.counters.unknown_removals += 1;
+                continue;
+            };
+            let (chain, shard) = (known.chain, known.owner as usize);
+            known.copies -= 1;
+            if known.copies == 0 {
+                self.blocks.remove(engine_hash);
+            }
+            out.push(MirrorUpdate {
+                shard,
+                change: MirrorChange::Removed(chain),
+            });
+            self.counters.removed_blocks += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use myelin_kv_events::wire::{AllBlocksCleared, KV_CACHE_SPEC_FULL_ATTENTION, MEDIUM_GPU};
+    use myelin_routing::BlockChain;
+
+    const SHARDS: usize = 4;
+
+    fn feed() -> KvFeed {
+        KvFeed::new(NonZeroU32::new(4).unwrap(), SHARDS)
+    }
+
+    fn local(event: KvEvent) -> DecodedEvent {
+        DecodedEvent {
+            event,
+            locality: None,
+        }
+    }
+
+    fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> DecodedEvent {
+        local(KvEvent::BlockStored(BlockStored {
+            block_hashes: hashes.to_vec(),
+            parent_block_hash: parent,
+            token_ids: tokens.to_vec(),
+            block_size: 4,
+            lora_id: None,
+            medium: Some(MEDIUM_GPU.into()),
+            lora_name: None,
+            group_idx: Some(0),
+            kv_cache_spec_kind: Some(KV_CACHE_SPEC_FULL_ATTENTION.into()),
+            kv_cache_spec_sliding_window: None,
+        }))
+    }
+
+    fn removed(hashes: &[u64]) -> DecodedEvent {
+        local(KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: hashes.to_vec(),
+            medium: Some(MEDIUM_GPU.into()),
+            group_idx: None,
+        }))
+    }
+
+    #[test]
+    fn stored_blocks_get_the_routers_chain_hashes_and_owner() {
+        let tokens: Vec<u32> = (1..=12).collect();
+        let chain = BlockChain::new(&tokens, NonZeroU32::new(4).unwrap());
+        let owner = owner_shard_of_key(chain.hashes()[0], SHARDS);
+        let mut feed = feed();
+        let mut out = Vec::new();
+        // The engine stores the first block, then the next two in a second event.
+        feed.apply(&stored(&[101], None, &tokens[..4]), &mut out);
+        feed.apply(&stored(&[102, 103], Some(101), &tokens[4..]), &mut out);
+        let want: Vec<MirrorUpdate> = chain
+            .hashes()
+            .iter()
+            .map(|&hash| MirrorUpdate {
+                shard: owner,
+                change: MirrorChange::Stored(hash),
+            })
+            .collect();
+        assert_eq!(out, want);
+        out.clear();
+        feed.apply(&removed(&[103, 999]), &mut out);
+        assert_eq!(
+            out,
+            vec![MirrorUpdate {
+                shard: owner,
+                change: MirrorChange::Removed(chain.hashes()[2]),
+            }]
+        );
+        assert_eq!(feed.counters.unknown_removals, 1);
+        assert_eq!(feed.tracked_blocks(), 2);
+    }
+
+    #[test]
+    fn copies_are_counted_and_orphans_and_foreign_caches_skipped() {
+        let tokens: Vec<u32> = (1..=4).collect();
+        let mut feed = feed();
+        let mut out = Vec::new();
+        feed.apply(&stored(&[7], None, &tokens), &mut out);
+        feed.apply(&stored(&[7], None, &tokens), &mut out);
+        feed.apply(&removed(&[7]), &mut out);
+        assert_eq!(feed.tracked_blocks(), 1, "one copy is left");
+        feed.apply(&removed(&[7]), &mut out);
+        assert_eq!(feed.tracked_blocks(), 0);
+        assert_eq!(out.len(), 4);
+
+        out.clear();
+        feed.apply(&stored(&[8], Some(12345), &tokens), &mut out);
+        assert_eq!(feed.counters.skipped_orphan, 1);
+        let KvEvent::BlockStored(mut cpu) = stored(&[9], None, &tokens).event else {
+            unreachable!()
+        };
+        let mut apply = |stored: &BlockStored, locality: Option<&str>| {
+            let decoded = DecodedEvent {
+                event: KvEvent::BlockStored(stored.clone()),
+                locality: locality.map(str::to_string),
+            };
+            feed.apply(&decoded, &mut out);
+        };
+        apply(&cpu, Some("REMOTE"));
+        cpu.medium = Some("CPU".into());
+        apply(&cpu, None);
+        cpu.medium = None;
+        cpu.kv_cache_spec_kind = Some("sliding_window".into());
+        apply(&cpu, None);
+        cpu.kv_cache_spec_kind = None;
+        cpu.lora_name = Some("adapter".into());
+        apply(&cpu, None);
+        cpu.lora_name = None;
+        cpu.block_size = 16;
+        apply(&cpu, None);
+        cpu.block_size = 4;
+        cpu.token_ids.pop();
+        apply(&cpu, None);
+        assert!(out.is_empty(), "{out:?}");
+        assert_eq!(feed.counters.skipped_other_cache, 3);
+        assert_eq!(feed.counters.skipped_lora, 1);
+        assert_eq!(feed.counters.skipped_block_size, 1);
+        assert_eq!(feed.counters.skipped_malformed, 1);
+    }
+
+    #[test]
+    fn clearing_reaches_every_shard_and_forgets_blocks() {
+        let tokens: Vec<u32> = (1..=4).collect();
+        let mut feed = feed();
+        let mut out = Vec::new();
+        feed.apply(&stored(&[7], None, &tokens), &mut out);
+        out.clear();
+        feed.apply(
+            &local(KvEvent::AllBlocksCleared(AllBlocksCleared)),
+            &mut out,
+        );
+        assert_eq!(out.len(), SHARDS);
+        assert!(
+            out.iter()
+                .all(|update| update.change == MirrorChange::Cleared)
+        );
+        assert_eq!(feed.tracked_blocks(), 0);
+        out.clear();
+        feed.apply(&removed(&[7]), &mut out);
+        assert!(out.is_empty());
+    }
+}

@@ -1,0 +1,326 @@
+//! The KV-event subscriber of one engine: a ZMQ SUB socket on the engine's event stream (and a
+//! DEALER on its replay socket, when known), decoded batches through [`KvFeed`], mirror updates
+//! out to the control core over a crossbeam channel.
+//!
+//! libzmq sockets are blocking, so each engine's subscriber runs on its own small thread, pinned
+//! to the control core's CPU when the router pins: data cores never run it. The thread polls its
+//! stop flag between receives (at most [`RECEIVE_TIMEOUT`] apart).
+//!
+//! Sequence handling (vLLM numbers batches from 0 per engine process):
+//! - at start, with a replay endpoint, everything the engine still buffers is replayed first,
+//!   so blocks cached before the router started are known;
+//! - a gap (the PUB socket dropped batches for a slow subscriber) is filled from the replay
+//!   socket when there is one, else counted and passed over;
+//! - a sequence going back means the engine restarted with an empty cache: the backend's
+//!   mirror is cleared.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Sender;
+use myelin_kv_events::decode::{self, DecodedBatch, ReplayFrame};
+
+use crate::backends::BackendId;
+use crate::kv_feed::{FeedCounters, KvFeed, MirrorUpdate};
+use crate::metrics as names;
+
+/// Longest wait for one message before the stop flag is looked at again.
+pub const RECEIVE_TIMEOUT: Duration = Duration::from_millis(100);
+/// Longest wait for the replay socket's next batch.
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Where one engine publishes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvEndpoints {
+    /// The PUB endpoint (`tcp://host:port`).
+    pub publish: String,
+    /// The ROUTER replay endpoint, when the engine has one.
+    pub replay: Option<String>,
+}
+
+/// What a subscriber tells the control core.
+#[derive(Debug)]
+pub enum FeedEvent {
+    /// Mirror changes, in stream order.
+    Updates {
+        backend: BackendId,
+        updates: Vec<MirrorUpdate>,
+    },
+    /// The backend's mirror is in sync (`true`) or no longer followed (`false`).
+    Live { backend: BackendId, live: bool },
+}
+
+/// A running subscriber; stops (without waiting) when dropped.
+pub struct Subscriber {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Subscriber {
+    /// Starts following `endpoints` for `backend`.
+    pub fn start(
+        backend: BackendId,
+        endpoints: KvEndpoints,
+        feed: KvFeed,
+        sender: Sender<FeedEvent>,
+        cpu: Option<usize>,
+    ) -> std::io::Result<Subscriber> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread_stop = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("myelin-kv-{backend}"))
+            .spawn(move || {
+                if let Some(cpu) = cpu {
+                    pin_to(cpu);
+                }
+                let mut follower = Follower {
+                    backend,
+                    label: endpoints.publish.clone(),
+                    feed,
+                    sender,
+                    last_seq: None,
+                    last_live_seq: None,
+                    live: false,
+                    reported: FeedCounters::default(),
+                };
+                follower.run(&endpoints, &thread_stop);
+                let _ = follower.sender.send(FeedEvent::Live {
+                    backend,
+                    live: false,
+                });
+            })?;
+        Ok(Subscriber {
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops the thread and waits for it (at most about [`RECEIVE_TIMEOUT`]).
+    pub fn stop_and_join(mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Subscriber {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+    }
+}
+
+fn pin_to(cpu: usize) {
+    // SAFETY: `cpu_set_t` is plain data, zeroed is its empty set; CPU_SET writes inside it
+    // and sched_setaffinity only reads it. A failure leaves the thread unpinned.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
+struct Follower {
+    backend: BackendId,
+    label: String,
+    feed: KvFeed,
+    sender: Sender<FeedEvent>,
+    /// Last batch applied, live or replayed.
+    last_seq: Option<u64>,
+    /// Last batch received on the live socket.
+    last_live_seq: Option<u64>,
+    live: bool,
+    reported: FeedCounters,
+}
+
+impl Follower {
+    fn run(&mut self, endpoints: &KvEndpoints, stop: &AtomicBool) {
+        let context = zmq::Context::new();
+        let subscriber = match self.socket(&context, zmq::SUB, &endpoints.publish) {
+            Some(socket) => socket,
+            None => return,
+        };
+        if subscriber.set_subscribe(b"").is_err() {
+            return;
+        }
+        let replay = endpoints
+            .replay
+            .as_deref()
+            .and_then(|endpoint| self.socket(&context, zmq::DEALER, endpoint));
+        // Everything the engine still buffers, before the live stream.
+        if let Some(replay) = &replay {
+            self.replay_from(replay, 0, None);
+        }
+        if self.last_seq.is_some() {
+            self.set_live(true);
+        }
+        while !stop.load(Ordering::Acquire) {
+            let frames = match subscriber.recv_multipart(0) {
+                Ok(frames) => frames,
+                Err(zmq::Error::EAGAIN) => continue,
+                Err(zmq::Error::ETERM) => return,
+                Err(_) => continue,
+            };
+            let message = match decode::decode_live(&frames) {
+                Ok(message) => message,
+                Err(_) => {
+                    metrics::counter!(names::KV_EVENTS_DECODE_ERRORS_TOTAL, "backend" => self.label.clone())
+                        .increment(1);
+                    continue;
+                }
+            };
+            let seq = message.seq;
+            // vLLM never repeats a live sequence number: going back means a new engine
+            // process (restart), whose cache starts empty.
+            if self.last_live_seq.is_some_and(|previous| seq <= previous) {
+                self.restart();
+            }
+            self.last_live_seq = Some(seq);
+            match self.last_seq {
+                // Already applied from the replay socket.
+                Some(last) if seq <= last => continue,
+                Some(last) if seq > last + 1 => {
+                    metrics::counter!(names::KV_EVENTS_GAPS_TOTAL, "backend" => self.label.clone())
+                        .increment(1);
+                    if let Some(replay) = &replay {
+                        self.replay_from(replay, last + 1, Some(seq));
+                    }
+                }
+                _ => {}
+            }
+            self.apply(seq, &message.batch);
+            self.set_live(true);
+        }
+    }
+
+    fn socket(
+        &self,
+        context: &zmq::Context,
+        kind: zmq::SocketType,
+        endpoint: &str,
+    ) -> Option<zmq::Socket> {
+        let socket = context.socket(kind).ok()?;
+        let timeout = i32::try_from(RECEIVE_TIMEOUT.as_millis()).unwrap_or(100);
+        socket.set_rcvtimeo(timeout).ok()?;
+        socket.set_linger(0).ok()?;
+        match socket.connect(endpoint) {
+            Ok(()) => Some(socket),
+            Err(error) => {
+                eprintln!("myelin: kv events {endpoint}: {error}");
+                None
+            }
+        }
+    }
+
+    /// Applies every buffered batch from `start` (and before `until`, when given).
+    fn replay_from(&mut self, replay: &zmq::Socket, start: u64, until: Option<u64>) {
+        let request = decode::replay_request(start);
+        if replay.send_multipart(request, 0).is_err() {
+            return;
+        }
+        let deadline = Instant::now() + REPLAY_TIMEOUT;
+        while Instant::now() < deadline {
+            let frames = match replay.recv_multipart(0) {
+                Ok(frames) => frames,
+                Err(_) => continue,
+            };
+            match decode::decode_replay(&frames) {
+                Ok(ReplayFrame::End) => return,
+                Ok(ReplayFrame::Batch { seq, batch }) => {
+                    if until.is_some_and(|until| seq >= until)
+                        || self.last_seq.is_some_and(|last| seq <= last)
+                    {
+                        continue;
+                    }
+                    self.apply(seq, &batch);
+                }
+                Err(_) => {
+                    metrics::counter!(names::KV_EVENTS_DECODE_ERRORS_TOTAL, "backend" => self.label.clone())
+                        .increment(1);
+                }
+            }
+        }
+    }
+
+    fn restart(&mut self) {
+        metrics::counter!(names::KV_EVENTS_RESTARTS_TOTAL, "backend" => self.label.clone())
+            .increment(1);
+        let mut updates = Vec::new();
+        self.feed.clear(&mut updates);
+        self.last_seq = None;
+        self.forward(updates);
+    }
+
+    fn apply(&mut self, seq: u64, batch: &DecodedBatch) {
+        let mut updates = Vec::new();
+        for event in &batch.events {
+            self.feed.apply(event, &mut updates);
+        }
+        self.last_seq = Some(seq);
+        metrics::counter!(names::KV_EVENTS_BATCHES_TOTAL, "backend" => self.label.clone())
+            .increment(1);
+        self.report_counters();
+        self.forward(updates);
+    }
+
+    fn forward(&self, updates: Vec<MirrorUpdate>) {
+        if !updates.is_empty() {
+            let _ = self.sender.send(FeedEvent::Updates {
+                backend: self.backend,
+                updates,
+            });
+        }
+    }
+
+    fn set_live(&mut self, live: bool) {
+        if self.live != live {
+            self.live = live;
+            let _ = self.sender.send(FeedEvent::Live {
+                backend: self.backend,
+                live,
+            });
+        }
+    }
+
+    /// Adds what the feed counted since the last report to the metrics.
+    fn report_counters(&mut self) {
+        let now = self.feed.counters;
+        let before = std::mem::replace(&mut self.reported, now);
+        for (reason, now, before) in [
+            (
+                "other_cache",
+                now.skipped_other_cache,
+                before.skipped_other_cache,
+            ),
+            ("lora", now.skipped_lora, before.skipped_lora),
+            (
+                "block_size",
+                now.skipped_block_size,
+                before.skipped_block_size,
+            ),
+            ("malformed", now.skipped_malformed, before.skipped_malformed),
+            ("orphan", now.skipped_orphan, before.skipped_orphan),
+            (
+                "unknown_removal",
+                now.unknown_removals,
+                before.unknown_removals,
+            ),
+        ] {
+            if now > before {
+                metrics::counter!(names::KV_EVENTS_SKIPPED_BLOCKS_TOTAL, "reason" => reason)
+                    .increment(now - before);
+            }
+        }
+        let stored = now.stored_blocks - before.stored_blocks;
+        let removed = now.removed_blocks - before.removed_blocks;
+        if stored > 0 {
+            metrics::counter!(names::KV_EVENTS_BLOCKS_TOTAL, "event" => "stored").increment(stored);
+        }
+        if removed > 0 {
+            metrics::counter!(names::KV_EVENTS_BLOCKS_TOTAL, "event" => "removed")
+                .increment(removed);
+        }
+    }
+}
