@@ -1,39 +1,49 @@
-//! An exact fast path for byte-level BPE tokenizers (GPT-2 style: DeepSeek, Qwen, Llama 3
-//! without case-insensitive patterns): the same ids as the HuggingFace `tokenizers` crate for a
-//! text without added tokens ([`FastBpe::encode_plain`]), or for any text once the added tokens
-//! are attached ([`FastBpe::with_added_tokens`], [`FastBpe::encode`]), about ten times faster.
-//! Templates and everything the subset below excludes stay with [`crate::Tokenizer`].
+//! An exact fast path for byte-level BPE tokenizers (GPT-2 style: DeepSeek, Llama 3, Qwen 2):
+//! the same ids as the HuggingFace `tokenizers` crate for a text without added tokens
+//! ([`FastBpe::encode_plain`]), or for any text once the added tokens are attached
+//! ([`FastBpe::with_added_tokens`], [`FastBpe::encode`]), about ten times faster. Templates and
+//! everything the subset below excludes stay with [`crate::Tokenizer`].
 //!
 //! # Supported subset
 //! Anything else makes [`FastBpe::from_tokenizer_json`] return `None` (with an [`Unsupported`]
 //! reason from [`FastBpe::from_tokenizer_json_or_reason`]), and the caller keeps HF:
-//! - normalizer: none, or an empty `Sequence`; no truncation or padding;
+//! - normalizer: none, an empty `Sequence`, `NFC`, or a `Sequence` of just `NFC`; no truncation
+//!   or padding;
 //! - pre-tokenizer: `Split` steps (regex or literal, `Isolated`, not inverted) followed by a
-//!   `ByteLevel` without prefix space, or a lone `ByteLevel`; `use_regex` adds GPT-2's pattern;
+//!   `ByteLevel` without prefix space, or a lone `ByteLevel`; `use_regex` adds GPT-2's pattern.
+//!   A regex may use `(?i:...)` around alternatives of printable-ASCII literals (Llama 3's and
+//!   Qwen 2's `(?i:'s|'t|'re|'ve|'m|'ll|'d)`), except literals onig would also match through a
+//!   multi-character case fold (`ss`, `st`, `ff`, `fi`, `fl`); no other inline flag;
 //! - model: `BPE` without dropout, byte fallback, subword prefix or word suffix, with every
 //!   byte-level character in the vocabulary (so no unknown symbol can occur), ids unique;
 //!   `ignore_merges` honoured; merges as `"a b"` strings or `[a, b]` pairs.
 //!
 //! # Why the ids are the same
-//! HF encodes a text without added tokens as: normalize (here: nothing), then each pre-tokenizer
-//! step splits every piece of the previous step on its own (the regex never sees across a piece
-//! boundary; matches and the gaps between them become pieces, empty ones are dropped), then
-//! `ByteLevel` maps each piece's UTF-8 bytes to GPT-2's printable characters, then BPE merges
-//! each piece independently and the ids are concatenated. This module does the same steps in
-//! the same order. The two places an argument is needed are documented where they live:
-//! - regex semantics (`regex` vs onig, and the `\s+(?!\S)` emulation): `pattern.rs`;
-//! - the merge order (lowest rank, leftmost on ties, equals HF's heap): `merge.rs`.
+//! HF encodes a text without added tokens as: normalize (nothing, or NFC), then each
+//! pre-tokenizer step splits every piece of the previous step on its own (the regex never sees
+//! across a piece boundary; matches and the gaps between them become pieces, empty ones are
+//! dropped), then `ByteLevel` maps each piece's UTF-8 bytes to GPT-2's printable characters,
+//! then BPE merges each piece independently and the ids are concatenated. This module does the
+//! same steps in the same order. The places an argument is needed are documented where they
+//! live:
+//! - NFC (HF's own normalization crate and tables, Unicode 9): `normalize.rs`;
+//! - regex semantics (`regex` vs onig, the `(?i:...)` rewrite into explicit classes, and the
+//!   `\s+(?!\S)` emulation): `pattern.rs`;
+//! - the merge order (lowest rank, leftmost on ties, equals HF's heap): `merge.rs`;
+//! - added tokens (matched before normalization, or in each normalized gap): `added.rs`.
 //!
 //! A piece's ids depend only on the piece, so caching them per piece cannot change a result.
 //! Tests compare against HF on a fixed corpus, thousands of random texts over a mixed
-//! alphabet, arbitrary strings, and every code point for the character classes used; a caller
-//! should still run [`FastBpe::verify_against`] at startup.
+//! alphabet, arbitrary strings, every code point for the character classes, case folds and NFC
+//! used, and the Llama 3 and Qwen 2 pre-tokenizers on edited copies of the bundled tokenizer; a
+//! caller should still run [`FastBpe::verify_against`] at startup.
 
 mod added;
 mod cache;
 mod corpus;
 mod load;
 mod merge;
+mod normalize;
 mod pattern;
 
 use std::path::Path;
@@ -159,9 +169,18 @@ impl FastBpe {
     }
 
     /// Appends to `out` the ids HF's `encode(text, add_special_tokens = false)` gives. `text`
-    /// must contain no added or special token: the caller splits those off first (HF would
-    /// emit their ids where this tokenizes their text).
+    /// must contain no added or special token (nor, for a token marked `normalized`, one once
+    /// normalized): the caller splits those off first (HF would emit their ids where this
+    /// tokenizes their text).
     pub fn encode_plain(&mut self, text: &str, out: &mut Vec<u32>) {
+        match self.tables.normalizer {
+            Some(normalizer) => self.encode_normalized(&normalizer.apply(text), out),
+            None => self.encode_normalized(text, out),
+        }
+    }
+
+    /// [`Self::encode_plain`] of a text already normalized.
+    fn encode_normalized(&mut self, text: &str, out: &mut Vec<u32>) {
         let Self {
             tables,
             cache,
@@ -189,9 +208,10 @@ impl FastBpe {
             self.encode_plain(text, out);
             return;
         };
-        added_tokens.segments(text, &mut |segment| match segment {
+        let normalizer = self.tables.normalizer;
+        added_tokens.segments(text, normalizer, &mut |segment| match segment {
             Segment::Token(id) => out.push(id),
-            Segment::Plain(plain) => self.encode_plain(plain, out),
+            Segment::Plain(plain) => self.encode_normalized(plain, out),
         });
     }
 

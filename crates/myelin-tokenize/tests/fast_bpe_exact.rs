@@ -1,5 +1,6 @@
 //! The fast byte-level BPE path against the HuggingFace tokenizer on the bundled DeepSeek-V3
-//! tokenizer (and edited copies of it): same ids on a fixed corpus, on random mixed-script
+//! tokenizer and on edited copies of it (among them Llama 3's and Qwen 2's pre-tokenizers, with
+//! `(?i:...)`, `ignore_merges` and `NFC`): same ids on a fixed corpus, on random mixed-script
 //! texts and on arbitrary strings; unsupported configurations refused; character classes equal
 //! to onig's for every code point.
 
@@ -200,7 +201,11 @@ fn unsupported_configurations_are_refused() {
     type Edit = fn(&mut Value);
     let cases: &[(&str, Edit)] = &[
         ("normalizer", |config| {
-            config["normalizer"] = json!({"type": "NFC"});
+            config["normalizer"] = json!({"type": "NFKC"});
+        }),
+        ("normalizer-sequence", |config| {
+            config["normalizer"] = json!({"type": "Sequence",
+                "normalizers": [{"type": "NFC"}, {"type": "Lowercase"}]});
         }),
         ("removed", |config| {
             config["pre_tokenizer"]["pretokenizers"][0]["behavior"] = json!("Removed");
@@ -216,9 +221,17 @@ fn unsupported_configurations_are_refused() {
             config["pre_tokenizer"]["pretokenizers"][0]["pattern"] =
                 json!({"Regex": "\\p{N}{1,3}(?!x)|\\s+"});
         }),
-        ("case-insensitive", |config| {
+        ("case-insensitive-multi-character-fold", |config| {
             config["pre_tokenizer"]["pretokenizers"][0]["pattern"] =
-                json!({"Regex": "(?i:'s|'t)|\\p{N}{1,3}"});
+                json!({"Regex": "(?i:'s|'st)|\\p{N}{1,3}"});
+        }),
+        ("case-insensitive-class", |config| {
+            config["pre_tokenizer"]["pretokenizers"][0]["pattern"] =
+                json!({"Regex": "(?i:[a-z]+)|\\p{N}{1,3}"});
+        }),
+        ("case-insensitive-everywhere", |config| {
+            config["pre_tokenizer"]["pretokenizers"][0]["pattern"] =
+                json!({"Regex": "(?i)'s|\\p{N}{1,3}"});
         }),
         ("digit-class", |config| {
             config["pre_tokenizer"]["pretokenizers"][0]["pattern"] = json!({"Regex": "\\d{1,3}"});
@@ -337,6 +350,152 @@ fn supported_variants_match_hf() {
     }
 }
 
+/// Llama 3's pre-tokenizer regex (its `tokenizer.json` has no normalizer and `ignore_merges`).
+const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Qwen 2 / 2.5's pre-tokenizer regex (after an `NFC` normalizer).
+const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Case variants of contractions (and the characters onig folds to their letters or not) and
+/// texts `NFC` changes.
+const CASE_AND_NFC_CASES: &[&str] = &[
+    "IT'S I'M YOU'RE WE'VE THEY'LL HE'D DON'T",
+    "it'S i'M you'Re we'vE they'Ll he'D don'T",
+    "x'ſ x'\u{212a} x'K x'k x'ß x'ẞ x'ﬅ x'ﬆ x'ss x'st",
+    "'ı 'İ 'i\u{307} 'ς 'Σ 'σ 'ǅ 'ǆ 'Ǆ",
+    "ſtraße STRASSE ﬁle ﬂow Kelvin \u{212a}elvin",
+    "'s'S'ſ'' 't'",
+    "e\u{301}cole \u{212b}ngstr\u{f6}m a\u{323}\u{302} \u{1100}\u{1161}\u{11a8} \u{2126}",
+    "'\u{301}s 's\u{301} 'S\u{307}",
+    // A contraction is its own piece only when a letter follows; otherwise the letter run
+    // alternative takes the same characters.
+    "'ſt 'ſa 'Ss 'Sx 'ſſ he'ſd 'LLama 'REal 'vEry 'Mr 'Dr 'Tx '\u{212a}x 'ßx 'ﬅx 'ıx 'İx",
+];
+
+/// A pre-tokenizer of one `Split` step before a regex-less `ByteLevel`.
+fn set_single_split(config: &mut Value, pattern: &str) {
+    config["pre_tokenizer"] = json!({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
+        {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false},
+    ]});
+}
+
+/// A supported edited copy of the bundled tokenizer, shared by the tests.
+struct SharedVariant {
+    hf: Tokenizer,
+    fast: Mutex<FastBpe>,
+    fast_with_added: Mutex<FastBpe>,
+}
+
+fn shared_variant(name: &str, edit: impl FnOnce(&mut Value)) -> SharedVariant {
+    let path = write_variant(name, edit);
+    let loaded = load_variant(&path);
+    remove_variant(&path);
+    let Variant { hf, fast } = loaded.unwrap_or_else(|reason| panic!("{name}: {reason}"));
+    let fast_with_added = fast
+        .clone()
+        .with_added_tokens(&hf)
+        .unwrap_or_else(|reason| panic!("{name}: {reason}"));
+    SharedVariant {
+        hf,
+        fast: Mutex::new(fast),
+        fast_with_added: Mutex::new(fast_with_added),
+    }
+}
+
+/// Llama 3's pre-tokenizer and `ignore_merges` on the bundled vocabulary.
+fn llama3() -> &'static SharedVariant {
+    static VARIANT: OnceLock<SharedVariant> = OnceLock::new();
+    VARIANT.get_or_init(|| {
+        shared_variant("llama3", |config| {
+            set_single_split(config, LLAMA3_PATTERN);
+            config["normalizer"] = Value::Null;
+            config["model"]["ignore_merges"] = json!(true);
+        })
+    })
+}
+
+/// Qwen 2's normalizer and pre-tokenizer on the bundled vocabulary.
+fn qwen2() -> &'static SharedVariant {
+    static VARIANT: OnceLock<SharedVariant> = OnceLock::new();
+    VARIANT.get_or_init(|| {
+        shared_variant("qwen2", |config| {
+            set_single_split(config, QWEN2_PATTERN);
+            config["normalizer"] = json!({"type": "NFC"});
+        })
+    })
+}
+
+/// `text` through `encode_plain` (unless it holds an added token) and through `encode`.
+fn check_variant(variant: &SharedVariant, text: &str) -> Result<(), TestCaseError> {
+    let expected = variant.hf.encode(text, false).expect("hf encodes");
+    let holds_added_token = fixture()
+        .added_tokens
+        .iter()
+        .any(|token| text.contains(token.as_str()));
+    if !holds_added_token {
+        let mut fast = variant.fast.lock().expect("lock");
+        prop_assert_eq!(&fast_ids(&mut fast, text), &expected, "plain {:?}", text);
+    }
+    let mut ids = Vec::new();
+    variant
+        .fast_with_added
+        .lock()
+        .expect("lock")
+        .encode(text, &mut ids);
+    prop_assert_eq!(ids, expected, "with added tokens {:?}", text);
+    Ok(())
+}
+
+#[test]
+fn llama3_and_qwen2_variants_match_hf_on_the_corpus() {
+    let texts = SELF_CHECK_CORPUS
+        .iter()
+        .chain(EDGE_CASES)
+        .chain(CASE_AND_NFC_CASES);
+    for (name, variant) in [("llama3", llama3()), ("qwen2", qwen2())] {
+        for text in texts.clone() {
+            if let Err(error) = check_variant(variant, text) {
+                panic!("{name}: {error}");
+            }
+        }
+        let joined: String = texts.clone().copied().collect();
+        if let Err(error) = check_variant(variant, &joined) {
+            panic!("{name}: {error}");
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1000))]
+
+    #[test]
+    fn llama3_matches_hf_on_mixed_texts(text in mixed_text()) {
+        check_variant(llama3(), &text)?;
+    }
+
+    #[test]
+    fn qwen2_matches_hf_on_mixed_texts(text in mixed_text()) {
+        check_variant(qwen2(), &text)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(500))]
+
+    #[test]
+    fn llama3_and_qwen2_match_hf_on_arbitrary_strings(text in any::<String>()) {
+        check_variant(llama3(), &text)?;
+        check_variant(qwen2(), &text)?;
+    }
+
+    #[test]
+    fn llama3_and_qwen2_match_hf_on_prompts(text in prompt_text()) {
+        check_variant(llama3(), &text)?;
+        check_variant(qwen2(), &text)?;
+    }
+}
+
 /// Every code point, for each class the bundled and GPT-2 patterns use: onig (what HF runs)
 /// and `regex` (what the fast path runs) must match the same characters.
 #[test]
@@ -355,6 +514,8 @@ fn character_classes_equal_onigs_for_every_code_point() {
         "[\u{4e00}-\u{9fa5}\u{3040}-\u{309f}\u{30a0}-\u{30ff}]",
         r##"[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~]"##,
         r"[A-Za-z]",
+        r"[^\r\n\p{L}\p{N}]",
+        r"[\r\n]",
     ];
     for class in classes {
         let onig = tokenizers::utils::SysRegex::new(class).expect("onig compiles");
@@ -443,8 +604,56 @@ fn fragment() -> impl Strategy<Value = &'static str> {
         "\u{0}",
         "\u{7f}",
         "\u{1b}",
+        "\u{323}",
+        "\u{302}",
+        "\u{1100}",
+        "\u{1161}",
+        "\u{212b}",
+        "\u{2126}",
+    ];
+    /// Contractions in several cases, and characters onig's case folding treats specially.
+    const CONTRACTIONS: &[&str] = &[
+        "'s",
+        "'S",
+        "'t",
+        "'T",
+        "'re",
+        "'Re",
+        "'RE",
+        "'ve",
+        "'VE",
+        "'m",
+        "'M",
+        "I'M",
+        "'ſx",
+        "'Sa",
+        "'LLx",
+        "'ll",
+        "'LL",
+        "'lL",
+        "'d",
+        "'D",
+        "DON'T",
+        "'ſ",
+        "'\u{212a}",
+        "'K",
+        "'ß",
+        "'ẞ",
+        "'ﬅ",
+        "ſ",
+        "\u{212a}",
+        "ß",
+        "ı",
+        "İ",
+        "i\u{307}",
+        "ς",
+        "Σ",
+        "σ",
+        "'ı",
+        "'İ",
     ];
     prop_oneof![
+        3 => proptest::sample::select(CONTRACTIONS),
         6 => proptest::sample::select(WORDS),
         6 => proptest::sample::select(SPACES),
         3 => proptest::sample::select(NUMBERS),

@@ -2,16 +2,21 @@
 //! fast path can take whole rendered prompts. Only the matching lives here; the plain pieces
 //! between tokens go through the usual pre-tokenizer and BPE.
 //!
-//! HF, for a normalizer that changes nothing: first the tokens marked `normalized: false` are
-//! found in the text (Aho-Corasick, leftmost-longest, non-overlapping), then the tokens marked
-//! `normalized: true` in each remaining gap. A found token becomes its id; `lstrip`, `rstrip`
-//! and `single_word` change the boundaries, so tokens using them are not supported. The ids are
-//! not the `id` fields of the file (HF recomputes them on load): they are asked from HF.
+//! HF first finds the tokens marked `normalized: false` in the raw text (Aho-Corasick,
+//! leftmost-longest, non-overlapping), then normalizes each remaining gap on its own and finds
+//! the tokens marked `normalized: true` in the normalized gap; the plain runs left are already
+//! normalized and go straight to the pre-tokenizer. A found token becomes its id; `lstrip`,
+//! `rstrip` and `single_word` change the boundaries, so tokens using them are not supported.
+//! The ids are not the `id` fields of the file (HF recomputes them on load): they are asked
+//! from HF.
+
+use std::borrow::Cow;
 
 use aho_corasick::{AhoCorasick, MatchKind};
 use serde_json::Value;
 
 use super::load::Unsupported;
+use super::normalize::Normalizer;
 use crate::Tokenizer;
 
 /// An added token as declared in `tokenizer.json`.
@@ -60,13 +65,16 @@ struct Pass {
     ids: Vec<u32>,
 }
 
-/// The two passes of HF's added-token extraction.
+/// The two passes of HF's added-token extraction (absent when no token is in a pass).
 #[derive(Debug)]
 pub(super) struct AddedTokenMatcher {
-    passes: Vec<Pass>,
+    /// Tokens matched in the raw text.
+    unnormalized: Option<Pass>,
+    /// Tokens matched in the normalized gaps.
+    normalized: Option<Pass>,
 }
 
-/// A run of text: an added token's id, or plain text to tokenize.
+/// A run of text: an added token's id, or plain, normalized text to pre-tokenize.
 pub(super) enum Segment<'t> {
     Token(u32),
     Plain(&'t str),
@@ -75,8 +83,7 @@ pub(super) enum Segment<'t> {
 impl AddedTokenMatcher {
     /// Builds the passes, asking `hf` for each token's id.
     pub(super) fn new(specs: &[AddedTokenSpec], hf: &Tokenizer) -> Result<Self, Unsupported> {
-        let mut passes = Vec::with_capacity(2);
-        for normalized in [false, true] {
+        let pass = |normalized: bool| -> Result<Option<Pass>, Unsupported> {
             let mut patterns = Vec::new();
             let mut ids = Vec::new();
             for spec in specs.iter().filter(|spec| spec.normalized == normalized) {
@@ -87,35 +94,58 @@ impl AddedTokenMatcher {
                 ids.push(id);
             }
             if patterns.is_empty() {
-                continue;
+                return Ok(None);
             }
             let automaton = AhoCorasick::builder()
                 .match_kind(MatchKind::LeftmostLongest)
                 .build(&patterns)
                 .map_err(|error| Unsupported::AddedToken(error.to_string()))?;
-            passes.push(Pass { automaton, ids });
-        }
-        Ok(Self { passes })
-    }
-
-    /// Calls `emit` with the segments of `text`, in order (empty plain runs skipped).
-    pub(super) fn segments<'t>(&self, text: &'t str, emit: &mut dyn FnMut(Segment<'t>)) {
-        self.segments_from(0, text, emit);
-    }
-
-    fn segments_from<'t>(&self, pass: usize, text: &'t str, emit: &mut dyn FnMut(Segment<'t>)) {
-        let Some(current) = self.passes.get(pass) else {
-            if !text.is_empty() {
-                emit(Segment::Plain(text));
-            }
-            return;
+            Ok(Some(Pass { automaton, ids }))
         };
-        let mut gap_start = 0;
-        for found in current.automaton.find_iter(text) {
-            self.segments_from(pass + 1, &text[gap_start..found.start()], emit);
-            emit(Segment::Token(current.ids[found.pattern().as_usize()]));
+        Ok(Self {
+            unnormalized: pass(false)?,
+            normalized: pass(true)?,
+        })
+    }
+
+    /// Calls `emit` with the segments of `text`, in order (empty plain runs skipped), plain
+    /// runs normalized by `normalizer`.
+    pub(super) fn segments(
+        &self,
+        text: &str,
+        normalizer: Option<Normalizer>,
+        emit: &mut dyn FnMut(Segment<'_>),
+    ) {
+        split_with(
+            self.unnormalized.as_ref(),
+            text,
+            &mut |segment| match segment {
+                Segment::Token(id) => emit(Segment::Token(id)),
+                Segment::Plain(gap) => {
+                    let gap = match normalizer {
+                        Some(normalizer) => normalizer.apply(gap),
+                        None => Cow::Borrowed(gap),
+                    };
+                    split_with(self.normalized.as_ref(), &gap, emit);
+                }
+            },
+        );
+    }
+}
+
+/// Splits `text` on the tokens of `pass` (none: `text` is one plain run).
+fn split_with(pass: Option<&Pass>, text: &str, emit: &mut dyn FnMut(Segment<'_>)) {
+    let mut gap_start = 0;
+    if let Some(pass) = pass {
+        for found in pass.automaton.find_iter(text) {
+            if found.start() > gap_start {
+                emit(Segment::Plain(&text[gap_start..found.start()]));
+            }
+            emit(Segment::Token(pass.ids[found.pattern().as_usize()]));
             gap_start = found.end();
         }
-        self.segments_from(pass + 1, &text[gap_start..], emit);
+    }
+    if gap_start < text.len() {
+        emit(Segment::Plain(&text[gap_start..]));
     }
 }

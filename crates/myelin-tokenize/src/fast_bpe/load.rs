@@ -7,6 +7,7 @@ use serde_json::Value;
 
 use super::added::{AddedTokenSpec, added_token_specs};
 use super::merge::{Merge, MergeTable};
+use super::normalize::Normalizer;
 use super::pattern::SplitPattern;
 
 /// The pattern HF's `ByteLevel` pre-tokenizer applies when `use_regex` is true.
@@ -16,7 +17,7 @@ const GPT2_PATTERN: &str =
 /// Why a tokenizer is left to the HuggingFace implementation.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Unsupported {
-    /// A normalizer other than none or an empty `Sequence`.
+    /// A normalizer other than none, `NFC`, or a `Sequence` of at most one `NFC`.
     #[error("normalizer is not reproduced: {0}")]
     Normalizer(String),
     /// A pre-tokenizer other than `Split`s followed by `ByteLevel`.
@@ -44,6 +45,8 @@ pub enum Unsupported {
 /// Everything encoding needs, shared read-only between instances.
 #[derive(Debug)]
 pub(super) struct Tables {
+    /// Applied to each plain run of text before the pre-tokenizer.
+    pub(super) normalizer: Option<Normalizer>,
     /// Pre-tokenizer regex steps, applied in order, each to every piece of the previous one.
     pub(super) steps: Vec<SplitPattern>,
     /// Token id of each byte's byte-level character.
@@ -83,20 +86,26 @@ fn field_str<'a>(config: &'a Value, key: &str) -> Option<&'a str> {
     config.get(key).and_then(Value::as_str)
 }
 
-fn check_normalizer(config: &Value) -> Result<(), Unsupported> {
+fn read_normalizer(config: &Value) -> Result<Option<Normalizer>, Unsupported> {
     let Some(normalizer) = config.get("normalizer").filter(|value| !value.is_null()) else {
-        return Ok(());
+        return Ok(None);
     };
-    let empty_sequence = field_str(normalizer, "type") == Some("Sequence")
-        && normalizer
+    let is_nfc = |step: &Value| field_str(step, "type") == Some("NFC");
+    if is_nfc(normalizer) {
+        return Ok(Some(Normalizer::Nfc));
+    }
+    if field_str(normalizer, "type") == Some("Sequence") {
+        match normalizer
             .get("normalizers")
             .and_then(Value::as_array)
-            .is_some_and(Vec::is_empty);
-    if empty_sequence {
-        Ok(())
-    } else {
-        Err(Unsupported::Normalizer(compact(normalizer)))
+            .map(Vec::as_slice)
+        {
+            Some([]) => return Ok(None),
+            Some([only]) if is_nfc(only) => return Ok(Some(Normalizer::Nfc)),
+            _ => {}
+        }
     }
+    Err(Unsupported::Normalizer(compact(normalizer)))
 }
 
 fn compact(value: &Value) -> String {
@@ -177,7 +186,7 @@ fn split_pattern(split: &Value) -> Result<String, Unsupported> {
 /// Reads the supported subset out of a parsed `tokenizer.json`. `Err(Ok(reason))` when
 /// unsupported, `Err(Err(message))` when malformed (HF would refuse to load it too).
 pub(super) fn tables_from_config(config: &Value) -> Result<Tables, Result<Unsupported, String>> {
-    check_normalizer(config).map_err(Ok)?;
+    let normalizer = read_normalizer(config).map_err(Ok)?;
     if !is_null_or_absent(config, "truncation") || !is_null_or_absent(config, "padding") {
         return Err(Ok(Unsupported::TruncationOrPadding));
     }
@@ -211,6 +220,7 @@ pub(super) fn tables_from_config(config: &Value) -> Result<Tables, Result<Unsupp
         .and_then(Value::as_bool)
         .unwrap_or(false);
     Ok(Tables {
+        normalizer,
         steps,
         byte_ids,
         byte_chars,
