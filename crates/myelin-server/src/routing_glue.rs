@@ -240,6 +240,10 @@ impl RoutingShard {
 
     /// Applies a backend's KV events for the prefixes this shard owns.
     pub fn apply_mirror(&mut self, backend: BackendId, changes: &[MirrorChange]) {
+        // Updates still in flight when a backend was removed are dropped with it.
+        if !self.backends.contains_key(&backend) {
+            return;
+        }
         let backend = myelin_routing::BackendId(backend);
         for change in changes {
             match *change {
