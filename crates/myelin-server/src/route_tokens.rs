@@ -263,7 +263,7 @@ impl RouteTokenizer {
         cache_budget_bytes: usize,
         block_size: usize,
     ) -> RouteTokenizer {
-        let completion_prefix = Self::probe_completion_prefix(&tokenizer);
+        let completion_prefix = tokenizer.completion_prefix();
         let cache = (cache_budget_bytes > 0 && added_tokens.is_some())
             .then(|| SegmentCache::new(cache_budget_bytes));
         RouteTokenizer {
@@ -276,16 +276,6 @@ impl RouteTokenizer {
             block_size: block_size.max(1),
             long_prefixes: PrefixMemo::default(),
         }
-    }
-
-    fn probe_completion_prefix(tokenizer: &Tokenizer) -> Option<Vec<u32>> {
-        let prefix = tokenizer.encode("", true).ok()?;
-        let probe = "Probe: the quick brown fox, 42 times.\n";
-        let plain = tokenizer.encode(probe, false).ok()?;
-        let with_special = tokenizer.encode(probe, true).ok()?;
-        let mut expected = prefix.clone();
-        expected.extend_from_slice(&plain);
-        (expected == with_special).then_some(prefix)
     }
 
     /// Renders a chat with the chat template (generation prompt on, as engines do).

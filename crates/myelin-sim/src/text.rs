@@ -33,18 +33,6 @@ pub enum TextError {
     Template(#[from] TemplateError),
 }
 
-/// The ids `tokenizer` puts before a completion prompt, when it only prepends them (checked
-/// on a probe): then `prefix + encode(text, false)` equals `encode(text, true)`.
-fn completion_prefix(tokenizer: &Tokenizer) -> Option<Vec<u32>> {
-    let prefix = tokenizer.encode("", true).ok()?;
-    let probe = "Probe: the quick brown fox, 42 times.\n";
-    let plain = tokenizer.encode(probe, false).ok()?;
-    let with_special = tokenizer.encode(probe, true).ok()?;
-    let mut expected = prefix.clone();
-    expected.extend_from_slice(&plain);
-    (expected == with_special).then_some(prefix)
-}
-
 /// Tokenizer, chat template and output vocabulary of the simulated model.
 #[derive(Debug)]
 pub struct TextModel {
@@ -75,7 +63,7 @@ impl TextModel {
                     .ok()
                     .map(|()| Mutex::new(fast))
             });
-        let completion_prefix = completion_prefix(&tokenizer);
+        let completion_prefix = tokenizer.completion_prefix();
         let template = match chat_template {
             Some(path) => ChatTemplate::from_path(path)?,
             None => ChatTemplate::chatml(),

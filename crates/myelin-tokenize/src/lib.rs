@@ -100,6 +100,20 @@ impl Tokenizer {
             .map_err(|error| TokenizeError::Encode(error.to_string()))
     }
 
+    /// The ids `encode(text, true)` puts before `text`'s own (usually the BOS), when that is
+    /// all it adds (checked on a probe): then `prefix + encode(text, false)` equals
+    /// `encode(text, true)`, so callers can tokenize the text by other means (segment
+    /// caches, the fast path) and prepend these. `None` when special tokens do more.
+    pub fn completion_prefix(&self) -> Option<Vec<u32>> {
+        let prefix = self.encode("", true).ok()?;
+        let probe = "Probe: the quick brown fox, 42 times.\n";
+        let plain = self.encode(probe, false).ok()?;
+        let with_special = self.encode(probe, true).ok()?;
+        let mut expected = prefix.clone();
+        expected.extend_from_slice(&plain);
+        (expected == with_special).then_some(prefix)
+    }
+
     /// Text of `ids` (special tokens skipped).
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizeError> {
         self.inner
@@ -121,6 +135,23 @@ impl Tokenizer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn completion_prefix_is_what_special_tokens_prepend() {
+        let tokenizer = Tokenizer::bundled().expect("bundled tokenizer in the repo");
+        let prefix = tokenizer
+            .completion_prefix()
+            .expect("DeepSeek-V3 only prepends a BOS");
+        assert_eq!(prefix.len(), 1);
+        assert_eq!(
+            tokenizer.token_to_id("<｜begin▁of▁sentence｜>"),
+            Some(prefix[0])
+        );
+        let text = "Once upon a time: 12 ships.";
+        let mut expected = prefix;
+        expected.extend(tokenizer.encode(text, false).unwrap());
+        assert_eq!(tokenizer.encode(text, true).unwrap(), expected);
+    }
 
     #[test]
     fn bundled_tokenizer_round_trips_text() {
