@@ -11,12 +11,21 @@ fuzz_target!(|data: &[u8]| {
     let Ok(batch) = decode_batch(data) else {
         return;
     };
-    let events: Vec<_> = batch.events.iter().map(|e| e.event.clone()).collect();
+    let events: Vec<_> = batch
+        .events
+        .iter()
+        .map(|decoded| decoded.event.clone())
+        .collect();
     let original = batch.into_event_batch();
     for version in [WireVersion::V0_22, WireVersion::V0_33] {
-        let again = decode_batch(&encode_batch(&original, version))
-            .unwrap_or_else(|error| panic!("re-encoded batch does not decode ({version}): {error}"));
-        let again: Vec<_> = again.events.into_iter().map(|e| e.event).collect();
+        let again = decode_batch(&encode_batch(&original, version)).unwrap_or_else(|error| {
+            panic!("re-encoded batch does not decode ({version}): {error}")
+        });
+        let again: Vec<_> = again
+            .events
+            .into_iter()
+            .map(|decoded| decoded.event)
+            .collect();
         assert_eq!(again, events, "round trip through {version}");
     }
 });
