@@ -122,27 +122,18 @@ impl Server {
 /// The exact fast tokenizer path for `path`, when it reproduces this tokenizer and agrees
 /// with HuggingFace `tokenizers` on the self-check corpus; says on stdout which path is used.
 fn fast_tokenizer(path: &std::path::Path, tokenizer: &Tokenizer) -> Option<FastBpe> {
-    let reason = match FastBpe::from_tokenizer_json_or_reason(path) {
-        Ok(Ok(fast)) => match fast.with_added_tokens(tokenizer) {
-            Ok(mut fast) => {
-                match fast.verify_against(tokenizer, myelin_tokenize::fast_bpe::SELF_CHECK_CORPUS) {
-                    Ok(()) => {
-                        fast.clear_cache();
-                        println!(
-                            "myelin: tokenizer fast path on (matches tokenizers on the self-check corpus)"
-                        );
-                        return Some(fast);
-                    }
-                    Err(disagreement) => disagreement.to_string(),
-                }
-            }
-            Err(unsupported) => format!("unsupported added tokens: {unsupported}"),
-        },
-        Ok(Err(unsupported)) => format!("{unsupported}"),
-        Err(error) => error.to_string(),
-    };
-    println!("myelin: tokenizer fast path off ({reason}); using tokenizers");
-    None
+    match FastBpe::verified(path, tokenizer) {
+        Ok(fast) => {
+            println!(
+                "myelin: tokenizer fast path on (matches tokenizers on the self-check corpus)"
+            );
+            Some(fast)
+        }
+        Err(reason) => {
+            println!("myelin: tokenizer fast path off ({reason}); using tokenizers");
+            None
+        }
+    }
 }
 
 /// Starts the router. Setting `stop` (or calling [`Server::stop`]) begins a graceful drain.

@@ -7,7 +7,7 @@ use std::collections::hash_map::Entry;
 use std::path::Path;
 use std::sync::{Mutex, PoisonError};
 
-use myelin_tokenize::fast_bpe::SELF_CHECK_CORPUS;
+use myelin_tokenize::fast_bpe::FastPathRefused;
 use myelin_tokenize::{ChatTemplate, FastBpe, TemplateError, TokenizeError, Tokenizer};
 use serde_json::Value;
 
@@ -56,13 +56,11 @@ impl TextModel {
             None => myelin_tokenize::bundled_tokenizer_path()?,
         };
         let tokenizer = Tokenizer::from_file(&tokenizer_path)?;
-        let fast = FastBpe::from_tokenizer_json(&tokenizer_path)?
-            .and_then(|fast| fast.with_added_tokens(&tokenizer).ok())
-            .and_then(|mut fast| {
-                fast.verify_against(&tokenizer, SELF_CHECK_CORPUS)
-                    .ok()
-                    .map(|()| Mutex::new(fast))
-            });
+        let fast = match FastBpe::verified(&tokenizer_path, &tokenizer) {
+            Ok(fast) => Some(Mutex::new(fast)),
+            Err(FastPathRefused::Load(error)) => return Err(error.into()),
+            Err(FastPathRefused::Unsupported(_) | FastPathRefused::Disagrees(_)) => None,
+        };
         let completion_prefix = tokenizer.completion_prefix();
         let template = match chat_template {
             Some(path) => ChatTemplate::from_path(path)?,

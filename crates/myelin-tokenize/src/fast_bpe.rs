@@ -99,7 +99,32 @@ pub struct Disagreement {
     pub hf: Vec<u32>,
 }
 
+/// Why [`FastBpe::verified`] gives no fast path.
+#[derive(Debug, thiserror::Error)]
+pub enum FastPathRefused {
+    /// The `tokenizer.json` could not be read or parsed.
+    #[error(transparent)]
+    Load(#[from] TokenizeError),
+    /// The tokenizer (or one of its added tokens) uses something not reproduced exactly.
+    #[error(transparent)]
+    Unsupported(#[from] Unsupported),
+    /// The fast path gave other ids than HF on the self-check corpus.
+    #[error(transparent)]
+    Disagrees(#[from] Disagreement),
+}
+
 impl FastBpe {
+    /// The fast path for the `tokenizer.json` at `path`, ready for prompts with added tokens:
+    /// loaded, its added tokens attached from `hf` (the same file loaded by HF), and checked
+    /// against `hf` on [`SELF_CHECK_CORPUS`] (word cache emptied afterwards). What every user
+    /// of the fast path should call.
+    pub fn verified(path: &Path, hf: &Tokenizer) -> Result<Self, FastPathRefused> {
+        let mut fast = Self::from_tokenizer_json_or_reason(path)??.with_added_tokens(hf)?;
+        fast.verify_against(hf, SELF_CHECK_CORPUS)?;
+        fast.clear_cache();
+        Ok(fast)
+    }
+
     /// Reads a `tokenizer.json`; `Ok(None)` when it uses anything not reproduced exactly (see
     /// the module docs), `Err` when it cannot be read or is malformed.
     pub fn from_tokenizer_json(path: &Path) -> Result<Option<Self>, TokenizeError> {

@@ -137,6 +137,27 @@ mod tests {
     use super::*;
 
     #[test]
+    fn verified_fast_path_is_ready_for_chat_prompts_or_says_why_not() {
+        let path = bundled_tokenizer_path().unwrap();
+        let hf = Tokenizer::from_file(&path).unwrap();
+        let mut fast = FastBpe::verified(&path, &hf).expect("the bundled tokenizer has one");
+        assert_eq!(
+            fast.cached_words(),
+            0,
+            "the self-check leaves no words behind"
+        );
+        let prompt = "<｜User｜>Hello, 12345 routers!<｜Assistant｜>";
+        let mut ids = Vec::new();
+        fast.encode(prompt, &mut ids);
+        assert_eq!(ids, hf.encode(prompt, false).unwrap());
+        let missing = std::path::Path::new("/nonexistent/tokenizer.json");
+        assert!(matches!(
+            FastBpe::verified(missing, &hf),
+            Err(fast_bpe::FastPathRefused::Load(_))
+        ));
+    }
+
+    #[test]
     fn completion_prefix_is_what_special_tokens_prepend() {
         let tokenizer = Tokenizer::bundled().expect("bundled tokenizer in the repo");
         // The bundled tokenizer.json's post-processor adds nothing; whatever it adds, the
