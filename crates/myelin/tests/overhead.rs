@@ -16,7 +16,7 @@ use myelin_server::openai::PromptInput;
 use myelin_server::route_tokens::{AddedTokens, RouteTokenizer};
 use myelin_tokenize::{ChatTemplate, FastBpe, Tokenizer};
 use support::engine::{Behavior, Engine};
-use support::{Router, metric_value, request};
+use support::{HttpResponse, Router, metric_value, request};
 
 /// Requests per second of the open-loop TTFT runs.
 const RATE_PER_SECOND: u64 = 100;
@@ -113,6 +113,19 @@ fn chat_request(system: &str, user: &str, stream: bool) -> String {
     .to_string()
 }
 
+/// POSTs a chat request body to `addr` (router or engine); panics unless it is answered 200.
+fn post_chat(addr: SocketAddr, body: &str) -> HttpResponse {
+    let response = request(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        &[("content-type", "application/json")],
+        Some(body.as_bytes()),
+    );
+    assert_eq!(response.status, 200);
+    response
+}
+
 /// Time to the first body chunk of each request, sent open-loop at `rate` per second.
 fn ttft_open_loop(addr: SocketAddr, bodies: Vec<String>, rate: u64) -> Vec<Duration> {
     let interval = Duration::from_nanos(1_000_000_000 / rate);
@@ -125,14 +138,7 @@ fn ttft_open_loop(addr: SocketAddr, bodies: Vec<String>, rate: u64) -> Vec<Durat
         }
         handles.push(std::thread::spawn(move || {
             let sent = Instant::now();
-            let mut response = request(
-                addr,
-                "POST",
-                "/v1/chat/completions",
-                &[("content-type", "application/json")],
-                Some(body.as_bytes()),
-            );
-            assert_eq!(response.status, 200);
+            let mut response = post_chat(addr, &body);
             response.next_chunk().expect("first chunk");
             let ttft = sent.elapsed();
             let _ = response.body();
@@ -191,6 +197,14 @@ fn histogram_quantile(metrics: &str, metric: &str, fraction: f64) -> Option<f64>
         .map(|(bound, _)| *bound)
 }
 
+/// The p50 and p99 bucket bounds of `_seconds` histogram `metric`, in milliseconds (NaN when
+/// the metric is missing).
+fn histogram_p50_p99_ms(metrics: &str, metric: &str) -> (f64, f64) {
+    let bound_ms =
+        |fraction| histogram_quantile(metrics, metric, fraction).unwrap_or(f64::NAN) * 1e3;
+    (bound_ms(0.50), bound_ms(0.99))
+}
+
 /// Added TTFT of the router vs going straight to the engine, 2k-token prompts, 100 req/s,
 /// one data core; also the router's own tokenize and decision histograms for the run.
 #[test]
@@ -246,13 +260,8 @@ fn added_ttft_vs_direct() {
             "myelin_routing_decision_seconds",
         ),
     ] {
-        let p50 = histogram_quantile(&metrics, metric, 0.50).unwrap_or(f64::NAN);
-        let p99 = histogram_quantile(&metrics, metric, 0.99).unwrap_or(f64::NAN);
-        println!(
-            "{name:<38} p50<={:.3} ms  p99<={:.3} ms (bucket bounds)",
-            p50 * 1e3,
-            p99 * 1e3
-        );
+        let (p50, p99) = histogram_p50_p99_ms(&metrics, metric);
+        println!("{name:<38} p50<={p50:.3} ms  p99<={p99:.3} ms (bucket bounds)");
     }
 }
 
@@ -285,14 +294,7 @@ fn requests_per_second_per_core() {
                 let (stop, completed, body) = (stop.clone(), completed.clone(), body.clone());
                 std::thread::spawn(move || {
                     while !stop.load(Ordering::Relaxed) {
-                        let response = request(
-                            addr,
-                            "POST",
-                            "/v1/chat/completions",
-                            &[("content-type", "application/json")],
-                            Some(body.as_bytes()),
-                        );
-                        assert_eq!(response.status, 200);
+                        let response = post_chat(addr, &body);
                         let _ = response.body();
                         completed.fetch_add(1, Ordering::Relaxed);
                     }
@@ -426,14 +428,7 @@ fn load_view_staleness() {
             let addr = router.addr;
             std::thread::spawn(move || {
                 for _ in 0..500 {
-                    let response = request(
-                        addr,
-                        "POST",
-                        "/v1/chat/completions",
-                        &[("content-type", "application/json")],
-                        Some(body.as_bytes()),
-                    );
-                    assert_eq!(response.status, 200);
+                    let response = post_chat(addr, &body);
                     let _ = response.body();
                 }
             })
@@ -445,19 +440,12 @@ fn load_view_staleness() {
     let metrics = router.metrics();
     let metric = "myelin_load_view_staleness_seconds";
     let count = metric_value(&metrics, &[&format!("{metric}_count")]);
-    let p50 = histogram_quantile(&metrics, metric, 0.50).unwrap_or(f64::NAN);
-    let p99 = histogram_quantile(&metrics, metric, 0.99).unwrap_or(f64::NAN);
+    let (p50, p99) = histogram_p50_p99_ms(&metrics, metric);
     println!(
-        "\nload-view staleness, 2 data cores, 4,000 requests: {count} updates, p50<={:.3} ms p99<={:.3} ms (bucket bounds)",
-        p50 * 1e3,
-        p99 * 1e3
+        "\nload-view staleness, 2 data cores, 4,000 requests: {count} updates, p50<={p50:.3} ms p99<={p99:.3} ms (bucket bounds)"
     );
-    let metric = "myelin_routing_decision_seconds";
-    let p50 = histogram_quantile(&metrics, metric, 0.50).unwrap_or(f64::NAN);
-    let p99 = histogram_quantile(&metrics, metric, 0.99).unwrap_or(f64::NAN);
+    let (p50, p99) = histogram_p50_p99_ms(&metrics, "myelin_routing_decision_seconds");
     println!(
-        "routing decision, 2 data cores (half the lookups cross cores): p50<={:.3} ms p99<={:.3} ms (bucket bounds)",
-        p50 * 1e3,
-        p99 * 1e3
+        "routing decision, 2 data cores (half the lookups cross cores): p50<={p50:.3} ms p99<={p99:.3} ms (bucket bounds)"
     );
 }
