@@ -85,13 +85,47 @@ pub struct Shard {
     mirror: ResidencyMirror,
 }
 
-/// Blocks per backend held by one shard (see [`Shard::blocks_by_backend`]).
+/// Blocks per backend held by one shard (see [`Shard::blocks_by_backend`]), or by several
+/// once added up.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct BlockCounts {
     /// Blocks of learned routes in the prefix tree, by backend id.
     pub routed: Vec<(BackendId, usize)>,
     /// Blocks the verified mirror holds, by backend id.
     pub mirrored: Vec<(BackendId, usize)>,
+}
+
+impl BlockCounts {
+    /// Adds another shard's counts (shards own disjoint prefixes, so counts add up).
+    pub fn add(&mut self, other: &BlockCounts) {
+        fn merge(into: &mut Vec<(BackendId, usize)>, from: &[(BackendId, usize)]) {
+            for &(backend, blocks) in from {
+                match into.iter_mut().find(|(held, _)| *held == backend) {
+                    Some((_, total)) => *total += blocks,
+                    None => into.push((backend, blocks)),
+                }
+            }
+            into.sort_unstable_by_key(|(backend, _)| *backend);
+        }
+        merge(&mut self.routed, &other.routed);
+        merge(&mut self.mirrored, &other.mirrored);
+    }
+
+    /// Routed blocks of `backend`.
+    pub fn routed_of(&self, backend: BackendId) -> usize {
+        Self::of(&self.routed, backend)
+    }
+
+    /// Mirrored blocks of `backend`.
+    pub fn mirrored_of(&self, backend: BackendId) -> usize {
+        Self::of(&self.mirrored, backend)
+    }
+
+    fn of(list: &[(BackendId, usize)], backend: BackendId) -> usize {
+        list.iter()
+            .find(|(held, _)| *held == backend)
+            .map_or(0, |(_, blocks)| *blocks)
+    }
 }
 
 impl Shard {

@@ -47,11 +47,12 @@ fn backend_json(core: &DataCore, entry: &BackendEntry, counts: Option<&BlockCoun
         "residency": residency,
     });
     if let Some(counts) = counts {
-        let routed = counts.routed_of(entry.info.id);
+        let backend = myelin_routing::BackendId(entry.info.id);
+        let routed = counts.routed_of(backend);
         // What routing believes the engine holds: its own KV events when they are in effect,
-        // else the learned routes (which the estimate then discounts by age and pressure).
+        // else the learned routes (which `estimate` scores through the residency estimator).
         let (resident, source) = if residency == "verified" {
-            (counts.mirrored_of(entry.info.id), "kv-events")
+            (counts.mirrored_of(backend), "kv-events")
         } else {
             (routed, "routes")
         };

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+pub use myelin_routing::BlockCounts;
 use myelin_routing::{
     BackendView, BlockChain, Policy, PrefixMatch, Router, RouterConfig, Shard, ShardConfig,
     owner_shard_of_chain,
@@ -56,48 +57,6 @@ pub struct RouteChoice {
 struct ShardBackend {
     state: BackendState,
     load_by_core: Vec<Load>,
-}
-
-/// Blocks per backend held by one or more shards: `(backend, blocks)` sorted by backend.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct BlockCounts {
-    /// In the prefix trees (learned routes).
-    pub routed: Vec<(BackendId, u64)>,
-    /// In the verified mirrors (the engines' KV events).
-    pub mirrored: Vec<(BackendId, u64)>,
-}
-
-impl BlockCounts {
-    /// Adds another shard's counts (shards own disjoint prefixes, so counts add up).
-    pub fn add(&mut self, other: &BlockCounts) {
-        fn merge(into: &mut Vec<(BackendId, u64)>, from: &[(BackendId, u64)]) {
-            for &(backend, blocks) in from {
-                match into.iter_mut().find(|(held, _)| *held == backend) {
-                    Some((_, total)) => *total += blocks,
-                    None => into.push((backend, blocks)),
-                }
-            }
-            into.sort_unstable_by_key(|(backend, _)| *backend);
-        }
-        merge(&mut self.routed, &other.routed);
-        merge(&mut self.mirrored, &other.mirrored);
-    }
-
-    /// Routed blocks of `backend`.
-    pub fn routed_of(&self, backend: BackendId) -> u64 {
-        Self::of(&self.routed, backend)
-    }
-
-    /// Mirrored blocks of `backend`.
-    pub fn mirrored_of(&self, backend: BackendId) -> u64 {
-        Self::of(&self.mirrored, backend)
-    }
-
-    fn of(list: &[(BackendId, u64)], backend: BackendId) -> u64 {
-        list.iter()
-            .find(|(held, _)| *held == backend)
-            .map_or(0, |(_, blocks)| *blocks)
-    }
 }
 
 /// One data core's routing state: the shard of the prefixes it owns, its router (scoring and
@@ -262,16 +221,7 @@ impl RoutingShard {
 
     /// Blocks per backend this shard holds, in the tree and the verified mirror (admin API).
     pub fn block_counts(&self) -> BlockCounts {
-        let counts = self.shard.blocks_by_backend();
-        let plain = |list: Vec<(myelin_routing::BackendId, usize)>| {
-            list.into_iter()
-                .map(|(backend, blocks)| (backend.0, blocks as u64))
-                .collect()
-        };
-        BlockCounts {
-            routed: plain(counts.routed),
-            mirrored: plain(counts.mirrored),
-        }
+        self.shard.blocks_by_backend()
     }
 
     /// Residency in effect for a backend (admin API).
