@@ -2,7 +2,7 @@
 //! chained through its parent so a hash names a whole prefix (vLLM-style), plus [`BlockChain`].
 //!
 //! The hash is stable across processes, platforms and releases (its test vectors are pinned in
-//! the tests): ownership of prefixes by shards and the verified residency mirror depend on every
+//! the tests): the replicated prefix trees, the verified residency mirror and peer routers depend on every
 //! core and every peer computing the same value. It is fast (a few cycles per token), not
 //! cryptographic: a collision only mis-scores one request, it never breaks correctness.
 
@@ -136,15 +136,14 @@ pub fn chain_hashes_into(tokens: &[u32], block_size: NonZeroU32, out: &mut Vec<u
     }
 }
 
-/// The block chain of one prompt: the chain hash of each full block, plus the key that decides
-/// which shard owns the prompt (the hash of its first block, or of its tokens when shorter).
+/// The block chain of one prompt: the chain hash of each full block.
 ///
-/// Computed once per request on the accepting core; shards take it by reference. `Send`.
+/// Computed once per request on the accepting core; the local replica reads it by reference
+/// and the learn broadcast shares it with the other cores behind an `Arc`. `Send`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BlockChain {
     block_size: NonZeroU32,
     hashes: Vec<u64>,
-    owner_key: u64,
 }
 
 impl BlockChain {
@@ -152,25 +151,12 @@ impl BlockChain {
     pub fn new(tokens: &[u32], block_size: NonZeroU32) -> Self {
         let mut hashes = Vec::new();
         chain_hashes_into(tokens, block_size, &mut hashes);
-        let owner_key = match hashes.first() {
-            Some(&first) => first,
-            None => chain_hash(ROOT_CHAIN_HASH, tokens),
-        };
-        Self {
-            block_size,
-            hashes,
-            owner_key,
-        }
+        Self { block_size, hashes }
     }
 
     /// Builds a chain from hashes computed elsewhere (e.g. from KV events' token ids).
     pub fn from_hashes(hashes: Vec<u64>, block_size: NonZeroU32) -> Self {
-        let owner_key = hashes.first().copied().unwrap_or(ROOT_CHAIN_HASH);
-        Self {
-            block_size,
-            hashes,
-            owner_key,
-        }
+        Self { block_size, hashes }
     }
 
     /// Tokens per block this chain was hashed with.
@@ -193,11 +179,6 @@ impl BlockChain {
         self.hashes.is_empty()
     }
 
-    /// The hash that decides the owning shard: the first block's chain hash, or for a prompt
-    /// shorter than one block the chain hash of all its tokens.
-    pub fn owner_key(&self) -> u64 {
-        self.owner_key
-    }
 }
 
 #[cfg(test)]
@@ -258,9 +239,7 @@ mod tests {
             chain.hashes()[1],
             chain_hash(chain.hashes()[0], &tokens[16..32])
         );
-        assert_eq!(chain.owner_key(), chain.hashes()[0]);
         let short = BlockChain::new(&tokens[..5], BLOCK_16);
         assert!(short.is_empty());
-        assert_eq!(short.owner_key(), chain_hash(ROOT_CHAIN_HASH, &tokens[..5]));
     }
 }

@@ -626,8 +626,14 @@ impl PrefixTree {
             Ok(index) => {
                 let entry = &mut node.entries[index];
                 entry.covered_blocks = entry.covered_blocks.max(covered_blocks);
+                // The newest use wins whatever order uses arrive in (replicas on other cores
+                // apply the same uses in another order and must end up equal).
+                if now_ms > entry.last_routed_ms {
+                    entry.residency_stamp = residency_stamp;
+                } else if now_ms == entry.last_routed_ms {
+                    entry.residency_stamp = entry.residency_stamp.max(residency_stamp);
+                }
                 entry.last_routed_ms = entry.last_routed_ms.max(now_ms);
-                entry.residency_stamp = residency_stamp;
             }
             Err(index) => node.entries.insert(
                 index,

@@ -1,22 +1,22 @@
-//! Sans-IO routing core: ART shard, residency, load view, scoring policies, ownership hashing.
+//! Sans-IO routing core: prefix-tree replica, residency, load view, scoring policies.
 //!
 //! The request path, per request, on the core that accepted it:
 //!
 //! 1. hash the prompt once ([`Shard::chain`], or `myelin_art::BlockChain::new`);
-//! 2. find the owning shard ([`owner_shard_of_chain`]) and ask it for the per-backend match
-//!    ([`Shard::lookup_chain`] → [`PrefixMatch`], plain `Send` data);
+//! 2. look it up in this core's own replica ([`Shard::lookup_chain`] → [`PrefixMatch`]);
 //! 3. score with the local [`Router`] and the backends' health and load ([`BackendView`]) →
 //!    [`Decision`];
-//! 4. after proxying, tell the owner what was routed ([`Shard::learn_chain`]).
+//! 4. after proxying, record what was routed ([`WriteOp::Learn`], applied with
+//!    [`Shard::apply`] here and sent to every other core's replica).
 //!
-//! KV events (on the control core, fanned out to owners) feed the verified mirror:
-//! [`Shard::apply_block_stored`], [`Shard::apply_block_removed`], [`Shard::set_mirror_live`].
-//! Nothing here does I/O or reads a clock: time (`now_ms`, caller's milliseconds) is an argument.
+//! KV events (decoded on the control core, sent to every replica as [`WriteOp::Mirror`]) feed
+//! the verified mirror. Nothing here does I/O or reads a clock: time (`now_ms`, caller's
+//! milliseconds) is an argument.
 //!
 //! ```
 //! use myelin_routing::{
 //!     BackendId, BackendState, BackendView, Policy, ResidencyMode, Router, RouterConfig, Shard,
-//!     ShardConfig, owner_shard_of_chain,
+//!     ShardConfig,
 //! };
 //!
 //! let mut shard = Shard::new(ShardConfig { block_size: 4, max_blocks: 10_000 })?;
@@ -28,7 +28,6 @@
 //!
 //! let prompt: Vec<u32> = (0..64).collect();
 //! let chain = shard.chain(&prompt);
-//! assert_eq!(owner_shard_of_chain(&chain, 1), 0);
 //!
 //! // First time: nothing cached anywhere; a backend is picked and the shard learns it.
 //! let first = router.decide(64, &shard.lookup_chain(&chain, 1_000)?, &backends)?;
@@ -56,8 +55,8 @@
 mod backend;
 mod error;
 mod mirror;
-mod ownership;
 mod policy;
+mod replica;
 mod residency;
 mod router;
 mod shard;
@@ -68,8 +67,8 @@ pub use mirror::ResidencyMirror;
 pub use myelin_art::{
     BlockChain, InsertOutcome, MatchSegment, ROOT_CHAIN_HASH, TreeStats, chain_hash,
 };
-pub use ownership::{owner_shard, owner_shard_of_chain, owner_shard_of_key};
 pub use policy::Policy;
+pub use replica::{MirrorChange, WriteOp};
 pub use residency::{
     EstimateInput, PlaceholderEstimator, ResidencyEstimator, ResidencyMode, expected_cached_tokens,
 };

@@ -62,11 +62,11 @@ impl FromStr for ResidencyMode {
 pub struct EstimateInput<'a> {
     /// The backend as the deciding core sees it.
     pub view: &'a BackendView,
-    /// Its historical match (from the owner shard).
+    /// Its historical match (from the deciding core's replica).
     pub matched: &'a BackendMatch,
     /// Use records of its matched blocks (filter by `matched.backend`), shallow first.
     pub segments: &'a [MatchSegment],
-    /// When the owner shard answered the lookup (caller's ms clock).
+    /// When the replica answered the lookup (caller's ms clock).
     pub now_ms: u64,
 }
 

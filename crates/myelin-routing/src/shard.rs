@@ -1,5 +1,6 @@
-//! One data core's shard: the prefix tree of the prompts it owns plus the verified residency
-//! mirror of their blocks. Answers lookups with a per-backend match; learns routed prompts.
+//! One data core's replica of the routing state: the prefix tree of routed prompts plus the
+//! verified residency mirror of the engines' blocks. Answers lookups with a per-backend match;
+//! applies writes ([`WriteOp`]) made here or on other cores.
 //!
 //! Pure: time and events are arguments. Scoring is not here (see `router.rs`).
 
@@ -12,6 +13,7 @@ use myelin_art::{
 use crate::backend::BackendId;
 use crate::error::RoutingError;
 use crate::mirror::ResidencyMirror;
+use crate::replica::{MirrorChange, WriteOp};
 
 /// Sizing of a [`Shard`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,7 +81,7 @@ impl PrefixMatch {
     }
 }
 
-/// One core's routing state for the prefixes it owns.
+/// One core's replica of the routing state.
 pub struct Shard {
     tree: PrefixTree,
     mirror: ResidencyMirror,
@@ -96,7 +98,7 @@ pub struct BlockCounts {
 }
 
 impl BlockCounts {
-    /// Adds another shard's counts (shards own disjoint prefixes, so counts add up).
+    /// Adds another count's figures to these.
     pub fn add(&mut self, other: &BlockCounts) {
         fn merge(into: &mut Vec<(BackendId, usize)>, from: &[(BackendId, usize)]) {
             for &(backend, blocks) in from {
@@ -226,6 +228,31 @@ impl Shard {
         Ok(self
             .tree
             .insert_chain(chain.hashes(), backend, now_ms, residency_stamp))
+    }
+
+    /// Applies one write (made on this core or received from another). A learn whose chain
+    /// was hashed with another block size is ignored (every core hashes with the same one).
+    pub fn apply(&mut self, op: &WriteOp) {
+        match op {
+            WriteOp::Learn {
+                chain,
+                backend,
+                at_ms,
+                residency_stamp,
+            } => {
+                let _ = self.learn_chain(chain, *backend, *at_ms, *residency_stamp);
+            }
+            WriteOp::Mirror { backend, changes } => {
+                for change in changes.iter() {
+                    match *change {
+                        MirrorChange::Stored(chain) => self.apply_block_stored(*backend, chain),
+                        MirrorChange::Removed(chain) => self.apply_block_removed(*backend, chain),
+                        MirrorChange::Cleared => self.clear_mirror(*backend),
+                    }
+                }
+            }
+            WriteOp::MirrorLive { backend, live } => self.set_mirror_live(*backend, *live),
+        }
     }
 
     /// Forgets `backend`'s history of the last block of `chain_prefix` (chain hashes from the

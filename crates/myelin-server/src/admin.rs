@@ -31,7 +31,7 @@ struct AddBackend {
     kv_replay: Option<String>,
 }
 
-/// One backend as the admin API shows it. `counts` are the blocks the shards hold for it
+/// One backend as the admin API shows it. `counts` are the blocks the replica holds for it
 /// (`None` when not gathered: the answer to an admin change).
 fn backend_json(core: &DataCore, entry: &BackendEntry, counts: Option<&BlockCounts>) -> Value {
     let load = entry.total_load();
@@ -76,9 +76,11 @@ fn info_json(core: &DataCore, info: &BackendInfo) -> Value {
     }
 }
 
-/// GET /admin/backends: every backend, with the blocks every shard holds for it.
+/// GET /admin/backends: every backend, with the blocks the answering core's replica holds for
+/// it, and whether every core's replica holds the same.
 pub async fn list(core: &Rc<DataCore>) -> Response<Body> {
-    let (counts, shards_answered) = core.block_counts().await;
+    let (counts, all) = core.block_counts().await;
+    let replicas_agree = all.iter().all(|other| *other == counts);
     let backends = core.backends.borrow();
     let list: Vec<Value> = backends
         .iter()
@@ -89,7 +91,8 @@ pub async fn list(core: &Rc<DataCore>) -> Response<Body> {
         &json!({
             "backends": list,
             "shards": core.shards,
-            "shards_answered": shards_answered,
+            "shards_answered": all.len(),
+            "replicas_agree": replicas_agree,
         }),
     )
 }

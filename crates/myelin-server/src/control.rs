@@ -18,12 +18,13 @@ use hyper::body::Incoming;
 use metrics_exporter_prometheus::PrometheusHandle;
 use myelin_http::body::{Body, empty, full};
 use myelin_http::client::{Pool, PoolConfig};
+use myelin_routing::WriteOp;
 
 use crate::backend_spec::BackendSpec;
 use crate::backends::{BackendId, BackendInfo, BackendState};
 use crate::config::{HealthConfig, ServeConfig};
 use crate::health::{BackendHealth, HealthEvent};
-use crate::kv_feed::{KvFeed, MirrorChange};
+use crate::kv_feed::KvFeed;
 use crate::kv_subscriber::{FeedEvent, KvEndpoints, Subscriber};
 use crate::mesh::{Mesh, MeshEnds};
 use crate::messages::{AdminOp, AdminOutcome, Message};
@@ -214,26 +215,20 @@ fn metrics_only(handle: &PrometheusHandle, request: &Request<Incoming>) -> Respo
         .unwrap_or_else(|_| Response::new(empty()))
 }
 
-/// Forwards the subscribers' mirror updates to the shards owning their prefixes.
+/// Forwards the subscribers' mirror changes to every data core's replica (one shared payload
+/// per batch).
 async fn feed_loop(control: Rc<Control>, receiver: crossbeam_channel::Receiver<FeedEvent>) {
-    let mut by_shard: Vec<Vec<MirrorChange>> = vec![Vec::new(); control.shards];
     loop {
         Timer::new(KV_FEED_INTERVAL).await;
         // Bounded per tick, so a flood of events cannot starve the control core's other tasks.
         for event in receiver.try_iter().take(4096) {
             match event {
                 FeedEvent::Updates { backend, updates } => {
-                    for update in updates {
-                        if let Some(changes) = by_shard.get_mut(update.shard) {
-                            changes.push(update.change);
-                        }
-                    }
-                    for (shard, changes) in by_shard.iter_mut().enumerate() {
-                        if !changes.is_empty() {
-                            let changes = std::mem::take(changes);
-                            control.send(shard, Message::Mirror { backend, changes });
-                        }
-                    }
+                    let op = WriteOp::Mirror {
+                        backend: myelin_routing::BackendId(backend),
+                        changes: updates.into(),
+                    };
+                    control.broadcast_write(op);
                 }
                 FeedEvent::Live { backend, live } => {
                     if let Some(url) = control.url_of(backend) {
@@ -243,7 +238,10 @@ async fn feed_loop(control: Rc<Control>, receiver: crossbeam_channel::Receiver<F
                             0.0
                         });
                     }
-                    control.broadcast(|| Message::MirrorLive { backend, live });
+                    control.broadcast_write(WriteOp::MirrorLive {
+                        backend: myelin_routing::BackendId(backend),
+                        live,
+                    });
                 }
             }
         }
@@ -279,7 +277,7 @@ impl Control {
             publish,
             replay: spec.kv_replay.clone(),
         };
-        let feed = KvFeed::new(self.block_size, self.shards);
+        let feed = KvFeed::new(self.block_size);
         match Subscriber::start(
             id,
             endpoints,
@@ -300,6 +298,12 @@ impl Control {
             .backends
             .get(&id)
             .map(|backend| backend.info.spec.url.clone())
+    }
+
+    /// Sends one write to every data core's replica (the payload is shared, not copied).
+    fn broadcast_write(&self, op: WriteOp) {
+        let batch: Arc<[WriteOp]> = Arc::from(vec![op]);
+        self.broadcast(|| Message::Writes(batch.clone()));
     }
 
     fn broadcast(&self, make: impl Fn() -> Message) {

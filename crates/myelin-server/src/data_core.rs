@@ -23,11 +23,10 @@ use crate::mesh::{Mesh, MeshEnds, OneShot, SendError};
 use crate::messages::{AdminOp, AdminOutcome, Message};
 use crate::metrics as names;
 use crate::route_tokens::{AddedTokens, RouteTokenizer};
-use crate::routing_glue::{BlockCounts, LookupAnswer, LookupQuery, RouteLesson, RoutingShard};
+use crate::routing_glue::{BlockCounts, LookupAnswer, LookupQuery, RoutingShard};
 
-/// How long a request waits for the owner shard's lookup reply before routing without it
-/// (the owner is normally microseconds away; this only matters while cores shut down).
-const LOOKUP_TIMEOUT: Duration = Duration::from_millis(50);
+/// Learned routes sent to the other replicas in one message, at most.
+const MAX_WRITES_PER_BATCH: usize = 256;
 /// How long an admin request waits for the control core and every data core.
 const ADMIN_TIMEOUT: Duration = Duration::from_secs(5);
 /// Time the admin API waits for the other shards' block counts.
@@ -64,6 +63,8 @@ pub struct DataCoreSetup {
     pub metrics: PrometheusHandle,
     pub stop: Arc<AtomicBool>,
     pub ready: std::sync::mpsc::Sender<CoreReady>,
+    /// The routing clock's origin, the same on every core (learned routes carry its times).
+    pub clock_origin: Instant,
 }
 
 /// A data core's state, shared by its tasks (same thread, no locks; borrows never span an
@@ -80,7 +81,11 @@ pub struct DataCore {
     pub shutdown: Shutdown,
     mesh: Mesh<Message>,
     shard_label: String,
-    pending_lookups: RefCell<HashMap<u64, OneShot<LookupAnswer>>>,
+    /// Routing lookups this core served (`myelin_router_lookups_total{shard}`).
+    lookups: metrics::Counter,
+    /// Learned routes not yet sent to the other cores' replicas.
+    outbox: RefCell<Vec<myelin_routing::WriteOp>>,
+    flush_scheduled: Cell<bool>,
     pending_admin: RefCell<HashMap<u64, OneShot<AdminOutcome>>>,
     pending_block_counts: RefCell<HashMap<u64, OneShot<BlockCounts>>>,
     next_request_id: Cell<u64>,
@@ -89,7 +94,7 @@ pub struct DataCore {
 
 /// Runs a data core until shutdown and drain complete.
 pub async fn run_data_core(setup: DataCoreSetup) -> ServeReport {
-    let routing = match RoutingShard::new(&setup.config, setup.shards) {
+    let routing = match RoutingShard::new(&setup.config, setup.shards, setup.clock_origin) {
         Ok(routing) => routing,
         Err(error) => {
             let _ = setup
@@ -154,7 +159,9 @@ pub async fn run_data_core(setup: DataCoreSetup) -> ServeReport {
         shutdown: shutdown.clone(),
         mesh,
         shard_label: setup.shard.to_string(),
-        pending_lookups: RefCell::new(HashMap::new()),
+        lookups: metrics::counter!(names::LOOKUPS_TOTAL, "shard" => setup.shard.to_string()),
+        outbox: RefCell::new(Vec::new()),
+        flush_scheduled: Cell::new(false),
         pending_admin: RefCell::new(HashMap::new()),
         pending_block_counts: RefCell::new(HashMap::new()),
         next_request_id: Cell::new(1),
@@ -258,20 +265,12 @@ impl Drop for LoadGuard {
 impl DataCore {
     fn on_message(&self, message: Message) {
         match message {
-            Message::Lookup {
-                request_id,
-                reply_to,
-                query,
-            } => {
-                let answer = self.routing.borrow_mut().lookup(&query);
-                self.send(reply_to, Message::LookupReply { request_id, answer });
-            }
-            Message::LookupReply { request_id, answer } => {
-                if let Some(slot) = self.pending_lookups.borrow_mut().remove(&request_id) {
-                    slot.fill(answer);
+            Message::Writes(batch) => {
+                let mut routing = self.routing.borrow_mut();
+                for op in batch.iter() {
+                    routing.apply(op);
                 }
             }
-            Message::Learn(lesson) => self.routing.borrow_mut().learn(lesson),
             Message::BlockCounts {
                 request_id,
                 reply_to,
@@ -309,12 +308,6 @@ impl DataCore {
             Message::BackendState { id, state } => {
                 self.routing.borrow_mut().set_state(id, state);
                 self.backends.borrow_mut().set_state(id, state);
-            }
-            Message::Mirror { backend, changes } => {
-                self.routing.borrow_mut().apply_mirror(backend, &changes);
-            }
-            Message::MirrorLive { backend, live } => {
-                self.routing.borrow_mut().set_mirror_live(backend, live);
             }
             Message::AdminReply {
                 request_id,
@@ -369,39 +362,19 @@ impl DataCore {
         Some(InFlightPermit { core: self.clone() })
     }
 
-    /// Asks the owner shard for the per-backend match of `query` (a direct call when this core
-    /// owns it). Routes with no match information if the owner does not answer in time.
-    pub async fn lookup(&self, owner: usize, query: LookupQuery) -> LookupAnswer {
-        if owner == self.shard {
-            return self.routing.borrow_mut().lookup(&query);
-        }
-        let request_id = self.next_request_id();
-        let slot = OneShot::default();
-        self.pending_lookups
-            .borrow_mut()
-            .insert(request_id, slot.clone());
-        let sent = self.send(
-            owner,
-            Message::Lookup {
-                request_id,
-                reply_to: self.shard,
-                query,
-            },
-        );
-        let answer = if sent {
-            myelin_http::rt::timeout(LOOKUP_TIMEOUT, slot.wait()).await
-        } else {
-            None
-        };
-        self.pending_lookups.borrow_mut().remove(&request_id);
-        answer.unwrap_or_default()
+    /// Every backend's match for `query`, from this core's own replica (no other core is
+    /// asked: lookups never wait on the request path).
+    pub fn lookup(&self, query: &LookupQuery) -> LookupAnswer {
+        self.lookups.increment(1);
+        self.routing.borrow().lookup(query)
     }
 
-    /// Blocks per backend summed over every data core's shard, and how many shards answered
-    /// within the admin timeout.
-    pub async fn block_counts(&self) -> (BlockCounts, usize) {
-        let mut total = self.routing.borrow().block_counts();
-        let mut answered = 1;
+    /// Blocks per backend in this core's replica, and every core's own figures (this core's
+    /// first) from those that answered within the admin timeout: replicas that received the
+    /// same writes report the same counts.
+    pub async fn block_counts(&self) -> (BlockCounts, Vec<BlockCounts>) {
+        let local = self.routing.borrow().block_counts();
+        let mut all = vec![local.clone()];
         let mut waiting = Vec::new();
         for peer in (0..self.shards).filter(|&peer| peer != self.shard) {
             let request_id = self.next_request_id();
@@ -423,20 +396,50 @@ impl DataCore {
         for (request_id, slot) in waiting {
             let left = deadline.saturating_duration_since(Instant::now());
             if let Some(counts) = myelin_http::rt::timeout(left, slot.wait()).await {
-                total.add(&counts);
-                answered += 1;
+                all.push(counts);
             }
             self.pending_block_counts.borrow_mut().remove(&request_id);
         }
-        (total, answered)
+        (local, all)
     }
 
-    /// Tells the owner shard which backend a prompt went to.
-    pub fn learn(&self, owner: usize, lesson: RouteLesson) {
-        if owner == self.shard {
-            self.routing.borrow_mut().learn(lesson);
-        } else {
-            self.send(owner, Message::Learn(lesson));
+    /// Records that a prompt went to `backend`: applied to this core's replica now, and sent
+    /// to the other cores' replicas in a batch once the tasks ready now have run (so requests
+    /// finishing together share one message per peer).
+    pub fn learn(self: &Rc<Self>, query: &LookupQuery, backend: BackendId) {
+        let write = self.routing.borrow_mut().learn(query, backend);
+        if self.shards <= 1 {
+            return;
+        }
+        let full = {
+            let mut outbox = self.outbox.borrow_mut();
+            outbox.push(write);
+            outbox.len() >= MAX_WRITES_PER_BATCH
+        };
+        if full {
+            self.flush_writes();
+        } else if !self.flush_scheduled.replace(true) {
+            let core = self.clone();
+            glommio::spawn_local(async move {
+                futures_lite::future::yield_now().await;
+                core.flush_writes();
+            })
+            .detach();
+        }
+    }
+
+    /// Sends the pending learned routes to every other core (one shared batch).
+    fn flush_writes(&self) {
+        self.flush_scheduled.set(false);
+        let batch: Arc<[myelin_routing::WriteOp]> = {
+            let mut outbox = self.outbox.borrow_mut();
+            if outbox.is_empty() {
+                return;
+            }
+            std::mem::take(&mut *outbox).into()
+        };
+        for peer in (0..self.shards).filter(|&peer| peer != self.shard) {
+            self.send(peer, Message::Writes(batch.clone()));
         }
     }
 

@@ -1,12 +1,12 @@
-//! One engine's KV-cache events turned into updates of the verified residency mirror, keyed by
-//! the router's own chain hashes and addressed to the shard that owns each prefix.
+//! One engine's KV-cache events turned into changes of the verified residency mirror, keyed by
+//! the router's own chain hashes (every data core's replica applies them).
 //!
 //! The engine names a block by its own hash (vLLM: sha256 of the parent's hash and the block's
 //! tokens, with a seed the router cannot always know), the router by its 64-bit chain hash of
 //! the same tokens. Like Dynamo, the router does not try to reproduce the engine's hash: a
 //! `BlockStored` event carries the blocks' token ids, so the router hashes them itself,
-//! continuing the chain from the parent block, and remembers engine hash -> (chain hash, owner
-//! shard) to resolve later parents and removals. A block whose parent it never saw (stored
+//! continuing the chain from the parent block, and remembers engine hash -> chain hash to
+//! resolve later parents and removals. A block whose parent it never saw (stored
 //! before the router subscribed, in a gap of the stream) cannot be placed in a chain and is
 //! skipped; replaying the engine's buffered history at subscription narrows that window.
 //!
@@ -17,29 +17,12 @@ use std::num::NonZeroU32;
 
 use myelin_kv_events::decode::{DecodedEvent, MirrorFilter};
 use myelin_kv_events::wire::{BlockRemoved, BlockStored, KvEvent};
-use myelin_routing::{ROOT_CHAIN_HASH, chain_hash, owner_shard_of_key};
+pub use myelin_routing::MirrorChange;
+use myelin_routing::{ROOT_CHAIN_HASH, chain_hash};
 
 /// Engine blocks remembered per backend before the map is reset (a stream that lost its
 /// removals would otherwise grow it forever; a real engine holds far fewer blocks).
 pub const MAX_TRACKED_BLOCKS: usize = 4 << 20;
-
-/// A change of one shard's mirror for one backend.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MirrorChange {
-    /// One more copy of the block with this chain hash.
-    Stored(u64),
-    /// One copy fewer.
-    Removed(u64),
-    /// Every block of the backend is gone (sent to every shard).
-    Cleared,
-}
-
-/// A change addressed to the shard owning the prefix it belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MirrorUpdate {
-    pub shard: usize,
-    pub change: MirrorChange,
-}
 
 /// Why events or blocks were not applied, for metrics.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -64,7 +47,6 @@ pub struct FeedCounters {
 #[derive(Debug, Clone, Copy)]
 struct KnownBlock {
     chain: u64,
-    owner: u32,
     copies: u32,
 }
 
@@ -73,17 +55,15 @@ struct KnownBlock {
 pub struct KvFeed {
     filter: MirrorFilter,
     block_size: NonZeroU32,
-    shards: usize,
     blocks: HashMap<u64, KnownBlock>,
     pub counters: FeedCounters,
 }
 
 impl KvFeed {
-    pub fn new(block_size: NonZeroU32, shards: usize) -> KvFeed {
+    pub fn new(block_size: NonZeroU32) -> KvFeed {
         KvFeed {
             filter: MirrorFilter::default(),
             block_size,
-            shards: shards.max(1),
             blocks: HashMap::new(),
             counters: FeedCounters::default(),
         }
@@ -96,7 +76,7 @@ impl KvFeed {
 
     /// Appends the mirror updates `decoded` implies to `out` (none for events about another
     /// cache than the engine's own GPU cache of its full-attention group).
-    pub fn apply(&mut self, decoded: &DecodedEvent, out: &mut Vec<MirrorUpdate>) {
+    pub fn apply(&mut self, decoded: &DecodedEvent, out: &mut Vec<MirrorChange>) {
         if !self.filter.accepts(decoded) {
             self.counters.skipped_other_cache += match &decoded.event {
                 KvEvent::BlockStored(stored) => stored.block_hashes.len() as u64,
@@ -113,15 +93,12 @@ impl KvFeed {
     }
 
     /// The engine lost everything (cache reset, or it restarted: its sequence went back).
-    pub fn clear(&mut self, out: &mut Vec<MirrorUpdate>) {
+    pub fn clear(&mut self, out: &mut Vec<MirrorChange>) {
         self.blocks.clear();
-        out.extend((0..self.shards).map(|shard| MirrorUpdate {
-            shard,
-            change: MirrorChange::Cleared,
-        }));
+        out.push(MirrorChange::Cleared);
     }
 
-    fn stored(&mut self, stored: &BlockStored, out: &mut Vec<MirrorUpdate>) {
+    fn stored(&mut self, stored: &BlockStored, out: &mut Vec<MirrorChange>) {
         let blocks = stored.block_hashes.len() as u64;
         if stored.lora_id.is_some() || stored.lora_name.is_some() {
             self.counters.skipped_lora += blocks;
@@ -136,10 +113,10 @@ impl KvFeed {
             self.counters.skipped_malformed += blocks;
             return;
         }
-        let (mut parent_chain, mut owner) = match stored.parent_block_hash {
-            None => (ROOT_CHAIN_HASH, None),
+        let mut parent_chain = match stored.parent_block_hash {
+            None => ROOT_CHAIN_HASH,
             Some(parent) => match self.blocks.get(&parent) {
-                Some(known) => (known.chain, Some(known.owner)),
+                Some(known) => known.chain,
                 None => {
                     self.counters.skipped_orphan += blocks;
                     return;
@@ -155,39 +132,28 @@ impl KvFeed {
             .zip(stored.token_ids.chunks_exact(size))
         {
             let chain = chain_hash(parent_chain, tokens);
-            let shard = *owner.get_or_insert_with(|| owner_shard_of_key(chain, self.shards) as u32);
             self.blocks
                 .entry(engine_hash)
                 .and_modify(|known| known.copies = known.copies.saturating_add(1))
-                .or_insert(KnownBlock {
-                    chain,
-                    owner: shard,
-                    copies: 1,
-                });
-            out.push(MirrorUpdate {
-                shard: shard as usize,
-                change: MirrorChange::Stored(chain),
-            });
+                .or_insert(KnownBlock { chain, copies: 1 });
+            out.push(MirrorChange::Stored(chain));
             self.counters.stored_blocks += 1;
             parent_chain = chain;
         }
     }
 
-    fn removed(&mut self, removed: &BlockRemoved, out: &mut Vec<MirrorUpdate>) {
+    fn removed(&mut self, removed: &BlockRemoved, out: &mut Vec<MirrorChange>) {
         for engine_hash in &removed.block_hashes {
             let Some(known) = self.blocks.get_mut(engine_hash) else {
                 self.counters.unknown_removals += 1;
                 continue;
             };
-            let (chain, shard) = (known.chain, known.owner as usize);
+            let chain = known.chain;
             known.copies -= 1;
             if known.copies == 0 {
                 self.blocks.remove(engine_hash);
             }
-            out.push(MirrorUpdate {
-                shard,
-                change: MirrorChange::Removed(chain),
-            });
+            out.push(MirrorChange::Removed(chain));
             self.counters.removed_blocks += 1;
         }
     }
@@ -199,10 +165,8 @@ mod tests {
     use myelin_kv_events::wire::{AllBlocksCleared, KV_CACHE_SPEC_FULL_ATTENTION, MEDIUM_GPU};
     use myelin_routing::BlockChain;
 
-    const SHARDS: usize = 4;
-
     fn feed() -> KvFeed {
-        KvFeed::new(NonZeroU32::new(4).unwrap(), SHARDS)
+        KvFeed::new(NonZeroU32::new(4).unwrap())
     }
 
     fn local(event: KvEvent) -> DecodedEvent {
@@ -236,32 +200,25 @@ mod tests {
     }
 
     #[test]
-    fn stored_blocks_get_the_routers_chain_hashes_and_owner() {
+    fn stored_blocks_get_the_routers_chain_hashes() {
         let tokens: Vec<u32> = (1..=12).collect();
         let chain = BlockChain::new(&tokens, NonZeroU32::new(4).unwrap());
-        let owner = owner_shard_of_key(chain.hashes()[0], SHARDS);
         let mut feed = feed();
         let mut out = Vec::new();
         // The engine stores the first block, then the next two in a second event.
         feed.apply(&stored(&[101], None, &tokens[..4]), &mut out);
         feed.apply(&stored(&[102, 103], Some(101), &tokens[4..]), &mut out);
-        let want: Vec<MirrorUpdate> = chain
+        let want: Vec<MirrorChange> = chain
             .hashes()
             .iter()
-            .map(|&hash| MirrorUpdate {
-                shard: owner,
-                change: MirrorChange::Stored(hash),
-            })
+            .map(|&hash| MirrorChange::Stored(hash))
             .collect();
         assert_eq!(out, want);
         out.clear();
         feed.apply(&removed(&[103, 999]), &mut out);
         assert_eq!(
             out,
-            vec![MirrorUpdate {
-                shard: owner,
-                change: MirrorChange::Removed(chain.hashes()[2]),
-            }]
+            vec![MirrorChange::Removed(chain.hashes()[2])]
         );
         assert_eq!(feed.counters.unknown_removals, 1);
         assert_eq!(feed.tracked_blocks(), 2);
@@ -316,7 +273,7 @@ mod tests {
     }
 
     #[test]
-    fn clearing_reaches_every_shard_and_forgets_blocks() {
+    fn clearing_forgets_blocks() {
         let tokens: Vec<u32> = (1..=4).collect();
         let mut feed = feed();
         let mut out = Vec::new();
@@ -326,11 +283,7 @@ mod tests {
             &local(KvEvent::AllBlocksCleared(AllBlocksCleared)),
             &mut out,
         );
-        assert_eq!(out.len(), SHARDS);
-        assert!(
-            out.iter()
-                .all(|update| update.change == MirrorChange::Cleared)
-        );
+        assert_eq!(out, vec![MirrorChange::Cleared]);
         assert_eq!(feed.tracked_blocks(), 0);
         out.clear();
         feed.apply(&removed(&[7]), &mut out);

@@ -23,7 +23,7 @@ use crossbeam_channel::Sender;
 use myelin_kv_events::decode::{self, DecodedBatch, ReplayFrame};
 
 use crate::backends::BackendId;
-use crate::kv_feed::{FeedCounters, KvFeed, MirrorUpdate};
+use crate::kv_feed::{FeedCounters, KvFeed, MirrorChange};
 use crate::metrics as names;
 
 /// Longest wait for one message before the stop flag is looked at again.
@@ -46,7 +46,7 @@ pub enum FeedEvent {
     /// Mirror changes, in stream order.
     Updates {
         backend: BackendId,
-        updates: Vec<MirrorUpdate>,
+        updates: Vec<MirrorChange>,
     },
     /// The backend's mirror is in sync (`true`) or no longer followed (`false`).
     Live { backend: BackendId, live: bool },
@@ -265,7 +265,7 @@ impl Follower {
         self.forward(updates);
     }
 
-    fn forward(&self, updates: Vec<MirrorUpdate>) {
+    fn forward(&self, updates: Vec<MirrorChange>) {
         if !updates.is_empty() {
             let _ = self.sender.send(FeedEvent::Updates {
                 backend: self.backend,

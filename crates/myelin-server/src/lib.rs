@@ -187,6 +187,7 @@ pub fn start(config: ServeConfig, stop: Arc<AtomicBool>) -> Result<Server, Serve
     let (ready_sender, ready) = mpsc::channel();
 
     let mut data_cores = Vec::with_capacity(shards);
+    let clock_origin = std::time::Instant::now();
     let mut listen = config.listen;
     let mut startup_error = None;
     for shard in 0..shards {
@@ -212,6 +213,7 @@ pub fn start(config: ServeConfig, stop: Arc<AtomicBool>) -> Result<Server, Serve
             metrics: metrics.clone(),
             stop: stop.clone(),
             ready: ready_sender.clone(),
+            clock_origin,
         };
         let handle = spawn_executor(spec, move || run_data_core(setup))
             .map_err(|source| ServeError::Executor { name, source })?;

@@ -2,8 +2,11 @@
 
 use crate::backend_spec::BackendSpec;
 use crate::backends::{BackendId, BackendInfo, BackendState, LoadUpdate};
-use crate::kv_feed::MirrorChange;
-use crate::routing_glue::{BlockCounts, LookupAnswer, LookupQuery, RouteLesson};
+use std::sync::Arc;
+
+use myelin_routing::WriteOp;
+
+use crate::routing_glue::BlockCounts;
 
 /// An operator action from the admin API, executed by the control core.
 #[derive(Debug, Clone)]
@@ -26,21 +29,14 @@ pub enum AdminOutcome {
 /// Every message between cores.
 #[derive(Debug)]
 pub enum Message {
-    // Data core -> owner data core.
-    /// Per-backend match of a prompt's prefix in the owner's shard; answered by `LookupReply`.
-    Lookup {
-        request_id: u64,
-        reply_to: usize,
-        query: LookupQuery,
-    },
-    /// Owner -> asking core.
-    LookupReply {
-        request_id: u64,
-        answer: LookupAnswer,
-    },
-    /// A prompt was routed to a backend: the owner records it.
-    Learn(RouteLesson),
-    /// Blocks per backend in the receiver's shard (admin API); answered by `BlockCountsReply`.
+    // Data core or control core -> every data core.
+    /// Writes to the routing state for the receiver's replica, in the order the sender made
+    /// them: learned routes from a data core, KV-event mirror changes from the control core.
+    /// One shared batch per sender flush.
+    Writes(Arc<[WriteOp]>),
+
+    // Data core -> data core.
+    /// Blocks per backend in the receiver's replica (admin API); answered by `BlockCountsReply`.
     BlockCounts { request_id: u64, reply_to: usize },
     /// Answer to `BlockCounts`.
     BlockCountsReply {
@@ -72,13 +68,6 @@ pub enum Message {
     BackendRemove { change_id: u64, id: BackendId },
     /// Routing state of a backend changed (health, breaker, drain).
     BackendState { id: BackendId, state: BackendState },
-    /// KV events of a backend, for the prefixes the receiving shard owns, in stream order.
-    Mirror {
-        backend: BackendId,
-        changes: Vec<MirrorChange>,
-    },
-    /// A backend's KV-event mirror became live (in sync) or stopped being followed.
-    MirrorLive { backend: BackendId, live: bool },
     /// Answer to `Admin`.
     AdminReply {
         request_id: u64,
@@ -90,9 +79,7 @@ impl Message {
     /// Label of the cross-core message metric.
     pub fn kind(&self) -> &'static str {
         match self {
-            Message::Lookup { .. } => "lookup",
-            Message::LookupReply { .. } => "lookup_reply",
-            Message::Learn(_) => "learn",
+            Message::Writes(_) => "writes",
             Message::BlockCounts { .. } => "block_counts",
             Message::BlockCountsReply { .. } => "block_counts_reply",
             Message::Load(_) => "load",
@@ -102,8 +89,6 @@ impl Message {
             Message::BackendUpsert { .. } => "backend_upsert",
             Message::BackendRemove { .. } => "backend_remove",
             Message::BackendState { .. } => "backend_state",
-            Message::Mirror { .. } => "mirror",
-            Message::MirrorLive { .. } => "mirror_live",
             Message::AdminReply { .. } => "admin_reply",
         }
     }

@@ -28,6 +28,8 @@ pub const BACKEND_IN_FLIGHT: &str = "myelin_backend_in_flight_requests";
 pub const BACKEND_SELECTED_TOTAL: &str = "myelin_backend_selected_total";
 /// 1 when a backend may receive requests (up, breaker closed, not draining), by `backend`.
 pub const BACKEND_UP: &str = "myelin_backend_up";
+/// Routing lookups served by each data core's replica, by `shard` (the core's index).
+pub const LOOKUPS_TOTAL: &str = "myelin_router_lookups_total";
 /// Prefix match length, in blocks, of the chosen backend.
 pub const PREFIX_MATCH_BLOCKS: &str = "myelin_router_prefix_match_blocks";
 /// The backend with the longest historical match lost because its residency was discounted.
@@ -141,6 +143,10 @@ fn describe() {
     describe_gauge!(BACKEND_IN_FLIGHT, "Requests in flight per backend.");
     describe_counter!(BACKEND_SELECTED_TOTAL, "Times each backend was chosen.");
     describe_gauge!(BACKEND_UP, "1 when the backend may receive requests.");
+    describe_counter!(
+        LOOKUPS_TOTAL,
+        "Routing lookups served by each data core's own replica, by shard."
+    );
     describe_histogram!(
         PREFIX_MATCH_BLOCKS,
         "Matched prefix blocks of the chosen backend."

@@ -1,4 +1,4 @@
-//! The request path, top to bottom: accept -> parse -> tokenize -> lookup (owner shard) ->
+//! The request path, top to bottom: accept -> parse -> tokenize -> lookup (own replica) ->
 //! score -> proxy (with retries before the first byte) -> learn, plus the small endpoints
 //! (models, health, metrics) and the dispatch of admin requests.
 
@@ -226,10 +226,10 @@ async fn generate(
         (false, false) => "prefix",
     };
 
-    // Lookup: the shard owning the first block answers with every backend's match.
+    // Lookup: this core's replica answers with every backend's match.
     let lookup_started = Instant::now();
-    let (mut owner, mut query) = core.routing.borrow().query(&tokens.ids);
-    let mut answer = core.lookup(owner, query.clone()).await;
+    let mut query = core.routing.borrow().query(&tokens.ids);
+    let mut answer = core.lookup(&query);
     let prefix_blocks = (tokens.ids.len() / core.config.block_size) as u32;
     if !tokens.complete && deepest_match(&answer).saturating_add(1) >= prefix_blocks {
         // The match reaches the end of what was tokenized: it may go further.
@@ -247,8 +247,8 @@ async fn generate(
         };
         tokenize_time += started.elapsed();
         extent = "prefix_then_whole";
-        (owner, query) = core.routing.borrow().query(&tokens.ids);
-        answer = core.lookup(owner, query.clone()).await;
+        query = core.routing.borrow().query(&tokens.ids);
+        answer = core.lookup(&query);
     }
     metrics::histogram!(names::TOKENIZE_SECONDS).record(tokenize_time.as_secs_f64());
     metrics::counter!(names::TOKENIZE_PROMPTS_TOTAL, "extent" => extent).increment(1);
@@ -306,10 +306,9 @@ async fn generate(
             Attempt::Failed(failure) => failure,
             Attempt::Answered(response) => {
                 core.report_outcome(chosen.backend, !response.status().is_server_error());
-                // Learn: the engine is working on this prompt now; its owner shard records it.
+                // Learn: the engine is working on this prompt now; every replica records it.
                 if response.status().is_success() {
-                    let lesson = core.routing.borrow().lesson(&query, chosen.backend);
-                    core.learn(owner, lesson);
+                    core.learn(&query, chosen.backend);
                 }
                 metrics::counter!(names::BACKEND_SELECTED_TOTAL, "backend" => base_url.clone())
                     .increment(1);

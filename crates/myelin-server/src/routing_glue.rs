@@ -1,26 +1,26 @@
-//! The server's side of the sans-IO routing core (`myelin-routing`): one data core's shard and
-//! router, the load view it scores with, and the messages lookups and lessons travel in.
+//! The server's side of the sans-IO routing core (`myelin-routing`): one data core's replica of
+//! the routing state and its router, and the load view it scores with.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 pub use myelin_routing::BlockCounts;
 use myelin_routing::{
     BackendView, BlockChain, Policy, PrefixMatch, Router, RouterConfig, Shard, ShardConfig,
-    owner_shard_of_chain,
+    WriteOp,
 };
 
 use crate::backends::{BackendId, BackendInfo, BackendState, Load};
 use crate::config::{ResidencyMode, RoutingPolicy, ServeConfig};
-use crate::kv_feed::MirrorChange;
 
-/// What the owner shard is asked: the prompt's block chain.
+/// A prompt's block chain, hashed once per request (shared with the learn broadcast).
 #[derive(Debug, Clone)]
 pub struct LookupQuery {
-    pub chain: BlockChain,
+    pub chain: Arc<BlockChain>,
 }
 
-/// The owner's answer: every backend's match (plain data, crosses cores).
+/// Every backend's match for a prompt.
 pub type LookupAnswer = PrefixMatch;
 
 /// Deepest match of any backend in an answer, in blocks (history or verified mirror).
@@ -35,13 +35,6 @@ pub fn deepest_match(answer: &LookupAnswer) -> u32 {
         })
         .max()
         .unwrap_or(0)
-}
-
-/// "This prompt went to this backend", for the owner shard to record.
-#[derive(Debug, Clone)]
-pub struct RouteLesson {
-    pub chain: BlockChain,
-    pub backend: BackendId,
 }
 
 /// The decision for one request.
@@ -59,8 +52,8 @@ struct ShardBackend {
     load_by_core: Vec<Load>,
 }
 
-/// One data core's routing state: the shard of the prefixes it owns, its router (scoring and
-/// the round-robin cursor), and its view of every backend's state and load.
+/// One data core's routing state: its replica of the prefix tree and mirror, its router
+/// (scoring and the round-robin cursor), and its view of every backend's state and load.
 pub struct RoutingShard {
     shards: usize,
     shard: Shard,
@@ -97,9 +90,11 @@ fn state_of(state: BackendState) -> myelin_routing::BackendState {
 }
 
 impl RoutingShard {
+    /// `clock_origin` is shared by every core: learned routes carry times on that clock.
     pub fn new(
         config: &ServeConfig,
         shards: usize,
+        clock_origin: Instant,
     ) -> Result<RoutingShard, myelin_routing::RoutingError> {
         let shard = Shard::new(ShardConfig {
             block_size: u32::try_from(config.block_size).unwrap_or(u32::MAX),
@@ -118,25 +113,23 @@ impl RoutingShard {
             residency: config.residency,
             backends: BTreeMap::new(),
             views: Vec::new(),
-            clock_origin: Instant::now(),
+            clock_origin,
         })
     }
 
-    /// Milliseconds since this shard started: the routing core's clock.
+    /// Milliseconds since the server started (same origin on every core): the routing clock.
     fn now_ms(&self) -> u64 {
         u64::try_from(self.clock_origin.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
-    /// Hashes the prompt once; returns the owner shard and the query to send it.
-    pub fn query(&self, tokens: &[u32]) -> (usize, LookupQuery) {
-        let chain = self.shard.chain(tokens);
-        (
-            owner_shard_of_chain(&chain, self.shards),
-            LookupQuery { chain },
-        )
+    /// Hashes the prompt once.
+    pub fn query(&self, tokens: &[u32]) -> LookupQuery {
+        LookupQuery {
+            chain: Arc::new(self.shard.chain(tokens)),
+        }
     }
 
-    /// Answers a lookup for a prompt this shard owns.
+    /// Every backend's match for a prompt, from this core's replica.
     pub fn lookup(&self, query: &LookupQuery) -> LookupAnswer {
         // Every core hashes with the same block size, so the chain always fits.
         self.shard
@@ -144,23 +137,30 @@ impl RoutingShard {
             .unwrap_or_default()
     }
 
-    pub fn lesson(&self, query: &LookupQuery, backend: BackendId) -> RouteLesson {
-        RouteLesson {
+    /// Records here that a prompt was routed to `backend`; returns the write for the other
+    /// cores' replicas.
+    pub fn learn(&mut self, query: &LookupQuery, backend: BackendId) -> WriteOp {
+        let op = WriteOp::Learn {
             chain: query.chain.clone(),
-            backend,
-        }
+            backend: myelin_routing::BackendId(backend),
+            at_ms: self.now_ms(),
+            residency_stamp: 0,
+        };
+        self.apply(&op);
+        op
     }
 
-    /// Records a routed prompt this shard owns.
-    pub fn learn(&mut self, lesson: RouteLesson) {
-        let now = self.now_ms();
-        // Same block size everywhere: cannot fail.
-        let _ = self.shard.learn_chain(
-            &lesson.chain,
-            myelin_routing::BackendId(lesson.backend),
-            now,
-            0,
-        );
+    /// Applies a write to this replica. Writes about a backend this core no longer has (still
+    /// in flight when it was removed) are dropped with it.
+    pub fn apply(&mut self, op: &WriteOp) {
+        let backend = match op {
+            WriteOp::Learn { backend, .. }
+            | WriteOp::Mirror { backend, .. }
+            | WriteOp::MirrorLive { backend, .. } => backend.0,
+        };
+        if self.backends.contains_key(&backend) {
+            self.shard.apply(op);
+        }
     }
 
     pub fn add_backend(&mut self, info: &BackendInfo) {
@@ -197,29 +197,7 @@ impl RoutingShard {
         }
     }
 
-    /// Applies a backend's KV events for the prefixes this shard owns.
-    pub fn apply_mirror(&mut self, backend: BackendId, changes: &[MirrorChange]) {
-        // Updates still in flight when a backend was removed are dropped with it.
-        if !self.backends.contains_key(&backend) {
-            return;
-        }
-        let backend = myelin_routing::BackendId(backend);
-        for change in changes {
-            match *change {
-                MirrorChange::Stored(chain) => self.shard.apply_block_stored(backend, chain),
-                MirrorChange::Removed(chain) => self.shard.apply_block_removed(backend, chain),
-                MirrorChange::Cleared => self.shard.clear_mirror(backend),
-            }
-        }
-    }
-
-    /// Marks a backend's KV-event mirror live or not (`auto` uses it only while live).
-    pub fn set_mirror_live(&mut self, backend: BackendId, live: bool) {
-        self.shard
-            .set_mirror_live(myelin_routing::BackendId(backend), live);
-    }
-
-    /// Blocks per backend this shard holds, in the tree and the verified mirror (admin API).
+    /// Blocks per backend this replica holds, in the tree and the verified mirror (admin API).
     pub fn block_counts(&self) -> BlockCounts {
         self.shard.blocks_by_backend()
     }
@@ -279,7 +257,7 @@ mod tests {
             ..ServeArgs::default()
         };
         let config = ServeConfig::merge(args, FileConfig::default(), &[0]).unwrap();
-        let mut shard = RoutingShard::new(&config, shards).unwrap();
+        let mut shard = RoutingShard::new(&config, shards, Instant::now()).unwrap();
         for id in 0..3 {
             shard.add_backend(&BackendInfo {
                 id,
@@ -294,12 +272,12 @@ mod tests {
     fn learned_prefix_wins_and_excluded_backends_are_skipped() {
         let mut shard = shard(RoutingPolicy::Prefix, 1);
         let prompt: Vec<u32> = (0..160).collect();
-        let (owner, query) = shard.query(&prompt);
-        assert_eq!(owner, 0);
+        let query = shard.query(&prompt);
         let first = shard
             .decide(&shard.lookup(&query), prompt.len(), &[])
             .unwrap();
-        shard.learn(shard.lesson(&query, first.backend));
+        let write = shard.learn(&query, first.backend);
+        assert!(matches!(write, WriteOp::Learn { backend, .. } if backend.0 == first.backend));
         let again = shard
             .decide(&shard.lookup(&query), prompt.len(), &[])
             .unwrap();

@@ -387,10 +387,11 @@ fn circuit_breaker_opens_on_consecutive_failures_and_closes_after_a_probe() {
     });
 }
 
-/// The admin listing sums every shard's blocks per backend: token-id prompts of exactly four
-/// blocks, alternated over two backends, each with its own first block (so owners differ).
+/// Every core's replica learns every route, whichever core routed it: token-id prompts of
+/// exactly four blocks, alternated over two backends, counted by the admin listing, whose
+/// replicas all agree once the learn batches have landed.
 #[test]
-fn admin_counts_routed_blocks_across_shards() {
+fn admin_counts_routed_blocks_in_every_replica() {
     let first = Engine::start("first", normal());
     let second = Engine::start("second", normal());
     let router = Router::start(&[
@@ -419,7 +420,7 @@ fn admin_counts_routed_blocks_across_shards() {
         let backend = response.header("x-myelin-backend").unwrap().to_string();
         *sent_to.entry(backend).or_default() += 1;
     }
-    // A route reaches its owner shard by message: give the last one a moment to land.
+    // A route reaches the other replica by message: give the last one a moment to land.
     let expected_total = 6 * 4;
     let mut listing = router.get("/admin/backends").json();
     for _ in 0..40 {
@@ -429,7 +430,7 @@ fn admin_counts_routed_blocks_across_shards() {
             .iter()
             .filter_map(|backend| backend["routed_blocks"].as_u64())
             .sum();
-        if total == expected_total {
+        if total == expected_total && listing["replicas_agree"] == true {
             break;
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
@@ -437,6 +438,7 @@ fn admin_counts_routed_blocks_across_shards() {
     }
     assert_eq!(listing["shards"], 2);
     assert_eq!(listing["shards_answered"], 2);
+    assert_eq!(listing["replicas_agree"], true, "{listing}");
     for backend in listing["backends"].as_array().unwrap() {
         let url = backend["url"].as_str().unwrap();
         let prompts = sent_to.get(url).copied().unwrap_or(0);
