@@ -8,8 +8,14 @@ use crate::workload::{PromptFormat, WorkloadConfig, WorkloadError, WorkloadKind}
 /// Run identical traffic through several router configurations on embedded simulated engines
 /// and compare them. With no flags: the churn workload, legs round-robin, least-load,
 /// prefix+off and oracle. Times in the workload and in reports are simulated (wall x speedup).
+/// `myelin bench overhead` is the router overhead and scaling benchmark instead.
 #[derive(Debug, Clone, clap::Args)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct BenchArgs {
+    /// Another benchmark instead of the churn harness.
+    #[command(subcommand)]
+    pub command: Option<BenchCommand>,
+
     /// Workload: a built-in name (churn, shared-prefix, trace) or a path to a workload .toml
     /// file (see benches/).
     #[arg(long, default_value = "churn")]
@@ -98,6 +104,15 @@ pub struct BenchArgs {
     /// No progress bars.
     #[arg(long)]
     pub no_progress: bool,
+}
+
+/// The benchmarks `myelin bench` runs besides the churn harness.
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum BenchCommand {
+    /// Router overhead and scaling on instant engines: req/s, added latency, CPU per request
+    /// and shard balance, against the load generator straight to an engine and against
+    /// external routers.
+    Overhead(crate::overhead::OverheadArgs),
 }
 
 impl BenchArgs {
@@ -191,6 +206,25 @@ mod tests {
 
     fn parse(flags: &[&str]) -> BenchArgs {
         Harness::parse_from(std::iter::once("bench").chain(flags.iter().copied())).args
+    }
+
+    #[test]
+    fn overhead_is_a_subcommand_and_the_churn_flags_stay_top_level() {
+        let args = parse(&["overhead", "--quick", "--router-cores", "1"]);
+        match args.command {
+            Some(BenchCommand::Overhead(overhead)) => {
+                assert!(overhead.quick);
+                assert_eq!(overhead.router_cores, "1");
+            }
+            None => panic!("no subcommand"),
+        }
+        let churn = parse(&["--quick", "--legs", "oracle"]);
+        assert!(churn.command.is_none());
+        assert!(churn.quick);
+        assert!(
+            Harness::try_parse_from(["bench", "--legs", "oracle", "overhead"]).is_err(),
+            "churn flags do not combine with the overhead subcommand"
+        );
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! Churn harness (`myelin bench`): workloads, traffic replay, legs, reports and plots.
+//! Churn harness (`myelin bench`): workloads, traffic replay, legs, reports and plots; and the
+//! router overhead and scaling benchmark (`myelin bench overhead`, module [`overhead`]).
 //!
 //! A run sends the same workload through several router configurations ("legs"), each on a
 //! fresh embedded simulated cluster, and compares TTFT, throughput, cache hit rate and
@@ -12,6 +13,7 @@ pub mod gates;
 pub mod legs;
 pub mod loadgen;
 pub mod oracle;
+pub mod overhead;
 pub mod plot;
 pub mod prometheus;
 pub mod record;
@@ -24,9 +26,14 @@ pub mod stats;
 pub mod stream;
 pub mod workload;
 
-pub use cli::BenchArgs;
+pub use cli::{BenchArgs, BenchCommand};
 
 /// Runs `myelin bench`: exit status 0 when every validity gate passed, 1 when a gate failed.
+/// `myelin bench overhead`: 0 unless a request failed or a leg could not run (see
+/// [`overhead::run`]).
 pub fn run(args: BenchArgs) -> Result<std::process::ExitCode, Box<dyn std::error::Error>> {
-    runner::run(args).map_err(Into::into)
+    match args.command {
+        Some(BenchCommand::Overhead(overhead)) => overhead::run(overhead).map_err(Into::into),
+        None => runner::run(args).map_err(Into::into),
+    }
 }

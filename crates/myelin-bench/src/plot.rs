@@ -223,6 +223,117 @@ pub fn ttft_over_time(
     root.present().map_err(|error| draw(error.to_string()))
 }
 
+/// One line of an x/y chart: its name and points.
+#[derive(Debug, Clone)]
+pub struct XySeries {
+    pub name: String,
+    pub points: Vec<(f64, f64)>,
+    /// Drawn dashed-looking (thinner) to set it apart, e.g. external routers.
+    pub secondary: bool,
+}
+
+/// Draws lines with a marker at every point over integer-like x values (router cores); the
+/// y range covers every point and zero.
+pub fn xy_lines(
+    path: &Path,
+    series: &[XySeries],
+    title: &str,
+    x_desc: &str,
+    y_desc: &str,
+) -> Result<(), PlotError> {
+    register_font()?;
+    let draw = draw_error(path);
+    let xs = series
+        .iter()
+        .flat_map(|line| line.points.iter().map(|point| point.0));
+    let (x_low, x_high) = xs.fold((f64::MAX, f64::MIN), |(low, high), value| {
+        (low.min(value), high.max(value))
+    });
+    let (x_low, x_high) = if x_low <= x_high {
+        (x_low - 0.5, x_high + 0.5)
+    } else {
+        (0.5, 1.5)
+    };
+    let ys = series
+        .iter()
+        .flat_map(|line| line.points.iter().map(|point| point.1))
+        .filter(|value| value.is_finite());
+    let (y_low, y_high) = ys.fold((0.0f64, 0.0f64), |(low, high), value| {
+        (low.min(value), high.max(value))
+    });
+    let span = (y_high - y_low).max(1e-3);
+    let (y_low, y_high) = (
+        if y_low < 0.0 { y_low - span * 0.1 } else { 0.0 },
+        y_high + span * 0.1,
+    );
+
+    let root = BitMapBackend::new(path, PLOT_SIZE).into_drawing_area();
+    root.fill(&WHITE).map_err(|error| draw(error.to_string()))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 26))
+        .margin(20)
+        .x_label_area_size(55)
+        .y_label_area_size(90)
+        .build_cartesian_2d(x_low..x_high, y_low..y_high)
+        .map_err(|error| draw(error.to_string()))?;
+    chart
+        .configure_mesh()
+        .x_desc(x_desc)
+        .y_desc(y_desc)
+        .x_labels(((x_high - x_low).round() as usize + 1).min(20))
+        .x_label_formatter(&|value| {
+            if (value - value.round()).abs() < 1e-6 {
+                format!("{value:.0}")
+            } else {
+                String::new()
+            }
+        })
+        .y_label_formatter(&|value| {
+            if span >= 100.0 {
+                format!("{value:.0}")
+            } else {
+                format!("{value:.3}")
+            }
+        })
+        .label_style(("sans-serif", 16))
+        .axis_desc_style(("sans-serif", 18))
+        .draw()
+        .map_err(|error| draw(error.to_string()))?;
+    for (index, line) in series.iter().enumerate() {
+        let color = Palette99::pick(index).to_rgba();
+        let width = if line.secondary { 1 } else { 3 };
+        let points: Vec<(f64, f64)> = line
+            .points
+            .iter()
+            .copied()
+            .filter(|point| point.1.is_finite())
+            .collect();
+        chart
+            .draw_series(LineSeries::new(points.clone(), color.stroke_width(width)))
+            .map_err(|error| draw(error.to_string()))?
+            .label(line.name.clone())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(width))
+            });
+        chart
+            .draw_series(
+                points
+                    .into_iter()
+                    .map(|point| Circle::new(point, 5, color.filled())),
+            )
+            .map_err(|error| draw(error.to_string()))?;
+    }
+    chart
+        .configure_series_labels()
+        .label_font(("sans-serif", 16))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()
+        .map_err(|error| draw(error.to_string()))?;
+    root.present().map_err(|error| draw(error.to_string()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -270,7 +381,27 @@ mod tests {
         let over_time = directory.join("over_time.png");
         ttft_cdf(&cdf, &legs, "TTFT CDF").unwrap();
         ttft_over_time(&over_time, &legs, 10.0, "TTFT P99 over time").unwrap();
-        for path in [&cdf, &over_time] {
+        let xy = directory.join("xy.png");
+        xy_lines(
+            &xy,
+            &[
+                XySeries {
+                    name: "myelin short".into(),
+                    points: vec![(1.0, 20_000.0), (2.0, 39_000.0)],
+                    secondary: false,
+                },
+                XySeries {
+                    name: "other short".into(),
+                    points: vec![(1.0, -0.2)],
+                    secondary: true,
+                },
+            ],
+            "req/s vs router cores",
+            "router cores",
+            "req/s",
+        )
+        .unwrap();
+        for path in [&cdf, &over_time, &xy] {
             let bytes = std::fs::read(path).unwrap();
             assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
         }

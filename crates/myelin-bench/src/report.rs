@@ -30,14 +30,14 @@ pub struct Report<'a> {
     pub passed: bool,
 }
 
-/// A table of text cells.
-struct Table {
-    header: Vec<String>,
-    rows: Vec<Vec<String>>,
+/// A table of text cells (also used by the overhead benchmark's report).
+pub(crate) struct Table {
+    pub(crate) header: Vec<String>,
+    pub(crate) rows: Vec<Vec<String>>,
 }
 
 impl Table {
-    fn plain(&self) -> String {
+    pub(crate) fn plain(&self) -> String {
         let columns = self.header.len();
         let widths: Vec<usize> = (0..columns)
             .map(|column| {
@@ -74,7 +74,7 @@ impl Table {
         out
     }
 
-    fn markdown(&self) -> String {
+    pub(crate) fn markdown(&self) -> String {
         let mut out = format!("| {} |\n", self.header.join(" | "));
         out.push_str(&format!(
             "|{}\n",

@@ -144,10 +144,31 @@ impl RouterProcess {
 
     fn spawn(
         name: &str,
+        command: Command,
+        description: String,
+        port: u16,
+        log_path: &Path,
+    ) -> Result<Self, RouterError> {
+        Self::start_command(
+            name,
+            command,
+            description,
+            port,
+            log_path,
+            ROUTER_START_TIMEOUT,
+        )
+    }
+
+    /// Starts `command` (a router that will listen on `port`) in its own process group with
+    /// its output in `log_path`, and waits up to `start_timeout` for GET /health to answer
+    /// 200. The process group is stopped when the returned value is dropped.
+    pub fn start_command(
+        name: &str,
         mut command: Command,
         description: String,
         port: u16,
         log_path: &Path,
+        start_timeout: Duration,
     ) -> Result<Self, RouterError> {
         let log_error = |source| RouterError::Log {
             path: log_path.display().to_string(),
@@ -171,7 +192,7 @@ impl RouterProcess {
             base_url: format!("http://127.0.0.1:{port}"),
             log_path: log_path.to_path_buf(),
         };
-        router.wait_ready()?;
+        router.wait_ready(start_timeout)?;
         Ok(router)
     }
 
@@ -180,8 +201,14 @@ impl RouterProcess {
         &self.base_url
     }
 
-    fn wait_ready(&mut self) -> Result<(), RouterError> {
-        let deadline = Instant::now() + ROUTER_START_TIMEOUT;
+    /// The process id of the router (for an external router, of the shell or wrapper that
+    /// leads its process group; the group id is the same number).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn wait_ready(&mut self, timeout: Duration) -> Result<(), RouterError> {
+        let deadline = Instant::now() + timeout;
         let health = format!("{}/health", self.base_url);
         while Instant::now() < deadline {
             if let Ok(Some(status)) = self.child.try_wait() {
@@ -201,7 +228,7 @@ impl RouterProcess {
         }
         Err(RouterError::NotReady {
             name: self.name.clone(),
-            seconds: ROUTER_START_TIMEOUT.as_secs(),
+            seconds: timeout.as_secs(),
             log: self.log_path.display().to_string(),
         })
     }

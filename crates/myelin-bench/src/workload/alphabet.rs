@@ -93,6 +93,17 @@ impl TokenAlphabet {
         self.ids[(draw % self.ids.len() as u64) as usize]
     }
 
+    /// The words of a text alphabet in id order (empty for a token-id alphabet).
+    pub fn word_list(&self) -> Vec<String> {
+        let Some(words) = &self.words else {
+            return Vec::new();
+        };
+        self.ids
+            .iter()
+            .filter_map(|id| words.get(id).cloned())
+            .collect()
+    }
+
     /// Whether this alphabet can render text.
     pub fn has_words(&self) -> bool {
         self.words.is_some()
