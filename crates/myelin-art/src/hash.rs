@@ -178,7 +178,6 @@ impl BlockChain {
     pub fn is_empty(&self) -> bool {
         self.hashes.is_empty()
     }
-
 }
 
 #[cfg(test)]

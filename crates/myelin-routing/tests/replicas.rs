@@ -186,7 +186,11 @@ fn mirror_op(
         0 | 1 => hashes.iter().map(|&h| MirrorChange::Stored(h)).collect(),
         2 | 3 => {
             // Evict the deepest blocks first, like an LRU pool; sometimes the first one.
-            let from = if kind == 3 { 0 } else { prompt % hashes.len().max(1) };
+            let from = if kind == 3 {
+                0
+            } else {
+                prompt % hashes.len().max(1)
+            };
             hashes[from..]
                 .iter()
                 .rev()
@@ -355,5 +359,8 @@ fn a_missed_write_is_visible() {
     cluster.deliver_all();
     let caught_up = cluster.replicas[1].lookup_chain(&chain, 6).unwrap();
     assert_eq!(caught_up.matched_blocks_of(BackendId(2)), 8);
-    assert_eq!(caught_up, cluster.replicas[0].lookup_chain(&chain, 6).unwrap());
+    assert_eq!(
+        caught_up,
+        cluster.replicas[0].lookup_chain(&chain, 6).unwrap()
+    );
 }

@@ -195,10 +195,19 @@ async fn receive_loop(core: Rc<DataCore>, receiver: ConnectedReceiver<Message>) 
 }
 
 /// Re-broadcasts this core's load on every backend: absolute values, so a dropped update is
-/// healed within one interval.
+/// healed within one interval. Also publishes the tokenizer caches' sizes.
 async fn resync_loop(core: Rc<DataCore>) {
+    let segment_bytes = metrics::gauge!(
+        names::TOKENIZE_CACHE_BYTES, "cache" => "segment", "shard" => core.shard_label.clone()
+    );
+    let prefix_bytes = metrics::gauge!(
+        names::TOKENIZE_CACHE_BYTES, "cache" => "prefix", "shard" => core.shard_label.clone()
+    );
     loop {
         Timer::new(RESYNC_INTERVAL).await;
+        let (segment, prefix) = core.tokenizer.borrow().cache_bytes();
+        segment_bytes.set(segment as f64);
+        prefix_bytes.set(prefix as f64);
         let loads: Vec<(BackendId, Load)> = core
             .backends
             .borrow()

@@ -20,7 +20,11 @@ pub const TOKENIZE_SECONDS: &str = "myelin_tokenize_seconds";
 pub const TOKENIZE_PROMPTS_TOTAL: &str = "myelin_tokenize_prompts_total";
 /// Prompt segments whose token ids came from the per-core cache.
 pub const TOKENIZE_CACHED_SEGMENTS_TOTAL: &str = "myelin_tokenize_cached_segments_total";
-/// Prompt segments tokenized afresh.
+/// Leading prompt bytes whose token ids came from the prefix cache.
+pub const TOKENIZE_CACHED_PREFIX_BYTES_TOTAL: &str = "myelin_tokenize_cached_prefix_bytes_total";
+/// Bytes held by each data core's tokenizer caches, by `cache` (segment, prefix) and `shard`.
+pub const TOKENIZE_CACHE_BYTES: &str = "myelin_tokenize_cache_bytes";
+/// Prompt segments tokenized afresh (not from the segment cache).
 pub const TOKENIZE_SEGMENTS_TOTAL: &str = "myelin_tokenize_segments_total";
 /// Requests in flight on a backend, by `backend` (its URL).
 pub const BACKEND_IN_FLIGHT: &str = "myelin_backend_in_flight_requests";
@@ -140,6 +144,16 @@ fn describe() {
         "Prompt segments served from cache."
     );
     describe_counter!(TOKENIZE_SEGMENTS_TOTAL, "Prompt segments tokenized afresh.");
+    describe_counter!(
+        TOKENIZE_CACHED_PREFIX_BYTES_TOTAL,
+        Unit::Bytes,
+        "Leading prompt bytes whose token ids came from the prefix cache."
+    );
+    describe_gauge!(
+        TOKENIZE_CACHE_BYTES,
+        Unit::Bytes,
+        "Bytes held by each data core's tokenizer caches, by cache and shard."
+    );
     describe_gauge!(BACKEND_IN_FLIGHT, "Requests in flight per backend.");
     describe_counter!(BACKEND_SELECTED_TOTAL, "Times each backend was chosen.");
     describe_gauge!(BACKEND_UP, "1 when the backend may receive requests.");

@@ -256,6 +256,8 @@ async fn generate(
         .increment(tokens.stats.cached_segments.into());
     metrics::counter!(names::TOKENIZE_SEGMENTS_TOTAL)
         .increment(tokens.stats.tokenized_segments.into());
+    metrics::counter!(names::TOKENIZE_CACHED_PREFIX_BYTES_TOTAL)
+        .increment(tokens.stats.cached_prefix_bytes.into());
 
     // Score: lowest expected cost wins.
     let prompt_tokens = tokens.estimated_total;

@@ -10,9 +10,21 @@
 //! tokenizer where the split would not be exact (added tokens that strip neighbouring
 //! whitespace or match only whole words, or a normalizer before the split).
 //!
-//! Trade-off: when the chat template writes no added tokens of the tokenizer (for example the
-//! default ChatML template with a tokenizer that lacks `<|im_start|>`), the whole prompt is one
-//! segment and the cache only helps exact repeats.
+//! Prompts also share leading *bytes* that no added token delimits: the default ChatML
+//! template with a tokenizer that lacks `<|im_start|>` makes the whole prompt one segment, and a
+//! long system prompt or a conversation's earlier turns are a prefix of the next request either
+//! way. The **prefix cache** keeps, for earlier prompts, their token ids at *checkpoints*: the
+//! first safe cut at or after every [`CHECKPOINT_SPACING`] bytes. A later prompt starting with
+//! the same bytes takes the ids up to its deepest checkpoint held in the cache (found by a hash
+//! of the leading bytes, then compared byte for byte) and tokenizes only the rest, chunk by
+//! chunk between its own checkpoints. Exactness rests on the cut: a checkpoint sits on an ASCII
+//! space between an ASCII letter or digit and an ASCII letter (`word word`), outside any added
+//! token. Byte-level BPE pre-tokenizers (GPT-2's, DeepSeek's, Llama 3's, Qwen 2's patterns) end
+//! a pre-token there whatever follows, no piece before the cut looks past the letter after
+//! it, NFC never composes across an ASCII space, and BPE runs per pre-token: so the ids of the
+//! text before the cut are the same whatever comes after it. The cache is switched on only
+//! when a self-check on a built-in corpus gives, at every checkpoint, exactly the whole text's
+//! ids (on the fast path or on `tokenizers`, whichever this core uses).
 
 use std::collections::{HashMap, HashSet};
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -29,6 +41,11 @@ use crate::openai::PromptInput;
 const MIN_CACHED_SEGMENT_BYTES: usize = 64;
 /// Prompt prefixes remembered as matching to their end, per generation (see `PrefixMemo`).
 const PREFIX_MEMO_ENTRIES: usize = 32 * 1024;
+/// Bytes between the prefix cache's checkpoints: a later prompt re-tokenizes at most about
+/// this much of what it shares with an earlier one.
+pub const CHECKPOINT_SPACING: usize = 256;
+/// Bookkeeping bytes counted per checkpoint of the prefix cache.
+const CHECKPOINT_OVERHEAD_BYTES: usize = 64;
 
 /// Why a prompt could not be turned into token ids.
 #[derive(Debug, thiserror::Error)]
@@ -45,12 +62,15 @@ pub struct AddedTokens {
     /// For each first byte (the index): (token text, id), longest first. Indexed, not hashed:
     /// the split probes it once per byte of every prompt.
     by_first_byte: Vec<Vec<(Box<str>, u32)>>,
+    /// Bytes of the longest added token.
+    max_len: usize,
 }
 
 impl Default for AddedTokens {
     fn default() -> Self {
         AddedTokens {
             by_first_byte: vec![Vec::new(); 256],
+            max_len: 0,
         }
     }
 }
@@ -85,12 +105,26 @@ impl AddedTokens {
             let Some(&first) = content.as_bytes().first() else {
                 continue;
             };
+            tokens.max_len = tokens.max_len.max(content.len());
             tokens.by_first_byte[usize::from(first)].push((content.into(), id));
         }
         for candidates in &mut tokens.by_first_byte {
             candidates.sort_by_key(|(content, _)| std::cmp::Reverse(content.len()));
         }
         Some(tokens)
+    }
+
+    /// Whether an added token occurring in `bytes` would cover both `bytes[cut - 1]` and
+    /// `bytes[cut]` (then cutting there could change the split).
+    fn spans(&self, bytes: &[u8], cut: usize) -> bool {
+        let first = cut.saturating_sub(self.max_len.saturating_sub(1));
+        (first..cut).any(|start| {
+            self.by_first_byte[usize::from(bytes[start])]
+                .iter()
+                .any(|(content, _)| {
+                    start + content.len() > cut && bytes[start..].starts_with(content.as_bytes())
+                })
+        })
     }
 
     /// Splits `text` into plain segments and added tokens, leftmost-longest like the
@@ -138,6 +172,7 @@ struct SegmentCache {
     current: HashMap<Box<str>, Rc<[u32]>>,
     current_bytes: usize,
     previous: HashMap<Box<str>, Rc<[u32]>>,
+    previous_bytes: usize,
 }
 
 impl SegmentCache {
@@ -147,7 +182,12 @@ impl SegmentCache {
             current: HashMap::new(),
             current_bytes: 0,
             previous: HashMap::new(),
+            previous_bytes: 0,
         }
+    }
+
+    fn bytes(&self) -> usize {
+        self.current_bytes + self.previous_bytes
     }
 
     fn get(&mut self, segment: &str) -> Option<Rc<[u32]>> {
@@ -166,6 +206,7 @@ impl SegmentCache {
         }
         if self.current_bytes + cost > self.budget_bytes / 2 {
             self.previous = std::mem::take(&mut self.current);
+            self.previous_bytes = self.current_bytes;
             self.current_bytes = 0;
         }
         self.current_bytes += cost;
@@ -207,6 +248,8 @@ impl PrefixMemo {
 pub struct TokenizeStats {
     pub cached_segments: u32,
     pub tokenized_segments: u32,
+    /// Leading bytes whose ids came from the prefix cache.
+    pub cached_prefix_bytes: u32,
 }
 
 /// A prompt ready to tokenize: rendered chat or completion text, or ids given by the client.
@@ -246,6 +289,8 @@ pub struct RouteTokenizer {
     /// prepends: then a completion prompt is `prefix + segments` and can use the cache too.
     completion_prefix: Option<Vec<u32>>,
     cache: Option<SegmentCache>,
+    /// Ids of earlier prompts at checkpoints (`None`: off, or not exact for this tokenizer).
+    prefixes: Option<PrefixCache>,
     block_size: usize,
     long_prefixes: PrefixMemo,
 }
@@ -253,8 +298,9 @@ pub struct RouteTokenizer {
 impl RouteTokenizer {
     /// Builds one core's tokenizer. `added_tokens` is `None` when splitting at added tokens is
     /// not exact for this tokenizer: then prompts are tokenized whole by `tokenizer`, without
-    /// the segment cache or the fast path. `fast` (verified against `tokenizer` by the caller)
-    /// tokenizes the plain segments.
+    /// the segment cache, the prefix cache or the fast path. `fast` (verified against
+    /// `tokenizer` by the caller) tokenizes the plain segments. `cache_budget_bytes` bounds
+    /// each of the two caches (0 turns both off); the prefix cache also needs its self-check.
     pub fn new(
         tokenizer: Tokenizer,
         fast: Option<FastBpe>,
@@ -266,16 +312,80 @@ impl RouteTokenizer {
         let completion_prefix = tokenizer.completion_prefix();
         let cache = (cache_budget_bytes > 0 && added_tokens.is_some())
             .then(|| SegmentCache::new(cache_budget_bytes));
-        RouteTokenizer {
+        let mut routed = RouteTokenizer {
             tokenizer,
             fast: added_tokens.is_some().then_some(fast).flatten(),
             template,
             added_tokens,
             completion_prefix,
             cache,
+            prefixes: None,
             block_size: block_size.max(1),
             long_prefixes: PrefixMemo::default(),
+        };
+        if cache_budget_bytes > 0 && routed.added_tokens.is_some() {
+            match routed.prefix_cuts_are_exact() {
+                Ok(()) => routed.prefixes = Some(PrefixCache::new(cache_budget_bytes)),
+                Err(reason) => eprintln!("myelin: tokenizer prefix cache off ({reason})"),
+            }
         }
+        routed
+    }
+
+    /// Whether the prefix cache is on (its self-check passed).
+    pub fn prefix_cache_enabled(&self) -> bool {
+        self.prefixes.is_some()
+    }
+
+    /// Bytes held by the segment cache and the prefix cache (as counted against the budget).
+    pub fn cache_bytes(&self) -> (usize, usize) {
+        (
+            self.cache.as_ref().map_or(0, SegmentCache::bytes),
+            self.prefixes.as_ref().map_or(0, PrefixCache::bytes),
+        )
+    }
+
+    /// The self-check of the prefix cache: for every text of a built-in corpus (and of the
+    /// fast path's), the ids tokenized chunk by chunk between checkpoints equal the ids of the
+    /// whole text, on the path this tokenizer uses.
+    fn prefix_cuts_are_exact(&mut self) -> Result<(), String> {
+        let Some(added_tokens) = self.added_tokens.clone() else {
+            return Err("no exact added-token split".into());
+        };
+        let mut checked_cuts = 0usize;
+        for sample in PREFIX_SELF_CHECK
+            .iter()
+            .chain(myelin_tokenize::fast_bpe::SELF_CHECK_CORPUS)
+        {
+            // Small spacing: many cuts per sample.
+            let text = sample.repeat(3);
+            let cuts = checkpoints(&text, &added_tokens, 16);
+            let mut whole = Vec::new();
+            let mut stats = TokenizeStats::default();
+            self.encode_segments(&text, &mut whole, &mut stats)
+                .map_err(|error| error.to_string())?;
+            let mut chunked = Vec::new();
+            let mut position = 0;
+            for &cut in cuts.iter().chain(std::iter::once(&text.len())) {
+                self.encode_segments(&text[position..cut], &mut chunked, &mut stats)
+                    .map_err(|error| error.to_string())?;
+                position = cut;
+            }
+            if chunked != whole {
+                return Err(format!(
+                    "cutting at checkpoints changes the ids of {:?}",
+                    sample.chars().take(40).collect::<String>()
+                ));
+            }
+            checked_cuts += cuts.len();
+        }
+        if let Some(cache) = &mut self.cache {
+            *cache = SegmentCache::new(cache.budget_bytes);
+        }
+        if checked_cuts == 0 {
+            return Err("the self-check found no checkpoint".into());
+        }
+        Ok(())
     }
 
     /// Renders a chat with the chat template (generation prompt on, as engines do).
@@ -370,7 +480,8 @@ impl RouteTokenizer {
         }
     }
 
-    /// Tokenizes `text` segment by segment (special tokens first when asked).
+    /// Tokenizes `text` segment by segment (special tokens first when asked), starting from
+    /// the deepest checkpoint the prefix cache holds for its leading bytes.
     fn encode(
         &mut self,
         text: &str,
@@ -382,11 +493,57 @@ impl RouteTokenizer {
         } else {
             Some(Vec::new())
         };
-        let (Some(added_tokens), Some(prefix)) = (&self.added_tokens, prefix) else {
+        let (Some(added_tokens), Some(prefix)) = (self.added_tokens.clone(), prefix) else {
             stats.tokenized_segments = 1;
             return Ok((self.tokenizer.encode(text, add_special_tokens)?, stats));
         };
-        let mut ids = prefix;
+        if self.prefixes.is_none() {
+            let mut ids = prefix;
+            self.encode_segments(text, &mut ids, &mut stats)?;
+            return Ok((ids, stats));
+        }
+        let cuts = checkpoints(text, &added_tokens, CHECKPOINT_SPACING);
+        let keys = prefix_keys(text.as_bytes(), &cuts, add_special_tokens);
+        let hit = self
+            .prefixes
+            .as_mut()
+            .and_then(|prefixes| prefixes.deepest(text, &cuts, &keys));
+        let (mut ids, start_index) = match hit {
+            Some((index, cached)) => {
+                stats.cached_prefix_bytes = u32::try_from(cuts[index]).unwrap_or(u32::MAX);
+                (cached, index + 1)
+            }
+            None => (prefix, 0),
+        };
+        let mut position = start_index.checked_sub(1).map_or(0, |index| cuts[index]);
+        let mut marks = Vec::with_capacity(cuts.len() - start_index);
+        for (&cut, &key) in cuts[start_index..].iter().zip(&keys[start_index..]) {
+            self.encode_segments(&text[position..cut], &mut ids, &mut stats)?;
+            marks.push((key, cut, ids.len()));
+            position = cut;
+        }
+        if let (Some(prefixes), Some(&(_, last_cut, last_len))) =
+            (self.prefixes.as_mut(), marks.last())
+        {
+            prefixes.insert(&text[..last_cut], &ids[..last_len], &marks);
+        }
+        self.encode_segments(&text[position..], &mut ids, &mut stats)?;
+        Ok((ids, stats))
+    }
+
+    /// Appends the ids of `text` (no completion prefix): added tokens split off, plain
+    /// segments from the segment cache or tokenized.
+    fn encode_segments(
+        &mut self,
+        text: &str,
+        ids: &mut Vec<u32>,
+        stats: &mut TokenizeStats,
+    ) -> Result<(), RouteTokensError> {
+        let Some(added_tokens) = self.added_tokens.clone() else {
+            ids.extend(self.tokenizer.encode(text, false)?);
+            stats.tokenized_segments += 1;
+            return Ok(());
+        };
         for segment in added_tokens.split(text) {
             let plain = match segment {
                 Segment::Added(id) => {
@@ -406,15 +563,190 @@ impl RouteTokenizer {
                     continue;
                 }
                 let start = ids.len();
-                encode_plain(&self.tokenizer, self.fast.as_mut(), plain, &mut ids)?;
+                encode_plain(&self.tokenizer, self.fast.as_mut(), plain, ids)?;
                 cache.insert(plain, ids[start..].into());
             } else {
-                encode_plain(&self.tokenizer, self.fast.as_mut(), plain, &mut ids)?;
+                encode_plain(&self.tokenizer, self.fast.as_mut(), plain, ids)?;
             }
             stats.tokenized_segments += 1;
         }
-        Ok((ids, stats))
+        Ok(())
     }
+}
+
+/// Texts the prefix cache's self-check cuts at every checkpoint: prose, contractions, numbers,
+/// code, markup, whitespace runs and non-Latin scripts around the cuts.
+const PREFIX_SELF_CHECK: &[&str] = &[
+    "You are a helpful assistant. Answer briefly, cite sources, and say when you don't know. It's \
+     fine to ask what they'd like; we'll check. Numbers 12345 and 3.14159 stay exact. ",
+    "Tools: get_weather(city) returns JSON like {\"temp\": 21, \"unit\": \"C\"}; call it when asked \
+     about weather. Do not call tools otherwise.\n\nRules:\n  1. Be kind\n  2. Be brief\n",
+    "Ünïcödé wörds and café naïve résumé, 漢字 テスト mixed with English words and   spaces\t\
+     tabs\r\nand CRLF lines, emoji 🎉 then words again, ÀB and aB and Ab cases. ",
+    "def route(prompt, engines):\n    best = min(engines, key=lambda e: e.cost(prompt))\n    return \
+     best  # pick the cheapest engine for this prompt\n",
+    "I'll say it's 'quoted' and it'S odd: DON'T, They'RE, we've, you'd, I'm here at 10am or 10 am. ",
+];
+
+/// Checkpoints of `text`: for every multiple of `spacing`, the first safe cut at or after it
+/// (see the module docs), strictly increasing, each followed by at least one byte.
+fn checkpoints(text: &str, added_tokens: &AddedTokens, spacing: usize) -> Vec<usize> {
+    let bytes = text.as_bytes();
+    let mut cuts = Vec::new();
+    let mut target = spacing;
+    while target + 1 < bytes.len() {
+        let end = (target + spacing).min(bytes.len() - 1);
+        let found = (target..end).find(|&cut| is_safe_cut(bytes, cut, added_tokens));
+        match found {
+            Some(cut) => {
+                cuts.push(cut);
+                target = (cut / spacing + 1) * spacing;
+            }
+            None => target += spacing,
+        }
+    }
+    cuts
+}
+
+/// A cut before `bytes[cut]`: an ASCII space between an ASCII letter or digit and an ASCII
+/// letter, inside no added token.
+fn is_safe_cut(bytes: &[u8], cut: usize, added_tokens: &AddedTokens) -> bool {
+    cut >= 1
+        && cut + 1 < bytes.len()
+        && bytes[cut] == b' '
+        && bytes[cut - 1].is_ascii_alphanumeric()
+        && bytes[cut + 1].is_ascii_alphabetic()
+        && !added_tokens.spans(bytes, cut)
+}
+
+/// Keys of `bytes[..cut]` for each cut (one pass; `completion` tells prompts that get the
+/// completion prefix apart from the rest).
+fn prefix_keys(bytes: &[u8], cuts: &[usize], completion: bool) -> Vec<u64> {
+    const MULTIPLIER: u64 = 0x9e37_79b9_7f4a_7c15;
+    fn mix(value: u64) -> u64 {
+        let value = value.wrapping_mul(MULTIPLIER);
+        value ^ (value >> 29)
+    }
+    let mut keys = Vec::with_capacity(cuts.len());
+    let mut state = if completion { 0x5eed_0001 } else { 0x5eed_0000 };
+    let mut position = 0;
+    for &cut in cuts {
+        let whole = cut & !7;
+        while position < whole {
+            let word =
+                u64::from_le_bytes(bytes[position..position + 8].try_into().unwrap_or([0; 8]));
+            state = mix(state ^ word);
+            position += 8;
+        }
+        let mut tail = [0u8; 8];
+        tail[..cut - whole].copy_from_slice(&bytes[whole..cut]);
+        keys.push(mix(mix(state ^ u64::from_le_bytes(tail)) ^ cut as u64));
+    }
+    keys
+}
+
+/// An earlier prompt's leading text (up to its last checkpoint) and ids.
+#[derive(Debug)]
+struct PrefixEntry {
+    text: Box<str>,
+    ids: Box<[u32]>,
+}
+
+/// One checkpoint: the entry it is in, its byte offset and the ids before it.
+#[derive(Debug, Clone)]
+struct Mark {
+    entry: Rc<PrefixEntry>,
+    cut: usize,
+    ids_len: usize,
+}
+
+/// Checkpoints of earlier prompts by key of their leading bytes: two generations, the older
+/// dropped when the newer fills half the byte budget (like [`SegmentCache`]).
+#[derive(Debug)]
+struct PrefixCache {
+    budget_bytes: usize,
+    current: HashMap<u64, Mark>,
+    current_bytes: usize,
+    previous: HashMap<u64, Mark>,
+    previous_bytes: usize,
+}
+
+impl PrefixCache {
+    fn new(budget_bytes: usize) -> Self {
+        PrefixCache {
+            budget_bytes,
+            current: HashMap::new(),
+            current_bytes: 0,
+            previous: HashMap::new(),
+            previous_bytes: 0,
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        self.current_bytes + self.previous_bytes
+    }
+
+    /// The deepest checkpoint of `text` held: its index in `cuts` and the ids before it.
+    fn deepest(&mut self, text: &str, cuts: &[usize], keys: &[u64]) -> Option<(usize, Vec<u32>)> {
+        for index in (0..cuts.len()).rev() {
+            let (key, cut) = (keys[index], cuts[index]);
+            let found = if let Some(mark) = self.current.get(&key) {
+                Some(mark.clone())
+            } else if let Some(mark) = self.previous.get(&key).cloned() {
+                // Still in use: keep it through the next rotation.
+                self.charge(CHECKPOINT_OVERHEAD_BYTES + entry_cost(&mark.entry));
+                self.current.insert(key, mark.clone());
+                Some(mark)
+            } else {
+                None
+            };
+            if let Some(mark) = found
+                && mark.cut == cut
+                && mark.entry.text.as_bytes()[..cut] == text.as_bytes()[..cut]
+            {
+                return Some((index, mark.entry.ids[..mark.ids_len].to_vec()));
+            }
+        }
+        None
+    }
+
+    /// Remembers `text` (up to the last of `marks`) with its `ids` and its checkpoints
+    /// `(key, cut, ids before it)`.
+    fn insert(&mut self, text: &str, ids: &[u32], marks: &[(u64, usize, usize)]) {
+        let entry = Rc::new(PrefixEntry {
+            text: text.into(),
+            ids: ids.into(),
+        });
+        let cost = entry_cost(&entry) + marks.len() * CHECKPOINT_OVERHEAD_BYTES;
+        if cost * 2 > self.budget_bytes {
+            return;
+        }
+        self.charge(cost);
+        for &(key, cut, ids_len) in marks {
+            self.current.insert(
+                key,
+                Mark {
+                    entry: entry.clone(),
+                    cut,
+                    ids_len,
+                },
+            );
+        }
+    }
+
+    /// Counts `cost` bytes into the current generation, rotating first when it would overflow.
+    fn charge(&mut self, cost: usize) {
+        if self.current_bytes + cost > self.budget_bytes / 2 {
+            self.previous = std::mem::take(&mut self.current);
+            self.previous_bytes = self.current_bytes;
+            self.current_bytes = 0;
+        }
+        self.current_bytes += cost;
+    }
+}
+
+fn entry_cost(entry: &PrefixEntry) -> usize {
+    entry.text.len() + entry.ids.len() * 4
 }
 
 /// Appends the ids of `plain` (text without added tokens): the fast path when there is one.
@@ -613,5 +945,185 @@ mod tests {
         assert!(cache.current.len() + cache.previous.len() < 200);
         assert!(cache.get("segment number 00999").is_some());
         assert!(cache.get("segment number 00000").is_none());
+    }
+
+    const PROSE: &str = "The router keeps a replica of every learned route on each core, so a \
+        lookup never waits for another core. Engines evict blocks under pressure; it's why \
+        residency matters more than history. Numbers like 2048 or 3.14 and words like don't, \
+        we'll and they're appear too.\n\n";
+
+    fn chatml_router(fast: Option<FastBpe>, budget: usize) -> (RouteTokenizer, Tokenizer) {
+        let (tokenizer, added) = bundled();
+        let routed = RouteTokenizer::new(
+            tokenizer.clone(),
+            fast,
+            Arc::new(ChatTemplate::chatml()),
+            Some(added),
+            budget,
+            16,
+        );
+        (routed, tokenizer)
+    }
+
+    #[test]
+    fn shared_prefixes_are_tokenized_once_with_exact_ids() {
+        for fast in [None, Some(fast_path())] {
+            let fast_path_on = fast.is_some();
+            let (mut routed, tokenizer) = chatml_router(fast, 1 << 20);
+            assert!(routed.prefix_cache_enabled());
+            let system = PROSE.repeat(20);
+            let mut first_cached = None;
+            for user in 0..4 {
+                let messages = json!([
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": format!("question number {user}: why?")}
+                ]);
+                let chat = routed.render(&PromptInput::Chat(messages.clone())).unwrap();
+                let tokens = routed.tokens(&chat, None).unwrap();
+                let RenderedPrompt::Text { text, .. } = &chat else {
+                    unreachable!()
+                };
+                assert_eq!(
+                    tokens.ids,
+                    tokenizer.encode(text, false).unwrap(),
+                    "fast {fast_path_on}, user {user}"
+                );
+                let cached = tokens.stats.cached_prefix_bytes as usize;
+                if user == 0 {
+                    assert_eq!(cached, 0);
+                } else {
+                    // Everything but the last checkpoint interval of the shared part.
+                    assert!(
+                        cached + 2 * CHECKPOINT_SPACING >= system.len(),
+                        "cached {cached} of {}",
+                        system.len()
+                    );
+                    first_cached.get_or_insert(cached);
+                }
+            }
+            // Completion prompts (BOS added) are keyed apart and exact too.
+            for tail in ["first tail", "second tail"] {
+                let text = format!("{system}{tail}");
+                let prompt = routed.render(&PromptInput::Text(text.clone())).unwrap();
+                let tokens = routed.tokens(&prompt, None).unwrap();
+                assert_eq!(tokens.ids, tokenizer.encode(&text, true).unwrap());
+                if tail == "second tail" {
+                    assert!(tokens.stats.cached_prefix_bytes > 0);
+                }
+            }
+            assert!(first_cached.is_some());
+            let (_, prefix_bytes) = routed.cache_bytes();
+            assert!(prefix_bytes > 0 && prefix_bytes <= 1 << 20);
+        }
+    }
+
+    #[test]
+    fn a_growing_conversation_pays_only_for_its_new_turns() {
+        let (mut routed, tokenizer) = chatml_router(Some(fast_path()), 1 << 20);
+        let mut messages = vec![json!({"role": "system", "content": PROSE.repeat(4)})];
+        let mut previous_len = 0;
+        for turn in 0..6 {
+            messages.push(json!({"role": "user", "content": format!("turn {turn}: {}", PROSE)}));
+            let chat = routed
+                .render(&PromptInput::Chat(Value::Array(messages.clone())))
+                .unwrap();
+            let tokens = routed.tokens(&chat, None).unwrap();
+            let RenderedPrompt::Text { text, .. } = &chat else {
+                unreachable!()
+            };
+            assert_eq!(
+                tokens.ids,
+                tokenizer.encode(text, false).unwrap(),
+                "turn {turn}"
+            );
+            if turn > 0 {
+                let cached = tokens.stats.cached_prefix_bytes as usize;
+                assert!(
+                    cached + 2 * CHECKPOINT_SPACING >= previous_len,
+                    "turn {turn}"
+                );
+            }
+            messages
+                .push(json!({"role": "assistant", "content": format!("answer {turn}. {}", PROSE)}));
+            previous_len = text.len();
+        }
+    }
+
+    #[test]
+    fn checkpoints_are_safe_cuts_outside_added_tokens() {
+        let mut added = AddedTokens::default();
+        for (content, id) in [("<|x y|>", 1u32), ("ab cd", 2)] {
+            added.max_len = added.max_len.max(content.len());
+            added.by_first_byte[usize::from(content.as_bytes()[0])].push((content.into(), id));
+        }
+        let text = "word <|x y|> then ab cd and 12 go, a\u{301} b ".repeat(40);
+        let cuts = checkpoints(&text, &added, 16);
+        assert!(cuts.len() > 20, "{}", cuts.len());
+        let bytes = text.as_bytes();
+        for &cut in &cuts {
+            assert_eq!(bytes[cut], b' ');
+            assert!(bytes[cut - 1].is_ascii_alphanumeric() && bytes[cut + 1].is_ascii_alphabetic());
+            for (content, _) in [("<|x y|>", 1), ("ab cd", 2)] {
+                for (start, _) in text.match_indices(content) {
+                    assert!(
+                        !(start < cut && cut < start + content.len()),
+                        "cut {cut} in {content}"
+                    );
+                }
+            }
+        }
+        assert!(cuts.windows(2).all(|pair| pair[0] < pair[1]));
+        // One per spacing interval at most.
+        assert!(cuts.windows(2).all(|pair| pair[0] / 16 < pair[1] / 16));
+    }
+
+    #[test]
+    fn prefix_cache_is_bounded_and_verifies_bytes() {
+        let mut cache = PrefixCache::new(64 * 1024);
+        for index in 0..2_000u32 {
+            let text = format!("{index:08} {}", "shared words ".repeat(40));
+            let cuts = [100usize, 300, 500];
+            let keys = prefix_keys(text.as_bytes(), &cuts, false);
+            let marks: Vec<_> = cuts
+                .iter()
+                .zip(&keys)
+                .map(|(&cut, &key)| (key, cut, cut / 4))
+                .collect();
+            cache.insert(&text[..500], &vec![index; 125], &marks);
+            assert!(cache.bytes() <= 64 * 1024);
+        }
+        // A key collision cannot return another text's ids: bytes are compared.
+        let text = format!("{:08} {}", 1_999, "shared words ".repeat(40));
+        let cuts = [100usize, 300, 500];
+        let keys = prefix_keys(text.as_bytes(), &cuts, false);
+        let (index, ids) = cache.deepest(&text, &cuts, &keys).unwrap();
+        assert_eq!((index, ids.len()), (2, 125));
+        let forged = format!("{:08} {}", 7_777, "shared words ".repeat(40));
+        assert!(cache.deepest(&forged, &cuts, &keys).is_none());
+        assert!(
+            cache
+                .deepest(&text, &cuts, &prefix_keys(text.as_bytes(), &cuts, true))
+                .is_none()
+        );
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 48, ..Default::default() })]
+
+        /// Prompts sharing random prefixes, tokenized one after another through the caches,
+        /// always give the ids of the whole text.
+        #[test]
+        fn prompts_sharing_prefixes_get_whole_text_ids(
+            shared in "([a-zA-Z]{1,9}|[0-9]{1,5}|[ ]{1,3}|[\n\t]|[.,;:!?'\"()-]|é|漢字|🎉|n't|'s){40,400}",
+            tails in proptest::collection::vec("([a-zA-Z]{1,9}|[ ]{1,2}|[0-9]{1,4}|[.,!?\n]|ü){0,80}", 1..4),
+        ) {
+            let (mut routed, tokenizer) = chatml_router(Some(fast_path()), 1 << 20);
+            for tail in &tails {
+                let text = format!("{shared}{tail}");
+                let prompt = RenderedPrompt::Text { text: text.clone(), add_special_tokens: false };
+                let tokens = routed.tokens(&prompt, None).unwrap();
+                proptest::prop_assert_eq!(tokens.ids, tokenizer.encode(&text, false).unwrap());
+            }
+        }
     }
 }
