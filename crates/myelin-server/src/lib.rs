@@ -35,7 +35,7 @@ use std::sync::mpsc;
 use glommio::ExecutorJoinHandle;
 use myelin_http::executor::{ExecutorSpec, spawn_executor};
 use myelin_http::server::ServeReport;
-use myelin_tokenize::{ChatTemplate, FastBpe, Tokenizer};
+use myelin_tokenize::{ChatTemplate, FastBpe, Tokenizer, TokenizerSource};
 
 pub use config::{ServeArgs, ServeConfig};
 
@@ -119,10 +119,10 @@ impl Server {
     }
 }
 
-/// The exact fast tokenizer path for `path`, when it reproduces this tokenizer and agrees
+/// The exact fast tokenizer path for `source`, when it reproduces this tokenizer and agrees
 /// with HuggingFace `tokenizers` on the self-check corpus; says on stdout which path is used.
-fn fast_tokenizer(path: &std::path::Path, tokenizer: &Tokenizer) -> Option<FastBpe> {
-    match FastBpe::verified(path, tokenizer) {
+fn fast_tokenizer(source: &TokenizerSource, tokenizer: &Tokenizer) -> Option<FastBpe> {
+    match FastBpe::verified_source(source, tokenizer) {
         Ok(fast) => {
             println!(
                 "myelin: tokenizer fast path on (matches tokenizers on the self-check corpus)"
@@ -136,20 +136,31 @@ fn fast_tokenizer(path: &std::path::Path, tokenizer: &Tokenizer) -> Option<FastB
     }
 }
 
+/// The added tokens of `source` for the per-segment tokenization cache.
+fn added_tokens(source: &TokenizerSource) -> Option<AddedTokens> {
+    match source {
+        TokenizerSource::File(path) => AddedTokens::from_tokenizer_json(path),
+        // `AddedTokens` reads files only: the embedded copy is read through the in-memory
+        // file `bundled_tokenizer_path` names (nothing written to disk). Without one the
+        // router still tokenizes exactly, uncached and without the fast path.
+        TokenizerSource::Bundled => myelin_tokenize::bundled_tokenizer_path()
+            .ok()
+            .and_then(|path| AddedTokens::from_tokenizer_json(&path)),
+    }
+}
+
 /// Starts the router. Setting `stop` (or calling [`Server::stop`]) begins a graceful drain.
 pub fn start(config: ServeConfig, stop: Arc<AtomicBool>) -> Result<Server, ServeError> {
-    let tokenizer_path = match &config.tokenizer {
-        Some(path) => path.clone(),
-        None => myelin_tokenize::bundled_tokenizer_path()?,
-    };
-    let tokenizer = Tokenizer::from_file(&tokenizer_path)?;
+    let tokenizer_source = TokenizerSource::from_option(config.tokenizer.as_deref());
+    let tokenizer = Tokenizer::load(&tokenizer_source)?;
+    println!("myelin: tokenizer {tokenizer_source}");
     let template = Arc::new(match &config.chat_template {
         Some(path) => ChatTemplate::from_path(path)?,
         None => ChatTemplate::chatml(),
     });
-    let added_tokens = AddedTokens::from_tokenizer_json(&tokenizer_path).map(Arc::new);
+    let added_tokens = added_tokens(&tokenizer_source).map(Arc::new);
     let fast_tokenizer = if config.fast_tokenizer {
-        fast_tokenizer(&tokenizer_path, &tokenizer)
+        fast_tokenizer(&tokenizer_source, &tokenizer)
     } else {
         println!("myelin: tokenizer fast path off (--no-fast-tokenizer)");
         None
@@ -160,7 +171,7 @@ pub fn start(config: ServeConfig, stop: Arc<AtomicBool>) -> Result<Server, Serve
         let engines = sim::SimEngines::start(
             config.sim,
             config.sim_speedup,
-            &tokenizer_path,
+            config.tokenizer.as_deref(),
             config.chat_template.as_deref(),
         )?;
         config.backends.extend(engines.backend_specs());

@@ -13,17 +13,18 @@ pub struct SimEngines {
 }
 
 impl SimEngines {
-    /// Starts `count` engines on ephemeral loopback ports.
+    /// Starts `count` engines on ephemeral loopback ports (`tokenizer_path` `None`: the
+    /// bundled tokenizer).
     pub fn start(
         count: usize,
         speedup: f64,
-        tokenizer_path: &Path,
+        tokenizer_path: Option<&Path>,
         chat_template_path: Option<&Path>,
     ) -> Result<SimEngines, myelin_sim::SimError> {
         let cluster = SimCluster::start(ClusterConfig {
             engines: count,
             speedup,
-            tokenizer_path: Some(tokenizer_path.to_path_buf()),
+            tokenizer_path: tokenizer_path.map(Path::to_path_buf),
             chat_template_path: chat_template_path.map(Path::to_path_buf),
             // The engines publish KV events, which the router follows (residency `verified`
             // and `auto` then have a block-exact mirror, as with real vLLM).

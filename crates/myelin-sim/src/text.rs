@@ -8,7 +8,9 @@ use std::path::Path;
 use std::sync::{Mutex, PoisonError};
 
 use myelin_tokenize::fast_bpe::FastPathRefused;
-use myelin_tokenize::{ChatTemplate, FastBpe, TemplateError, TokenizeError, Tokenizer};
+use myelin_tokenize::{
+    ChatTemplate, FastBpe, TemplateError, TokenizeError, Tokenizer, TokenizerSource,
+};
 use serde_json::Value;
 
 use crate::engine::OutputVocabulary;
@@ -51,12 +53,9 @@ pub struct TextModel {
 impl TextModel {
     /// Loads the tokenizer (`None`: the bundled one) and chat template (`None`: ChatML).
     pub fn load(tokenizer: Option<&Path>, chat_template: Option<&Path>) -> Result<Self, TextError> {
-        let tokenizer_path = match tokenizer {
-            Some(path) => path.to_path_buf(),
-            None => myelin_tokenize::bundled_tokenizer_path()?,
-        };
-        let tokenizer = Tokenizer::from_file(&tokenizer_path)?;
-        let fast = match FastBpe::verified(&tokenizer_path, &tokenizer) {
+        let source = TokenizerSource::from_option(tokenizer);
+        let tokenizer = Tokenizer::load(&source)?;
+        let fast = match FastBpe::verified_source(&source, &tokenizer) {
             Ok(fast) => Some(Mutex::new(fast)),
             Err(FastPathRefused::Load(error)) => return Err(error.into()),
             Err(FastPathRefused::Unsupported(_) | FastPathRefused::Disagrees(_)) => None,

@@ -52,7 +52,9 @@ use std::sync::Arc;
 pub use corpus::SELF_CHECK_CORPUS;
 pub use load::Unsupported;
 
-use crate::{TokenizeError, Tokenizer};
+use crate::{
+    BUNDLED_TOKENIZER_JSON, BUNDLED_TOKENIZER_NAME, TokenizeError, Tokenizer, TokenizerSource,
+};
 use added::{AddedTokenMatcher, Segment};
 use cache::WordCache;
 use load::Tables;
@@ -119,7 +121,18 @@ impl FastBpe {
     /// against `hf` on [`SELF_CHECK_CORPUS`] (word cache emptied afterwards). What every user
     /// of the fast path should call.
     pub fn verified(path: &Path, hf: &Tokenizer) -> Result<Self, FastPathRefused> {
-        let mut fast = Self::from_tokenizer_json_or_reason(path)??.with_added_tokens(hf)?;
+        Self::verified_source(&TokenizerSource::File(path.to_path_buf()), hf)
+    }
+
+    /// As [`Self::verified`], for the `tokenizer.json` of `source` (the embedded bundled one
+    /// is parsed from memory).
+    pub fn verified_source(
+        source: &TokenizerSource,
+        hf: &Tokenizer,
+    ) -> Result<Self, FastPathRefused> {
+        let json = source.read()?;
+        let mut fast =
+            Self::from_tokenizer_json_str(&json, &source.to_string())??.with_added_tokens(hf)?;
         fast.verify_against(hf, SELF_CHECK_CORPUS)?;
         fast.clear_cache();
         Ok(fast)
@@ -135,13 +148,33 @@ impl FastBpe {
     pub fn from_tokenizer_json_or_reason(
         path: &Path,
     ) -> Result<Result<Self, Unsupported>, TokenizeError> {
+        let json = TokenizerSource::File(path.to_path_buf()).read()?;
+        Self::from_tokenizer_json_str(&json, &path.display().to_string())
+    }
+
+    /// The fast path of the bundled tokenizer, from the copy embedded in the binary (not
+    /// verified: see [`Self::verified_source`]).
+    pub fn bundled() -> Result<Self, TokenizeError> {
+        Self::from_tokenizer_json_str(BUNDLED_TOKENIZER_JSON, BUNDLED_TOKENIZER_NAME)?.map_err(
+            |unsupported| TokenizeError::Load {
+                origin: BUNDLED_TOKENIZER_NAME.into(),
+                message: unsupported.to_string(),
+            },
+        )
+    }
+
+    /// As [`Self::from_tokenizer_json_or_reason`], from the text of a `tokenizer.json`;
+    /// `origin` names it in errors.
+    pub fn from_tokenizer_json_str(
+        json: &str,
+        origin: &str,
+    ) -> Result<Result<Self, Unsupported>, TokenizeError> {
         let load_error = |message: String| TokenizeError::Load {
-            path: path.to_path_buf(),
+            origin: origin.to_string(),
             message,
         };
-        let text = std::fs::read_to_string(path).map_err(|error| load_error(error.to_string()))?;
         let config: serde_json::Value =
-            serde_json::from_str(&text).map_err(|error| load_error(error.to_string()))?;
+            serde_json::from_str(json).map_err(|error| load_error(error.to_string()))?;
         match load::tables_from_config(&config) {
             Ok(tables) => Ok(Ok(Self::with_tables(
                 Arc::new(tables),

@@ -7,28 +7,41 @@ mod template;
 pub use fast_bpe::FastBpe;
 pub use template::{ChatTemplate, TemplateError};
 
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
-/// The bundled tokenizer, relative to the repository (or install) root.
+/// The bundled tokenizer, relative to the repository root (where it is embedded from).
 pub const BUNDLED_TOKENIZER_RELATIVE: &str = "assets/tokenizers/deepseek-v3/tokenizer.json";
 
-/// Environment variable naming the directory that holds `assets/` (for installed binaries).
-pub const ASSETS_ROOT_ENV: &str = "MYELIN_HOME";
+/// The bundled DeepSeek-V3 `tokenizer.json`, embedded in every binary that links this crate:
+/// the default tokenizer of `myelin serve`, `myelin sim` and `myelin bench`, so a copied binary
+/// needs no assets beside it.
+pub const BUNDLED_TOKENIZER_JSON: &str =
+    include_str!("../../../assets/tokenizers/deepseek-v3/tokenizer.json");
+
+/// The license of [`BUNDLED_TOKENIZER_JSON`] (MIT, DeepSeek), embedded with it; printed by
+/// `myelin --licenses`.
+pub const BUNDLED_TOKENIZER_LICENSE: &str =
+    include_str!("../../../assets/tokenizers/deepseek-v3/LICENSE");
+
+/// How the bundled tokenizer is named in messages.
+pub const BUNDLED_TOKENIZER_NAME: &str = "bundled DeepSeek-V3 tokenizer (embedded)";
 
 /// Why a tokenizer could not be loaded or used.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizeError {
-    /// The tokenizer file could not be read or parsed.
-    #[error("cannot load tokenizer {path}: {message}")]
+    /// The tokenizer could not be read or parsed.
+    #[error("cannot load tokenizer {origin}: {message}")]
     Load {
-        /// The file tried.
-        path: PathBuf,
+        /// The file tried, or [`BUNDLED_TOKENIZER_NAME`].
+        origin: String,
         /// What the tokenizers crate said.
         message: String,
     },
-    /// No bundled tokenizer was found and none was given.
+    /// The embedded tokenizer could not be given a path (see [`bundled_tokenizer_path`]).
     #[error(
-        "bundled tokenizer not found (looked for {BUNDLED_TOKENIZER_RELATIVE} under ${ASSETS_ROOT_ENV}, beside the executable and in the source tree); pass --tokenizer PATH"
+        "the bundled tokenizer could not be exposed as a file (no memfd, no {BUNDLED_TOKENIZER_RELATIVE} in the source tree); pass --tokenizer PATH"
     )]
     BundledMissing,
     /// Encoding failed.
@@ -36,26 +49,106 @@ pub enum TokenizeError {
     Encode(String),
 }
 
-/// Finds the bundled tokenizer: `$MYELIN_HOME/assets/...`, then beside the executable or any of
-/// its ancestors (covers `target/debug/myelin` in a checkout), then the source tree it was
-/// built from, then the working directory.
+/// Where a `tokenizer.json` comes from: the copy embedded in the binary, or a file
+/// (`--tokenizer PATH`), read from disk when loaded.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum TokenizerSource {
+    /// [`BUNDLED_TOKENIZER_JSON`].
+    #[default]
+    Bundled,
+    /// A `tokenizer.json` on disk.
+    File(PathBuf),
+}
+
+impl TokenizerSource {
+    /// `path`, or the bundled tokenizer when there is none.
+    pub fn from_option(path: Option<&Path>) -> Self {
+        path.map_or(Self::Bundled, |path| Self::File(path.to_path_buf()))
+    }
+
+    /// The file, when it is one.
+    pub fn path(&self) -> Option<&Path> {
+        match self {
+            Self::Bundled => None,
+            Self::File(path) => Some(path),
+        }
+    }
+
+    /// The JSON text: borrowed from the binary, or read from the file.
+    pub fn read(&self) -> Result<Cow<'static, str>, TokenizeError> {
+        match self {
+            Self::Bundled => Ok(Cow::Borrowed(BUNDLED_TOKENIZER_JSON)),
+            Self::File(path) => std::fs::read_to_string(path)
+                .map(Cow::Owned)
+                .map_err(|error| TokenizeError::Load {
+                    origin: path.display().to_string(),
+                    message: error.to_string(),
+                }),
+        }
+    }
+}
+
+impl std::fmt::Display for TokenizerSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Bundled => f.write_str(BUNDLED_TOKENIZER_NAME),
+            Self::File(path) => write!(f, "{}", path.display()),
+        }
+    }
+}
+
+/// A path naming a file that holds [`BUNDLED_TOKENIZER_JSON`], for code that only reads
+/// tokenizers from files. On Linux: an anonymous in-memory file (memfd, created once per
+/// process, named `/proc/self/fd/N`, so the path is valid in this process only and nothing is
+/// written to disk). Elsewhere, or where no memfd can be made: the copy in the source tree the
+/// binary was built from, if it is still there. Loaders of the default tokenizer should use
+/// [`TokenizerSource::Bundled`] (or [`Tokenizer::bundled`]) instead.
 pub fn bundled_tokenizer_path() -> Result<PathBuf, TokenizeError> {
-    let mut roots: Vec<PathBuf> = Vec::new();
-    if let Some(home) = std::env::var_os(ASSETS_ROOT_ENV) {
-        roots.push(PathBuf::from(home));
+    static PATH: OnceLock<Option<PathBuf>> = OnceLock::new();
+    PATH.get_or_init(|| {
+        memory_file(
+            c"myelin-bundled-tokenizer.json",
+            BUNDLED_TOKENIZER_JSON.as_bytes(),
+        )
+        .or_else(|| {
+            let in_source_tree = Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../..")
+                .join(BUNDLED_TOKENIZER_RELATIVE);
+            in_source_tree.is_file().then_some(in_source_tree)
+        })
+    })
+    .clone()
+    .ok_or(TokenizeError::BundledMissing)
+}
+
+/// An in-memory file holding `bytes`, kept open for the life of the process.
+#[cfg(target_os = "linux")]
+fn memory_file(name: &std::ffi::CStr, bytes: &[u8]) -> Option<PathBuf> {
+    use std::io::Write;
+    use std::os::fd::{FromRawFd, IntoRawFd};
+    // SAFETY: memfd_create(2) with a NUL-terminated name; a non-negative result is a new file
+    // descriptor that nothing else owns, handed to `File` at once.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return None;
     }
-    if let Ok(exe) = std::env::current_exe() {
-        roots.extend(exe.ancestors().skip(1).map(Path::to_path_buf));
+    // SAFETY: `fd` is open and owned by nobody else (above).
+    let mut file = unsafe { std::fs::File::from_raw_fd(fd) };
+    file.write_all(bytes).ok()?;
+    let path = PathBuf::from(format!("/proc/self/fd/{fd}"));
+    // Reopening through /proc needs procfs: check, or fall back.
+    let readable = std::fs::metadata(&path).is_ok_and(|meta| meta.len() == bytes.len() as u64);
+    if !readable {
+        return None;
     }
-    roots.push(Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."));
-    if let Ok(cwd) = std::env::current_dir() {
-        roots.push(cwd);
-    }
-    roots
-        .into_iter()
-        .map(|root| root.join(BUNDLED_TOKENIZER_RELATIVE))
-        .find(|candidate| candidate.is_file())
-        .ok_or(TokenizeError::BundledMissing)
+    // Never closed: the path must stay valid for as long as the process runs.
+    let _ = file.into_raw_fd();
+    Some(path)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn memory_file(_name: &std::ffi::CStr, _bytes: &[u8]) -> Option<PathBuf> {
+    None
 }
 
 /// A HuggingFace `tokenizer.json` tokenizer.
@@ -73,20 +166,39 @@ impl std::fmt::Debug for Tokenizer {
 }
 
 impl Tokenizer {
-    /// Loads a `tokenizer.json`.
+    /// Loads a `tokenizer.json` file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, TokenizeError> {
         let path = path.as_ref();
         let inner =
             tokenizers::Tokenizer::from_file(path).map_err(|error| TokenizeError::Load {
-                path: path.to_path_buf(),
+                origin: path.display().to_string(),
                 message: error.to_string(),
             })?;
         Ok(Self { inner })
     }
 
-    /// Loads the bundled DeepSeek-V3 tokenizer.
+    /// Parses the text of a `tokenizer.json`; `origin` names it in errors.
+    pub fn from_json(json: &str, origin: &str) -> Result<Self, TokenizeError> {
+        let inner: tokenizers::Tokenizer =
+            json.parse()
+                .map_err(|error: tokenizers::Error| TokenizeError::Load {
+                    origin: origin.to_string(),
+                    message: error.to_string(),
+                })?;
+        Ok(Self { inner })
+    }
+
+    /// Loads the bundled DeepSeek-V3 tokenizer from the copy embedded in the binary.
     pub fn bundled() -> Result<Self, TokenizeError> {
-        Self::from_file(bundled_tokenizer_path()?)
+        Self::from_json(BUNDLED_TOKENIZER_JSON, BUNDLED_TOKENIZER_NAME)
+    }
+
+    /// Loads the tokenizer of `source`.
+    pub fn load(source: &TokenizerSource) -> Result<Self, TokenizeError> {
+        match source {
+            TokenizerSource::Bundled => Self::bundled(),
+            TokenizerSource::File(path) => Self::from_file(path),
+        }
     }
 
     /// Token ids of `text`. `add_special_tokens` adds what the tokenizer's post-processor adds
@@ -189,6 +301,66 @@ mod tests {
         let plain = tokenizer.encode("hello world", false).expect("encode");
         let special = tokenizer.encode("hello world", true).expect("encode");
         assert!(special.ends_with(&plain), "{special:?} vs {plain:?}");
+    }
+
+    #[test]
+    fn the_embedded_tokenizer_is_the_one_in_the_source_tree() {
+        let in_tree = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../..")
+            .join(BUNDLED_TOKENIZER_RELATIVE);
+        let text = std::fs::read_to_string(in_tree).expect("source tree copy");
+        assert!(text == BUNDLED_TOKENIZER_JSON, "assets/ changed: rebuild");
+        assert!(BUNDLED_TOKENIZER_LICENSE.contains("MIT License"));
+    }
+
+    #[test]
+    fn bundled_tokenizer_path_names_the_embedded_copy() {
+        let path = bundled_tokenizer_path().expect("a path");
+        let text = std::fs::read_to_string(&path).expect("readable");
+        assert!(text == BUNDLED_TOKENIZER_JSON, "{} differs", path.display());
+        assert_eq!(
+            bundled_tokenizer_path().unwrap(),
+            path,
+            "made once per process"
+        );
+        #[cfg(target_os = "linux")]
+        assert!(path.starts_with("/proc/self/fd"), "{}", path.display());
+    }
+
+    #[test]
+    fn bundled_and_file_sources_give_the_same_tokenizer_and_fast_path() {
+        let file = TokenizerSource::File(bundled_tokenizer_path().unwrap());
+        let bundled = TokenizerSource::from_option(None);
+        assert_eq!(bundled, TokenizerSource::Bundled);
+        assert_eq!(bundled.to_string(), BUNDLED_TOKENIZER_NAME);
+        let prompt = "<｜User｜>Route 42 prompts, please.<｜Assistant｜>";
+        let mut ids = Vec::new();
+        for source in [&bundled, &file] {
+            let hf = Tokenizer::load(source).expect("loads");
+            let mut fast = FastBpe::verified_source(source, &hf).expect("fast path");
+            let mut fast_ids = Vec::new();
+            fast.encode(prompt, &mut fast_ids);
+            assert_eq!(fast_ids, hf.encode(prompt, false).unwrap());
+            ids.push(fast_ids);
+        }
+        assert_eq!(ids[0], ids[1]);
+        let mut unverified = Vec::new();
+        FastBpe::bundled()
+            .expect("supported")
+            .encode_plain("Route 42 prompts, please.", &mut unverified);
+        assert_eq!(
+            unverified,
+            Tokenizer::bundled()
+                .unwrap()
+                .encode("Route 42 prompts, please.", false)
+                .unwrap()
+        );
+        let missing = TokenizerSource::File("/nonexistent/tokenizer.json".into());
+        let error = Tokenizer::load(&missing).expect_err("no file");
+        assert!(
+            error.to_string().contains("/nonexistent/tokenizer.json"),
+            "{error}"
+        );
     }
 
     #[test]

@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 /// mimalloc rather than the system allocator: the request path (tokenization above all)
 /// allocates many small objects per request; see docs/performance.md for the figures.
@@ -13,11 +13,36 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[command(
     name = "myelin",
     version,
-    about = "KV-cache-aware router for LLM serving"
+    about = "KV-cache-aware router for LLM serving",
+    arg_required_else_help = true
 )]
 struct Cli {
+    /// Print the licenses of the third-party files embedded in this binary (the bundled
+    /// DeepSeek-V3 tokenizer, the plots' DejaVu Sans font) and exit.
+    #[arg(long, exclusive = true)]
+    licenses: bool,
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
+}
+
+/// The license of the font `myelin bench` draws its plots with (embedded by myelin-bench).
+const FONT_LICENSE: &str = include_str!("../../../assets/fonts/LICENSE");
+
+/// What `myelin --licenses` prints.
+fn licenses() -> String {
+    format!(
+        "myelin is licensed under {}.\n\
+         \n\
+         It embeds third-party files, under these licenses:\n\
+         \n\
+         == {} ({}) ==\n\n{}\n\
+         == DejaVu Sans (assets/fonts/DejaVuSans.ttf), used in `myelin bench` plots ==\n\n{}",
+        env!("CARGO_PKG_LICENSE"),
+        myelin_tokenize::BUNDLED_TOKENIZER_NAME,
+        myelin_tokenize::BUNDLED_TOKENIZER_RELATIVE,
+        myelin_tokenize::BUNDLED_TOKENIZER_LICENSE.trim_end(),
+        FONT_LICENSE.trim_end(),
+    )
 }
 
 #[derive(Subcommand)]
@@ -33,9 +58,18 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Serve(args) => myelin_server::run(args),
-        Command::Sim(args) => myelin_sim::run(args),
-        Command::Bench(args) => myelin_bench::run(args),
+        Some(Command::Serve(args)) => myelin_server::run(args),
+        Some(Command::Sim(args)) => myelin_sim::run(args),
+        Some(Command::Bench(args)) => myelin_bench::run(args),
+        None if cli.licenses => {
+            println!("{}", licenses());
+            return ExitCode::SUCCESS;
+        }
+        None => {
+            // Unreachable through clap (`arg_required_else_help`), kept total.
+            let _ = Cli::command().print_help();
+            return ExitCode::from(2);
+        }
     };
     match result {
         Ok(code) => code,
