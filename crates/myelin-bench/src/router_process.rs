@@ -182,6 +182,17 @@ impl RouterProcess {
             .stderr(Stdio::from(log_for_stderr))
             // Its own process group, so stopping it reaches the children a shell starts.
             .process_group(0);
+        // SAFETY: the closure runs in the forked child before exec and only calls prctl(2),
+        // which is async-signal-safe. It asks the kernel to kill the router if this process
+        // dies without stopping it (SIGKILL, a crash), so no router outlives the harness.
+        unsafe {
+            command.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
         let child = command.spawn().map_err(|source| RouterError::Spawn {
             command: description,
             source,

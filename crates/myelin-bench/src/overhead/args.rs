@@ -63,6 +63,11 @@ pub struct OverheadArgs {
     #[arg(long = "external", value_name = "NAME=COMMAND")]
     pub external: Vec<String>,
 
+    /// Legs to run, comma-separated: direct, myelin and --external names. Without direct
+    /// there is no added latency. [default: all]
+    #[arg(long, value_name = "LIST")]
+    pub legs: Option<String>,
+
     /// Closed-loop seconds measured per leg and shape. [default: 10; --quick: 2]
     #[arg(long, value_name = "SECONDS")]
     pub duration: Option<f64>,

@@ -242,6 +242,22 @@ fn prepare(args: &OverheadArgs) -> Result<Context, OverheadError> {
             });
         }
     }
+    if let Some(list) = &args.legs {
+        let wanted: Vec<&str> = list.split(',').map(str::trim).collect();
+        if let Some(unknown) = wanted
+            .iter()
+            .find(|name| !legs.iter().any(|leg| leg.name == **name))
+        {
+            return Err(OverheadError::Settings(format!(
+                "--legs: no leg {unknown:?} (legs: direct, myelin{})",
+                externals
+                    .iter()
+                    .map(|(name, _)| format!(", {name}"))
+                    .collect::<String>()
+            )));
+        }
+        legs.retain(|leg| wanted.contains(&leg.name.as_str()));
+    }
     // Prompts are single-token words of the bundled tokenizer, the router's default.
     let alphabet =
         TokenAlphabet::words_from_tokenizer(&myelin_tokenize::bundled_tokenizer_path()?)?;
