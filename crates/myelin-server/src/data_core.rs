@@ -85,6 +85,10 @@ pub struct DataCore {
     lookups: metrics::Counter,
     /// Learned routes not yet sent to the other cores' replicas.
     outbox: RefCell<Vec<myelin_routing::WriteOp>>,
+    /// Backends whose local load changed since the last flush.
+    dirty_loads: RefCell<Vec<BackendId>>,
+    /// Backends with a success not yet reported to the control core.
+    pending_successes: RefCell<Vec<BackendId>>,
     flush_scheduled: Cell<bool>,
     pending_admin: RefCell<HashMap<u64, OneShot<AdminOutcome>>>,
     pending_block_counts: RefCell<HashMap<u64, OneShot<BlockCounts>>>,
@@ -161,6 +165,8 @@ pub async fn run_data_core(setup: DataCoreSetup) -> ServeReport {
         shard_label: setup.shard.to_string(),
         lookups: metrics::counter!(names::LOOKUPS_TOTAL, "shard" => setup.shard.to_string()),
         outbox: RefCell::new(Vec::new()),
+        dirty_loads: RefCell::new(Vec::new()),
+        pending_successes: RefCell::new(Vec::new()),
         flush_scheduled: Cell::new(false),
         pending_admin: RefCell::new(HashMap::new()),
         pending_block_counts: RefCell::new(HashMap::new()),
@@ -214,9 +220,7 @@ async fn resync_loop(core: Rc<DataCore>) {
             .iter()
             .map(|entry| (entry.info.id, entry.local))
             .collect();
-        for (backend, load) in loads {
-            core.broadcast_load(backend, load);
-        }
+        core.broadcast_loads(&loads);
     }
 }
 
@@ -292,17 +296,15 @@ impl DataCore {
                     slot.fill(counts);
                 }
             }
-            Message::Load(update) => {
-                metrics::histogram!(names::LOAD_VIEW_STALENESS_SECONDS)
-                    .record(update.sent_at.elapsed().as_secs_f64());
-                self.backends.borrow_mut().apply_peer_load(
-                    update.from,
-                    update.backend,
-                    update.load,
-                );
-                self.routing
-                    .borrow_mut()
-                    .set_load(update.backend, update.from, update.load);
+            Message::Loads(updates) => {
+                let mut backends = self.backends.borrow_mut();
+                let mut routing = self.routing.borrow_mut();
+                for update in updates.iter() {
+                    metrics::histogram!(names::LOAD_VIEW_STALENESS_SECONDS)
+                        .record(update.sent_at.elapsed().as_secs_f64());
+                    backends.apply_peer_load(update.from, update.backend, update.load);
+                    routing.set_load(update.backend, update.from, update.load);
+                }
             }
             Message::BackendUpsert { change_id, info } => {
                 self.routing.borrow_mut().add_backend(&info);
@@ -413,8 +415,7 @@ impl DataCore {
     }
 
     /// Records that a prompt went to `backend`: applied to this core's replica now, and sent
-    /// to the other cores' replicas in a batch once the tasks ready now have run (so requests
-    /// finishing together share one message per peer).
+    /// to the other cores' replicas with the next flush.
     pub fn learn(self: &Rc<Self>, query: &LookupQuery, backend: BackendId) {
         let write = self.routing.borrow_mut().learn(query, backend);
         if self.shards <= 1 {
@@ -426,35 +427,97 @@ impl DataCore {
             outbox.len() >= MAX_WRITES_PER_BATCH
         };
         if full {
-            self.flush_writes();
-        } else if !self.flush_scheduled.replace(true) {
-            let core = self.clone();
-            glommio::spawn_local(async move {
-                futures_lite::future::yield_now().await;
-                core.flush_writes();
-            })
-            .detach();
+            self.flush();
+        } else {
+            self.schedule_flush();
         }
     }
 
-    /// Sends the pending learned routes to every other core (one shared batch).
-    fn flush_writes(&self) {
+    /// Flushes what this core has to tell the others once the tasks ready now have run, so
+    /// requests handled in the same scheduling round share one message per peer and kind
+    /// (instead of one per request: waking a sleeping core costs a syscall and an IPI).
+    fn schedule_flush(self: &Rc<Self>) {
+        if self.flush_scheduled.replace(true) {
+            return;
+        }
+        let core = self.clone();
+        glommio::spawn_local(async move {
+            futures_lite::future::yield_now().await;
+            core.flush();
+        })
+        .detach();
+    }
+
+    /// Sends the pending learned routes and load changes to every other data core (one
+    /// shared batch each) and the pending successes to the control core.
+    fn flush(&self) {
         self.flush_scheduled.set(false);
-        let batch: Arc<[myelin_routing::WriteOp]> = {
-            let mut outbox = self.outbox.borrow_mut();
-            if outbox.is_empty() {
-                return;
+        let writes: Vec<myelin_routing::WriteOp> = std::mem::take(&mut *self.outbox.borrow_mut());
+        if !writes.is_empty() {
+            let batch: Arc<[myelin_routing::WriteOp]> = writes.into();
+            for peer in (0..self.shards).filter(|&peer| peer != self.shard) {
+                self.send(peer, Message::Writes(batch.clone()));
             }
-            std::mem::take(&mut *outbox).into()
-        };
-        for peer in (0..self.shards).filter(|&peer| peer != self.shard) {
-            self.send(peer, Message::Writes(batch.clone()));
+        }
+        let dirty: Vec<BackendId> = std::mem::take(&mut *self.dirty_loads.borrow_mut());
+        if !dirty.is_empty() {
+            let loads: Vec<(BackendId, Load)> = {
+                let backends = self.backends.borrow();
+                dirty
+                    .iter()
+                    .filter_map(|&id| backends.get(id).map(|entry| (id, entry.local)))
+                    .collect()
+            };
+            self.broadcast_loads(&loads);
+        }
+        let successes: Vec<BackendId> =
+            std::mem::take(&mut *self.pending_successes.borrow_mut());
+        for backend in successes {
+            self.send(
+                self.shards,
+                Message::Outcome {
+                    backend,
+                    success: true,
+                },
+            );
         }
     }
 
-    /// Reports a request outcome to the control core (circuit breaker).
-    pub fn report_outcome(&self, backend: BackendId, success: bool) {
-        self.send(self.shards, Message::Outcome { backend, success });
+    /// Reports a request outcome to the control core (circuit breaker): successes with the
+    /// next flush, a failure at once (after a pending success of the same backend, so the
+    /// control core sees them in order).
+    pub fn report_outcome(self: &Rc<Self>, backend: BackendId, success: bool) {
+        if success {
+            let mut pending = self.pending_successes.borrow_mut();
+            if !pending.contains(&backend) {
+                pending.push(backend);
+            }
+            drop(pending);
+            self.schedule_flush();
+            return;
+        }
+        let had_success = {
+            let mut pending = self.pending_successes.borrow_mut();
+            let before = pending.len();
+            pending.retain(|&id| id != backend);
+            pending.len() != before
+        };
+        if had_success {
+            self.send(
+                self.shards,
+                Message::Outcome {
+                    backend,
+                    success: true,
+                },
+            );
+        }
+        self.send(
+            self.shards,
+            Message::Outcome {
+                backend,
+                success: false,
+            },
+        );
     }
 
     /// Adds a request's load to a backend: `prefill_tokens` until [`LoadGuard::prefill_done`],
@@ -485,8 +548,9 @@ impl DataCore {
         }
     }
 
-    /// Applies `change` to this core's load on `backend` and tells the other cores.
-    fn change_load(&self, backend: BackendId, change: impl FnOnce(&mut Load)) {
+    /// Applies `change` to this core's load on `backend`; the other cores hear of it with the
+    /// next flush.
+    fn change_load(self: &Rc<Self>, backend: BackendId, change: impl FnOnce(&mut Load)) {
         let load = {
             let mut backends = self.backends.borrow_mut();
             let Some(entry) = backends.get_mut(backend) else {
@@ -498,21 +562,33 @@ impl DataCore {
         self.routing
             .borrow_mut()
             .set_load(backend, self.shard, load);
-        self.broadcast_load(backend, load);
+        if self.shards > 1 {
+            let mut dirty = self.dirty_loads.borrow_mut();
+            if !dirty.contains(&backend) {
+                dirty.push(backend);
+            }
+            drop(dirty);
+            self.schedule_flush();
+        }
     }
 
-    fn broadcast_load(&self, backend: BackendId, load: Load) {
+    /// Sends this core's load on `loads`' backends to every other data core (one batch).
+    fn broadcast_loads(&self, loads: &[(BackendId, Load)]) {
+        if self.shards <= 1 || loads.is_empty() {
+            return;
+        }
         let sent_at = Instant::now();
+        let batch: Arc<[LoadUpdate]> = loads
+            .iter()
+            .map(|&(backend, load)| LoadUpdate {
+                from: self.shard,
+                backend,
+                load,
+                sent_at,
+            })
+            .collect();
         for peer in (0..self.shards).filter(|&peer| peer != self.shard) {
-            self.send(
-                peer,
-                Message::Load(LoadUpdate {
-                    from: self.shard,
-                    backend,
-                    load,
-                    sent_at,
-                }),
-            );
+            self.send(peer, Message::Loads(batch.clone()));
         }
     }
 

@@ -45,11 +45,14 @@ pub enum Message {
     },
 
     // Data core -> every other data core.
-    /// The sender's load on one backend (absolute, so a dropped update heals).
-    Load(LoadUpdate),
+    /// The sender's load on backends whose load changed since its last flush (absolute, so a
+    /// dropped update heals).
+    Loads(Arc<[LoadUpdate]>),
 
     // Data core -> control core.
-    /// A proxied request's outcome, for the circuit breaker.
+    /// A proxied request's outcome, for the circuit breaker. Successes are coalesced per
+    /// scheduling round (a success only resets the breaker's failure count); a failure is sent
+    /// at once, after any success still pending for that backend.
     Outcome { backend: BackendId, success: bool },
     /// An admin action; the control core answers with `AdminReply` once every data core
     /// has applied it.
@@ -82,7 +85,7 @@ impl Message {
             Message::Writes(_) => "writes",
             Message::BlockCounts { .. } => "block_counts",
             Message::BlockCountsReply { .. } => "block_counts_reply",
-            Message::Load(_) => "load",
+            Message::Loads(_) => "loads",
             Message::Outcome { .. } => "outcome",
             Message::Admin { .. } => "admin",
             Message::Applied { .. } => "applied",
