@@ -227,8 +227,9 @@ pub struct ServeArgs {
     #[arg(long, env = "MYELIN_DRAIN_TIMEOUT_MS", value_name = "MS")]
     pub drain_timeout_ms: Option<u64>,
 
-    /// Memory per data core for cached token ids of prompt segments between special tokens
-    /// (system prompts, earlier turns); 0 disables. [default: 16777216]
+    /// Memory per data core for each tokenizer cache: token ids of prompt segments between
+    /// special tokens, and of earlier prompts' leading bytes (system prompts, earlier turns);
+    /// 0 disables both. [default: 16777216]
     #[arg(long, env = "MYELIN_TOKENIZE_CACHE_BYTES", value_name = "BYTES")]
     pub tokenize_cache_bytes: Option<usize>,
 
