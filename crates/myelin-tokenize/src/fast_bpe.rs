@@ -71,7 +71,7 @@ pub struct FastBpe {
     /// Reused per-word buffers.
     scratch: Scratch,
     /// Search state of each pre-tokenizer step, in step order.
-    split_caches: Vec<regex_automata::meta::Cache>,
+    split_caches: Vec<pattern::SplitCache>,
     /// Added-token splitting for [`Self::encode`], once attached.
     added_tokens: Option<Arc<AddedTokenMatcher>>,
 }
@@ -299,7 +299,7 @@ impl FastBpe {
 /// final piece.
 fn split_from(
     steps: &[pattern::SplitPattern],
-    caches: &mut [regex_automata::meta::Cache],
+    caches: &mut [pattern::SplitCache],
     piece: &str,
     emit: &mut dyn FnMut(&str),
 ) {
