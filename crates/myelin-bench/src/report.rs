@@ -4,11 +4,11 @@
 use serde::Serialize;
 
 use crate::gates::Gate;
-use crate::stats::LegSummary;
+use crate::stats::{LegSummary, Overlap, Spread};
 use crate::workload::WorkloadConfig;
 
 /// report.json's schema version (docs/benchmark.md describes the schema).
-pub const REPORT_SCHEMA_VERSION: u32 = 1;
+pub const REPORT_SCHEMA_VERSION: u32 = 2;
 
 /// Everything report.json holds.
 #[derive(Debug, Serialize)]
@@ -26,6 +26,9 @@ pub struct Report<'a> {
     pub quick: bool,
     pub workload: &'a WorkloadConfig,
     pub legs: &'a [LegSummary],
+    /// Pairs of legs whose TTFT P50 or P99 ranges across repeats overlap (empty with one
+    /// repeat: one run has no range).
+    pub overlaps: &'a [Overlap],
     pub gates: &'a [Gate],
     pub passed: bool,
 }
@@ -97,6 +100,38 @@ fn rate(value: Option<f64>) -> String {
     value.map_or("-".into(), |value| format!("{:.1}%", value * 100.0))
 }
 
+fn two_decimals(value: f64) -> String {
+    format!("{value:.2}")
+}
+
+/// A figure's median across repeats, with its range `[min-max]` when the leg ran more than
+/// once.
+fn spread_cell(spread: Spread, runs: usize, format: fn(f64) -> String) -> String {
+    if runs > 1 {
+        format!(
+            "{} [{}-{}]",
+            format(spread.median),
+            format(spread.min),
+            format(spread.max)
+        )
+    } else {
+        format(spread.median)
+    }
+}
+
+fn rate_cell(spread: Option<Spread>, runs: usize) -> String {
+    match spread {
+        Some(spread) if runs > 1 => format!(
+            "{} [{}-{}]",
+            rate(Some(spread.median)),
+            rate(Some(spread.min)),
+            rate(Some(spread.max))
+        ),
+        Some(spread) => rate(Some(spread.median)),
+        None => "-".into(),
+    }
+}
+
 fn relative_change(before: f64, after: f64) -> String {
     if before == 0.0 {
         return "-".into();
@@ -115,40 +150,41 @@ fn optional_count(value: Option<u64>) -> String {
     value.map_or("-".into(), |value| value.to_string())
 }
 
-/// The A/B table for two legs: metric | A | B | delta (B against A).
+/// The A/B table for two legs: metric | A | B | delta (B against A). Figures are medians
+/// across repeats, with their ranges when a leg ran more than once; a delta whose two ranges
+/// overlap says so.
 fn comparison_table(a: &LegSummary, b: &LegSummary) -> Table {
-    let latency_row = |label: &str, pick: fn(&LegSummary) -> f64| {
+    let spread_row = |label: &str, pick: fn(&LegSummary) -> Spread, format: fn(f64) -> String| {
+        let (spread_a, spread_b) = (pick(a), pick(b));
+        let mut delta = relative_change(spread_a.median, spread_b.median);
+        if a.repeats.len() > 1 && b.repeats.len() > 1 && spread_a.overlaps(&spread_b) {
+            delta.push_str(" (ranges overlap)");
+        }
         vec![
             label.to_string(),
-            ms(pick(a)),
-            ms(pick(b)),
-            relative_change(pick(a), pick(b)),
+            spread_cell(spread_a, a.repeats.len(), format),
+            spread_cell(spread_b, b.repeats.len(), format),
+            delta,
         ]
     };
     let mut rows = vec![
-        latency_row("TTFT P50 (ms)", |leg| leg.ttft_ms.p50),
-        latency_row("TTFT P90 (ms)", |leg| leg.ttft_ms.p90),
-        latency_row("TTFT P99 (ms)", |leg| leg.ttft_ms.p99),
-        latency_row("TTFT P99.9 (ms)", |leg| leg.ttft_ms.p999),
-        latency_row("E2E P99 (ms)", |leg| leg.e2e_ms.p99),
-        vec![
-            "Throughput (req/s)".into(),
-            format!("{:.2}", a.throughput_rps),
-            format!("{:.2}", b.throughput_rps),
-            relative_change(a.throughput_rps, b.throughput_rps),
-        ],
-        vec![
-            "Output (tok/s)".into(),
-            format!("{:.0}", a.output_tokens_per_s),
-            format!("{:.0}", b.output_tokens_per_s),
-            relative_change(a.output_tokens_per_s, b.output_tokens_per_s),
-        ],
+        spread_row("TTFT P50 (ms)", |leg| leg.spread.ttft_p50_ms, ms),
+        spread_row("TTFT P90 (ms)", |leg| leg.spread.ttft_p90_ms, ms),
+        spread_row("TTFT P99 (ms)", |leg| leg.spread.ttft_p99_ms, ms),
+        spread_row("TTFT P99.9 (ms)", |leg| leg.spread.ttft_p999_ms, ms),
+        spread_row("E2E P99 (ms)", |leg| leg.spread.e2e_p99_ms, ms),
+        spread_row(
+            "Throughput (req/s)",
+            |leg| leg.spread.throughput_rps,
+            two_decimals,
+        ),
+        spread_row("Output (tok/s)", |leg| leg.spread.output_tokens_per_s, ms),
         vec![
             "Prefix-cache hit rate".into(),
-            rate(a.cache_hit_rate),
-            rate(b.cache_hit_rate),
-            match (a.cache_hit_rate, b.cache_hit_rate) {
-                (Some(a), Some(b)) => format!("{:+.1} pt", (b - a) * 100.0),
+            rate_cell(a.spread.cache_hit_rate, a.repeats.len()),
+            rate_cell(b.spread.cache_hit_rate, b.repeats.len()),
+            match (a.spread.cache_hit_rate, b.spread.cache_hit_rate) {
+                (Some(a), Some(b)) => format!("{:+.1} pt", (b.median - a.median) * 100.0),
                 _ => "-".into(),
             },
         ],
@@ -181,7 +217,8 @@ fn comparison_table(a: &LegSummary, b: &LegSummary) -> Table {
     }
 }
 
-/// One row per leg.
+/// One row per leg: medians across repeats, with ranges when a leg ran more than once; counts
+/// are totals over the repeats.
 fn legs_table(legs: &[LegSummary]) -> Table {
     Table {
         header: [
@@ -206,17 +243,18 @@ fn legs_table(legs: &[LegSummary]) -> Table {
         rows: legs
             .iter()
             .map(|leg| {
+                let runs = leg.repeats.len();
                 vec![
                     leg.name.clone(),
                     leg.requests.to_string(),
                     leg.errors.to_string(),
-                    ms(leg.ttft_ms.p50),
-                    ms(leg.ttft_ms.p90),
-                    ms(leg.ttft_ms.p99),
-                    ms(leg.e2e_ms.p99),
-                    format!("{:.2}", leg.throughput_rps),
-                    format!("{:.0}", leg.output_tokens_per_s),
-                    rate(leg.cache_hit_rate),
+                    spread_cell(leg.spread.ttft_p50_ms, runs, ms),
+                    spread_cell(leg.spread.ttft_p90_ms, runs, ms),
+                    spread_cell(leg.spread.ttft_p99_ms, runs, ms),
+                    spread_cell(leg.spread.e2e_p99_ms, runs, ms),
+                    spread_cell(leg.spread.throughput_rps, runs, two_decimals),
+                    spread_cell(leg.spread.output_tokens_per_s, runs, ms),
+                    rate_cell(leg.spread.cache_hit_rate, runs),
                     leg.evictions.to_string(),
                     leg.preemptions.to_string(),
                     optional_count(leg.downgrades),
@@ -226,6 +264,90 @@ fn legs_table(legs: &[LegSummary]) -> Table {
             })
             .collect(),
     }
+}
+
+/// Every repeat of every leg, when some leg ran more than once.
+fn repeats_table(legs: &[LegSummary]) -> Option<Table> {
+    if legs.iter().all(|leg| leg.repeats.len() < 2) {
+        return None;
+    }
+    Some(Table {
+        header: [
+            "leg",
+            "repeat",
+            "requests",
+            "errors",
+            "TTFT p50",
+            "p90",
+            "p99",
+            "E2E p99",
+            "req/s",
+            "hit rate",
+            "downgrades",
+        ]
+        .iter()
+        .map(|cell| cell.to_string())
+        .collect(),
+        rows: legs
+            .iter()
+            .flat_map(|leg| {
+                leg.repeats.iter().map(|figures| {
+                    vec![
+                        leg.name.clone(),
+                        figures.repeat.to_string(),
+                        figures.requests.to_string(),
+                        figures.errors.to_string(),
+                        ms(figures.ttft_ms.p50),
+                        ms(figures.ttft_ms.p90),
+                        ms(figures.ttft_ms.p99),
+                        ms(figures.e2e_ms.p99),
+                        two_decimals(figures.throughput_rps),
+                        rate(figures.cache_hit_rate),
+                        optional_count(figures.downgrades),
+                    ]
+                })
+            })
+            .collect(),
+    })
+}
+
+/// What the repeats say about comparing legs: which ranges overlap, or that one run per leg
+/// measured no spread.
+fn spread_lines(report: &Report<'_>) -> Vec<String> {
+    if report.legs.iter().all(|leg| leg.repeats.len() < 2) {
+        return vec![
+            "One run per leg: no spread measured. Run with --repeat 3 or more before drawing \
+             conclusions between legs that are close."
+                .into(),
+        ];
+    }
+    if report.overlaps.is_empty() {
+        return vec![format!(
+            "Across {} repeats no two legs' TTFT P50 or P99 ranges overlap.",
+            report.repeat
+        )];
+    }
+    report
+        .overlaps
+        .iter()
+        .map(|overlap| {
+            format!(
+                "OVERLAP: the {} ranges of {} ({}-{} ms) and {} ({}-{} ms) overlap across \
+                 repeats: their difference is within repeat-to-repeat variation.",
+                if overlap.metric == "ttft_p50_ms" {
+                    "TTFT P50"
+                } else {
+                    "TTFT P99"
+                },
+                overlap.legs[0],
+                ms(overlap.ranges[0][0]),
+                ms(overlap.ranges[0][1]),
+                overlap.legs[1],
+                ms(overlap.ranges[1][0]),
+                ms(overlap.ranges[1][1]),
+            )
+        })
+        .collect()
 }
 
 /// The harness's own cost per leg.
@@ -325,6 +447,15 @@ pub fn render_text(report: &Report<'_>) -> String {
     }
     out.push_str(&legs_table(report.legs).plain());
     out.push('\n');
+    if let Some(repeats) = repeats_table(report.legs) {
+        out.push_str(&repeats.plain());
+        out.push('\n');
+    }
+    for line in spread_lines(report) {
+        out.push_str(&line);
+        out.push('\n');
+    }
+    out.push('\n');
     out.push_str(&harness_table(report.legs).plain());
     for warning in harness_warnings(report.legs, report.speedup) {
         out.push_str(&warning);
@@ -367,6 +498,14 @@ pub fn render_markdown(report: &Report<'_>, plots: &[(&str, &str)]) -> String {
     }
     out.push_str("## All legs\n\n");
     out.push_str(&legs_table(report.legs).markdown());
+    if let Some(repeats) = repeats_table(report.legs) {
+        out.push_str("\n## Repeats\n\n");
+        out.push_str(&repeats.markdown());
+    }
+    out.push('\n');
+    for line in spread_lines(report) {
+        out.push_str(&format!("{line}\n"));
+    }
     out.push_str("\n## Harness cost\n\n");
     out.push_str(&harness_table(report.legs).markdown());
     for warning in harness_warnings(report.legs, report.speedup) {
@@ -465,6 +604,7 @@ mod tests {
             quick: false,
             workload: &workload,
             legs: &legs,
+            overlaps: &[],
             gates: &gates,
             passed: true,
         };
@@ -495,5 +635,84 @@ mod tests {
         }
         assert!(json["legs"][0]["ttft_ms"]["p99"].as_f64().unwrap() > 2700.0);
         assert_eq!(json["legs"][1]["downgrades"], serde_json::Value::Null);
+        assert_eq!(json["legs"][0]["repeats"].as_array().unwrap().len(), 1);
+        assert!(text.contains("One run per leg: no spread measured"));
+        assert!(!text.contains("(ranges overlap)"));
+    }
+
+    #[test]
+    fn repeats_show_median_and_range_per_repeat_rows_and_overlaps() {
+        let leg = |name: &str, repeat: u32, ttft_us: u64| {
+            let mut leg = run(name, LegKind::RoundRobin, &[ttft_us]);
+            leg.repeat = repeat;
+            leg
+        };
+        // a: 1 s, 3 s, 2 s; b: 2.5 s, 2.6 s, 2.55 s (simulated, speedup 10).
+        let runs = vec![
+            leg("a", 0, 100_000),
+            leg("b", 0, 250_000),
+            leg("b", 1, 260_000),
+            leg("a", 1, 300_000),
+            leg("a", 2, 200_000),
+            leg("b", 2, 255_000),
+        ];
+        let legs = summarize_all(&runs);
+        let overlaps = crate::stats::overlaps(&legs);
+        let gates = evaluate(&legs, &[]);
+        let workload = WorkloadConfig::load("churn").unwrap();
+        let report = Report {
+            schema_version: REPORT_SCHEMA_VERSION,
+            myelin_version: "test",
+            generated_at: "now".into(),
+            command: "myelin bench --repeat 3".into(),
+            time_unit: "simulated",
+            speedup: 10.0,
+            repeat: 3,
+            quick: false,
+            workload: &workload,
+            legs: &legs,
+            overlaps: &overlaps,
+            gates: &gates,
+            passed: true,
+        };
+        let text = render_text(&report);
+        let p99_line = text
+            .lines()
+            .find(|line| line.starts_with("TTFT P99 (ms)"))
+            .unwrap();
+        // Histogram values are exact to 0.1%: 2 s reads 2001 ms.
+        assert!(p99_line.contains("2001 [1000-3000]"), "{p99_line}");
+        assert!(p99_line.contains("2551 [2501-2601]"), "{p99_line}");
+        assert!(p99_line.ends_with("+27.5% (ranges overlap)"), "{p99_line}");
+        assert!(
+            text.contains("OVERLAP: the TTFT P99 ranges of a (1000-3000 ms) and b (2501-2601 ms)"),
+            "{text}"
+        );
+        // One row per repeat: three for each leg.
+        let repeat_rows: Vec<(String, String)> = text
+            .lines()
+            .map(|line| line.split_whitespace().collect::<Vec<_>>())
+            .filter(|cells| cells.len() == 11 && cells[2] == "1")
+            .map(|cells| (cells[0].to_string(), cells[1].to_string()))
+            .collect();
+        assert_eq!(repeat_rows.len(), 6, "{text}");
+        assert_eq!(repeat_rows[2], ("a".to_string(), "3".to_string()));
+        let markdown = render_markdown(&report, &[]);
+        assert!(markdown.contains("## Repeats"));
+        let json: serde_json::Value = serde_json::to_value(&report).unwrap();
+        assert_eq!(json["schema_version"], 2);
+        let repeats = json["legs"][0]["repeats"].as_array().unwrap();
+        assert_eq!(repeats.len(), 3);
+        assert_eq!(repeats[1]["repeat"], 2);
+        assert!((repeats[1]["ttft_ms"]["p99"].as_f64().unwrap() - 3000.0).abs() < 3.0);
+        assert!(
+            (json["legs"][0]["spread"]["ttft_p99_ms"]["median"]
+                .as_f64()
+                .unwrap()
+                - 2000.0)
+                .abs()
+                < 2.0
+        );
+        assert_eq!(json["overlaps"][0]["legs"][1], "b");
     }
 }

@@ -389,6 +389,7 @@ fn finish(context: &RunContext, runs: &[LegRun]) -> Result<ExitCode, BenchError>
         .filter(|leg| leg.kind.weights_residency())
         .map(|leg| leg.name.as_str())
         .collect();
+    let overlaps = stats::overlaps(&summaries);
     let gates = gates::evaluate(&summaries, &residency_legs);
     let passed = gates::all_passed(&gates);
     let report = Report {
@@ -402,6 +403,7 @@ fn finish(context: &RunContext, runs: &[LegRun]) -> Result<ExitCode, BenchError>
         quick: context.quick,
         workload: config,
         legs: &summaries,
+        overlaps: &overlaps,
         gates: &gates,
         passed,
     };

@@ -146,9 +146,106 @@ pub struct LegSummary {
     /// Over the whole run(s), warm-up included.
     pub evictions: u64,
     pub preemptions: u64,
-    /// This leg's TTFT P99 divided by the oracle leg's (set when an oracle leg ran).
+    /// This leg's median TTFT P99 across repeats divided by the oracle leg's (set when an
+    /// oracle leg ran).
     pub p99_ttft_vs_oracle: Option<f64>,
     pub harness: HarnessSummary,
+    /// Every repeat's own figures, in the order the repeats ran.
+    pub repeats: Vec<RepeatFigures>,
+    /// Median and range across repeats of the figures the tables show.
+    pub spread: LegSpread,
+}
+
+/// One repeat (one run) of one leg: its figures alone.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RepeatFigures {
+    /// 1 for the first repeat.
+    pub repeat: u32,
+    pub requests: u64,
+    pub requests_sent: u64,
+    pub errors: u64,
+    pub downgrades: Option<u64>,
+    pub ttft_ms: Percentiles,
+    pub e2e_ms: Percentiles,
+    pub throughput_rps: f64,
+    pub output_tokens_per_s: f64,
+    pub cache_hit_rate: Option<f64>,
+    pub evictions: u64,
+    pub preemptions: u64,
+    /// The harness's loop lag P99 in this repeat, wall microseconds.
+    pub loop_lag_p99_us: u64,
+}
+
+/// The median, smallest and largest of one figure across a leg's repeats (the median of an
+/// even count is the mean of the middle two).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Spread {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl Spread {
+    /// The spread of `values`; all zero when there are none.
+    pub fn of(values: impl IntoIterator<Item = f64>) -> Spread {
+        let mut sorted: Vec<f64> = values.into_iter().collect();
+        if sorted.is_empty() {
+            return Spread::default();
+        }
+        sorted.sort_by(f64::total_cmp);
+        let middle = sorted.len() / 2;
+        let median = if sorted.len() % 2 == 1 {
+            sorted[middle]
+        } else {
+            (sorted[middle - 1] + sorted[middle]) / 2.0
+        };
+        Spread {
+            median,
+            min: sorted[0],
+            max: sorted[sorted.len() - 1],
+        }
+    }
+
+    /// Whether two ranges share at least one value.
+    pub fn overlaps(&self, other: &Spread) -> bool {
+        self.min <= other.max && other.min <= self.max
+    }
+}
+
+/// The spread across repeats of the figures the report's tables show.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct LegSpread {
+    pub ttft_p50_ms: Spread,
+    pub ttft_p90_ms: Spread,
+    pub ttft_p99_ms: Spread,
+    pub ttft_p999_ms: Spread,
+    pub e2e_p99_ms: Spread,
+    pub throughput_rps: Spread,
+    pub output_tokens_per_s: Spread,
+    /// `None` when a repeat had no cache queries.
+    pub cache_hit_rate: Option<Spread>,
+}
+
+impl LegSpread {
+    /// The spread of `repeats`.
+    pub fn of(repeats: &[RepeatFigures]) -> LegSpread {
+        let spread = |pick: fn(&RepeatFigures) -> f64| Spread::of(repeats.iter().map(pick));
+        LegSpread {
+            ttft_p50_ms: spread(|figures| figures.ttft_ms.p50),
+            ttft_p90_ms: spread(|figures| figures.ttft_ms.p90),
+            ttft_p99_ms: spread(|figures| figures.ttft_ms.p99),
+            ttft_p999_ms: spread(|figures| figures.ttft_ms.p999),
+            e2e_p99_ms: spread(|figures| figures.e2e_ms.p99),
+            throughput_rps: spread(|figures| figures.throughput_rps),
+            output_tokens_per_s: spread(|figures| figures.output_tokens_per_s),
+            cache_hit_rate: repeats
+                .iter()
+                .map(|figures| figures.cache_hit_rate)
+                .collect::<Option<Vec<f64>>>()
+                .filter(|rates| !rates.is_empty())
+                .map(Spread::of),
+        }
+    }
 }
 
 /// Percentiles of wall-microsecond samples, in simulated milliseconds.
@@ -177,8 +274,38 @@ pub fn histogram_of(samples_us: impl IntoIterator<Item = u64>) -> Option<Histogr
     (!histogram.is_empty()).then_some(histogram)
 }
 
-/// Summarises all runs of one leg (same name). `runs` must not be empty.
+/// Summarises all runs of one leg (same name): figures over every run's requests together
+/// (histograms merged, counters summed), each run's own figures (`repeats`) and their spread.
+/// `runs` must not be empty.
 pub fn summarize(runs: &[&LegRun]) -> LegSummary {
+    let mut summary = pooled(runs);
+    summary.repeats = runs
+        .iter()
+        .map(|run| {
+            let alone = pooled(&[run]);
+            RepeatFigures {
+                repeat: run.repeat + 1,
+                requests: alone.requests,
+                requests_sent: alone.requests_sent,
+                errors: alone.errors,
+                downgrades: alone.downgrades,
+                ttft_ms: alone.ttft_ms,
+                e2e_ms: alone.e2e_ms,
+                throughput_rps: alone.throughput_rps,
+                output_tokens_per_s: alone.output_tokens_per_s,
+                cache_hit_rate: alone.cache_hit_rate,
+                evictions: alone.evictions,
+                preemptions: alone.preemptions,
+                loop_lag_p99_us: alone.harness.loop_lag_p99_us,
+            }
+        })
+        .collect();
+    summary.spread = LegSpread::of(&summary.repeats);
+    summary
+}
+
+/// The figures of all `runs` together, without `repeats` and `spread`.
+fn pooled(runs: &[&LegRun]) -> LegSummary {
     let first = runs[0];
     let speedup = first.speedup;
     let measured_ok = || {
@@ -260,6 +387,8 @@ pub fn summarize(runs: &[&LegRun]) -> LegSummary {
         evictions: total.evictions,
         preemptions: total.preemptions,
         p99_ttft_vs_oracle: None,
+        repeats: Vec::new(),
+        spread: LegSpread::default(),
         harness: HarnessSummary {
             cpu_us_per_request: if harness_requests > 0 {
                 cpu_us as f64 / harness_requests as f64
@@ -279,7 +408,8 @@ pub fn summarize(runs: &[&LegRun]) -> LegSummary {
     }
 }
 
-/// Summaries of every leg, in first-run order, with each leg's P99 TTFT against the oracle's.
+/// Summaries of every leg, in first-run order, with each leg's P99 TTFT against the oracle's
+/// (medians across repeats).
 pub fn summarize_all(runs: &[LegRun]) -> Vec<LegSummary> {
     let mut names: Vec<&str> = Vec::new();
     for run in runs {
@@ -297,16 +427,58 @@ pub fn summarize_all(runs: &[LegRun]) -> Vec<LegSummary> {
     let oracle_p99 = summaries
         .iter()
         .find(|summary| summary.kind == LegKind::Oracle.describe())
-        .map(|oracle| oracle.ttft_ms.p99)
+        .map(|oracle| oracle.spread.ttft_p99_ms.median)
         .filter(|p99| *p99 > 0.0);
     if let Some(oracle_p99) = oracle_p99 {
         for summary in &mut summaries {
             if summary.requests > 0 {
-                summary.p99_ttft_vs_oracle = Some(summary.ttft_ms.p99 / oracle_p99);
+                summary.p99_ttft_vs_oracle = Some(summary.spread.ttft_p99_ms.median / oracle_p99);
             }
         }
     }
     summaries
+}
+
+/// Two legs whose ranges of one figure across repeats overlap: with this many repeats, the
+/// difference between them is within what a leg varies from one repeat to the next.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Overlap {
+    /// `ttft_p50_ms` or `ttft_p99_ms`.
+    pub metric: &'static str,
+    pub legs: [String; 2],
+    /// Each leg's `[min, max]` across its repeats.
+    pub ranges: [[f64; 2]; 2],
+}
+
+/// Every pair of legs whose TTFT P50 or P99 ranges across repeats overlap. Empty unless both
+/// legs of a pair ran at least twice (one run has no range).
+pub fn overlaps(legs: &[LegSummary]) -> Vec<Overlap> {
+    let mut found = Vec::new();
+    for (metric, pick) in [
+        (
+            "ttft_p50_ms",
+            (|leg: &LegSummary| leg.spread.ttft_p50_ms) as fn(&LegSummary) -> Spread,
+        ),
+        ("ttft_p99_ms", |leg| leg.spread.ttft_p99_ms),
+    ] {
+        for (index, a) in legs.iter().enumerate() {
+            for b in &legs[index + 1..] {
+                if a.repeats.len() < 2 || b.repeats.len() < 2 || a.requests == 0 || b.requests == 0
+                {
+                    continue;
+                }
+                let (range_a, range_b) = (pick(a), pick(b));
+                if range_a.overlaps(&range_b) {
+                    found.push(Overlap {
+                        metric,
+                        legs: [a.name.clone(), b.name.clone()],
+                        ranges: [[range_a.min, range_a.max], [range_b.min, range_b.max]],
+                    });
+                }
+            }
+        }
+    }
+    found
 }
 
 #[cfg(test)]
@@ -439,5 +611,89 @@ pub(crate) mod tests {
         let ratio = summaries[0].p99_ttft_vs_oracle.unwrap();
         assert!((ratio - 4.0).abs() < 0.01, "{ratio}");
         assert_eq!(summaries[1].p99_ttft_vs_oracle, Some(1.0));
+    }
+
+    fn close(value: f64, expected: f64) -> bool {
+        (value - expected).abs() <= expected * 0.001
+    }
+
+    /// A leg run `repeat` (0-based) whose measured requests all take `ttft_us`.
+    fn repeat_of(name: &str, repeat: u32, ttft_us: u64) -> LegRun {
+        let mut leg = run(name, LegKind::RoundRobin, &[ttft_us]);
+        leg.repeat = repeat;
+        leg
+    }
+
+    #[test]
+    fn every_repeat_keeps_its_own_figures_and_the_spread_is_their_median_and_range() {
+        // 100, 300 and 200 ms wall at speedup 10: 1, 3 and 2 simulated seconds.
+        let runs = [
+            repeat_of("round-robin", 0, 100_000),
+            repeat_of("round-robin", 1, 300_000),
+            repeat_of("round-robin", 2, 200_000),
+        ];
+        let summary = summarize(&runs.iter().collect::<Vec<_>>());
+        let repeats: Vec<u32> = summary
+            .repeats
+            .iter()
+            .map(|figures| figures.repeat)
+            .collect();
+        assert_eq!(repeats, [1, 2, 3]);
+        let p99s: Vec<f64> = summary
+            .repeats
+            .iter()
+            .map(|figures| figures.ttft_ms.p99)
+            .collect();
+        assert!(close(p99s[0], 1000.0) && close(p99s[1], 3000.0) && close(p99s[2], 2000.0));
+        let spread = summary.spread.ttft_p99_ms;
+        assert!(close(spread.median, 2000.0), "{spread:?}");
+        assert!(
+            close(spread.min, 1000.0) && close(spread.max, 3000.0),
+            "{spread:?}"
+        );
+        // Each repeat counts its own requests; the pooled figures count them all.
+        assert!(summary.repeats.iter().all(|figures| figures.requests == 1));
+        assert_eq!(summary.requests, 3);
+        assert_eq!(
+            summary.spread.cache_hit_rate.map(|rate| rate.median),
+            Some(0.25)
+        );
+    }
+
+    #[test]
+    fn spread_medians_and_overlaps() {
+        let even = Spread::of([4.0, 1.0, 3.0, 2.0]);
+        assert_eq!((even.median, even.min, even.max), (2.5, 1.0, 4.0));
+        assert_eq!(Spread::of([7.0]).median, 7.0);
+        assert_eq!(Spread::of([]), Spread::default());
+        let a = Spread::of([1.0, 3.0]);
+        assert!(a.overlaps(&Spread::of([3.0, 5.0])));
+        assert!(!a.overlaps(&Spread::of([3.5, 5.0])));
+    }
+
+    #[test]
+    fn overlapping_p99_ranges_are_reported_pairwise_and_single_runs_never() {
+        let runs = vec![
+            repeat_of("a", 0, 100_000),
+            repeat_of("b", 0, 250_000),
+            repeat_of("c", 0, 500_000),
+            repeat_of("a", 1, 300_000),
+            repeat_of("b", 1, 260_000),
+            repeat_of("c", 1, 600_000),
+        ];
+        let legs = summarize_all(&runs);
+        let found = overlaps(&legs);
+        let pairs: Vec<(&str, &str, &str)> = found
+            .iter()
+            .map(|overlap| (overlap.metric, &*overlap.legs[0], &*overlap.legs[1]))
+            .collect();
+        // a spans 1-3 s and b 2.5-2.6 s; c (5-6 s) overlaps neither.
+        assert_eq!(
+            pairs,
+            [("ttft_p50_ms", "a", "b"), ("ttft_p99_ms", "a", "b")]
+        );
+        assert!(close(found[1].ranges[0][1], 3000.0));
+        let single = summarize_all(&runs[..3]);
+        assert!(overlaps(&single).is_empty());
     }
 }
