@@ -82,6 +82,9 @@ pub fn serve_args(kind: LegKind, port: u16, backends: &[BackendEndpoint]) -> Vec
         "serve",
         "--listen",
         &format!("127.0.0.1:{port}"),
+        // The admin API is not used; a free port keeps routers from colliding on its default.
+        "--admin-listen",
+        "127.0.0.1:0",
         "--shards",
         "2",
         "--no-pin",
@@ -322,7 +325,8 @@ mod tests {
         let args = serve_args(LegKind::Prefix(Residency::Off), 8000, &backends()).join(" ");
         assert_eq!(
             args,
-            "serve --listen 127.0.0.1:8000 --shards 2 --no-pin --routing prefix --residency off \
+            "serve --listen 127.0.0.1:8000 --admin-listen 127.0.0.1:0 --shards 2 --no-pin \
+             --routing prefix --residency off \
              --backend http://127.0.0.1:9001 --backend http://127.0.0.1:9002"
         );
         let verified =

@@ -1,24 +1,141 @@
-//! The admin API: list, add, remove and drain backends at run time. Changes go through the
-//! control core, which answers once every data core has applied them.
+//! The admin API: list, add, remove and drain backends at run time. It is served by the
+//! control core on its own listener (`--admin-listen`, loopback by default), never on the
+//! client port, and requires `Authorization: Bearer TOKEN` when `--admin-token-file` is set.
+//! Changes are made on the control core, which answers once every data core has them.
 
 use std::rc::Rc;
+use std::time::Duration;
 
-use http::{Request, Response, StatusCode};
+use http::header::{self, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use myelin_http::body::Body;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::backend_spec::BackendSpec;
-use crate::backends::{BackendEntry, BackendId, BackendInfo};
-use crate::data_core::DataCore;
-use crate::messages::{AdminOp, AdminOutcome};
+use crate::backends::{BackendId, BackendInfo, Load};
+use crate::control::{AdminOp, AdminOutcome, Control};
+use crate::messages::ReplicaSnapshot;
+use crate::metrics as names;
 use crate::openai::ApiError;
 use crate::request_path::{error_response, json_response};
-use crate::routing_glue::BlockCounts;
 
 /// Largest admin request body.
 const MAX_ADMIN_BODY_BYTES: usize = 64 * 1024;
+/// Time an admin client has to send its (small) body.
+const ADMIN_BODY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The admin endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AdminRoute {
+    List,
+    Add,
+    Remove(BackendId),
+    Drain(BackendId),
+}
+
+impl AdminRoute {
+    fn label(self) -> &'static str {
+        match self {
+            AdminRoute::List | AdminRoute::Add => "/admin/backends",
+            AdminRoute::Remove(_) => "/admin/backends/{id}",
+            AdminRoute::Drain(_) => "/admin/backends/{id}/drain",
+        }
+    }
+}
+
+fn admin_route_of(method: &Method, path: &str) -> Result<AdminRoute, ApiError> {
+    let path = path
+        .strip_suffix('/')
+        .filter(|p| !p.is_empty())
+        .unwrap_or(path);
+    if path == "/admin/backends" {
+        return match *method {
+            Method::GET | Method::HEAD => Ok(AdminRoute::List),
+            Method::POST => Ok(AdminRoute::Add),
+            _ => Err(ApiError::method_not_allowed(
+                method.as_str(),
+                path,
+                "GET, POST",
+            )),
+        };
+    }
+    let Some(rest) = path.strip_prefix("/admin/backends/") else {
+        return Err(ApiError::not_found(method.as_str(), path));
+    };
+    let (id_text, drain) = match rest.strip_suffix("/drain") {
+        Some(id_text) => (id_text, true),
+        None => (rest, false),
+    };
+    let Ok(id) = id_text.parse::<BackendId>() else {
+        return Err(ApiError::not_found(method.as_str(), path));
+    };
+    let (route, allowed) = if drain {
+        (AdminRoute::Drain(id), Method::POST)
+    } else {
+        (AdminRoute::Remove(id), Method::DELETE)
+    };
+    if *method == allowed {
+        Ok(route)
+    } else {
+        Err(ApiError::method_not_allowed(
+            method.as_str(),
+            path,
+            allowed.as_str(),
+        ))
+    }
+}
+
+/// Entry point of every request on the admin listener.
+pub async fn handle(control: Rc<Control>, request: Request<Incoming>) -> Response<Body> {
+    let (label, response) = if !authorized(&control, &request) {
+        ("other", unauthorized())
+    } else {
+        match admin_route_of(request.method(), request.uri().path()) {
+            Ok(route) => {
+                let response = match route {
+                    AdminRoute::List => list(&control).await,
+                    AdminRoute::Add => add(&control, request).await,
+                    AdminRoute::Remove(id) => respond(&control, AdminOp::Remove(id)).await,
+                    AdminRoute::Drain(id) => respond(&control, AdminOp::Drain(id)).await,
+                };
+                (route.label(), response)
+            }
+            Err(error) => ("other", error_response(&error)),
+        }
+    };
+    metrics::counter!(
+        names::REQUESTS_TOTAL,
+        "route" => label, "status" => response.status().as_str().to_string()
+    )
+    .increment(1);
+    response
+}
+
+fn authorized(control: &Control, request: &Request<Incoming>) -> bool {
+    match control.admin_token() {
+        None => true,
+        Some(token) => request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .is_some_and(|value| token.accepts(value.as_bytes())),
+    }
+}
+
+fn unauthorized() -> Response<Body> {
+    let mut response = error_response(&ApiError {
+        status: StatusCode::UNAUTHORIZED,
+        message: "the admin API needs `Authorization: Bearer TOKEN` (--admin-token-file)".into(),
+        error_type: "authentication_error",
+        param: None,
+        code: Some("invalid_admin_token"),
+    });
+    response
+        .headers_mut()
+        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    response
+}
 
 /// Body of POST /admin/backends.
 #[derive(Debug, Deserialize)]
@@ -31,77 +148,88 @@ struct AddBackend {
     kv_replay: Option<String>,
 }
 
-/// One backend as the admin API shows it. `counts` are the blocks the replica holds for it
-/// (`None` when not gathered: the answer to an admin change).
-fn backend_json(core: &DataCore, entry: &BackendEntry, counts: Option<&BlockCounts>) -> Value {
-    let load = entry.total_load();
-    let residency = core.routing.borrow().residency_of(entry.info.id);
-    let mut json = json!({
-        "id": entry.info.id,
-        "url": entry.info.spec.url,
-        "kv_events": entry.info.spec.kv_events,
-        "kv_replay": entry.info.spec.kv_replay,
-        "state": entry.info.state.as_str(),
-        "in_flight_requests": load.requests,
-        "in_flight_tokens": load.tokens,
-        "residency": residency,
-    });
-    if let Some(counts) = counts {
-        let backend = myelin_routing::BackendId(entry.info.id);
-        let routed = counts.routed_of(backend);
-        // What routing believes the engine holds: its own KV events when they are in effect,
-        // else the learned routes (which `estimate` scores through the residency estimator).
-        let (resident, source) = if residency == "verified" {
-            (counts.mirrored_of(backend), "kv-events")
-        } else {
-            (routed, "routes")
-        };
-        json["routed_blocks"] = json!(routed);
-        json["resident_blocks"] = json!(resident);
-        json["resident_blocks_source"] = json!(source);
-    }
-    json
+/// A backend's identity and state as the control core knows it.
+fn info_json(info: &BackendInfo) -> Value {
+    json!({
+        "id": info.id,
+        "url": info.spec.url,
+        "kv_events": info.spec.kv_events,
+        "kv_replay": info.spec.kv_replay,
+        "state": info.state.as_str(),
+    })
 }
 
-fn info_json(core: &DataCore, info: &BackendInfo) -> Value {
-    let backends = core.backends.borrow();
-    match backends.get(info.id) {
-        Some(entry) => backend_json(core, entry, None),
-        None => json!({
-            "id": info.id,
-            "url": info.spec.url,
-            "kv_events": info.spec.kv_events,
-            "state": info.state.as_str(),
-        }),
-    }
-}
-
-/// GET /admin/backends: every backend, with the blocks the answering core's replica holds for
-/// it, and whether every core's replica holds the same.
-pub async fn list(core: &Rc<DataCore>) -> Response<Body> {
-    let (counts, all) = core.block_counts().await;
-    let replicas_agree = all.iter().all(|other| *other == counts);
-    let backends = core.backends.borrow();
-    let list: Vec<Value> = backends
+/// GET /admin/backends: every backend with its load (summed over the data cores), the
+/// residency in effect and the blocks the first answering core's replica holds for it, and
+/// whether every answering replica holds the same.
+async fn list(control: &Rc<Control>) -> Response<Body> {
+    let snapshots: Vec<ReplicaSnapshot> = control
+        .snapshots()
+        .await
+        .into_iter()
+        .map(|(_, snapshot)| snapshot)
+        .collect();
+    let reference = snapshots.first();
+    let replicas_agree =
+        reference.is_some_and(|first| snapshots.iter().all(|other| other.counts == first.counts));
+    let fallback_residency = match control.residency() {
+        crate::config::ResidencyMode::Auto => "estimate",
+        mode => mode.as_str(),
+    };
+    let list: Vec<Value> = control
+        .backend_infos()
         .iter()
-        .map(|entry| backend_json(core, entry, Some(&counts)))
+        .map(|info| {
+            let mut load = Load::default();
+            for snapshot in &snapshots {
+                if let Some(entry) = snapshot.backends.iter().find(|entry| entry.id == info.id) {
+                    load.requests += entry.local.requests;
+                    load.tokens += entry.local.tokens;
+                }
+            }
+            let residency = reference
+                .and_then(|first| first.backends.iter().find(|entry| entry.id == info.id))
+                .map_or(fallback_residency, |entry| entry.residency);
+            let backend = myelin_routing::BackendId(info.id);
+            let routed = reference.map_or(0, |first| first.counts.routed_of(backend));
+            // What routing believes the engine holds: its own KV events when they are in
+            // effect, else the learned routes (which `estimate` scores through the estimator).
+            let (resident, source) = if residency == "verified" {
+                (
+                    reference.map_or(0, |first| first.counts.mirrored_of(backend)),
+                    "kv-events",
+                )
+            } else {
+                (routed, "routes")
+            };
+            let mut json = info_json(info);
+            json["in_flight_requests"] = json!(load.requests);
+            json["in_flight_tokens"] = json!(load.tokens);
+            json["residency"] = json!(residency);
+            json["routed_blocks"] = json!(routed);
+            json["resident_blocks"] = json!(resident);
+            json["resident_blocks_source"] = json!(source);
+            json
+        })
         .collect();
     json_response(
         StatusCode::OK,
         &json!({
             "backends": list,
-            "shards": core.shards,
-            "shards_answered": all.len(),
+            "shards": control.shards(),
+            "shards_answered": snapshots.len(),
             "replicas_agree": replicas_agree,
         }),
     )
 }
 
-/// POST /admin/backends with `{"url": "...", "kv_events": "..."}`.
-pub async fn add(core: &Rc<DataCore>, request: Request<Incoming>) -> Response<Body> {
-    let body = match crate::request_path::read_admin_body(request, MAX_ADMIN_BODY_BYTES).await {
-        Ok(body) => body,
-        Err(error) => return error_response(&error),
+/// POST /admin/backends with `{"url": "...", "kv_events": "...", "kv_replay": "..."}`.
+async fn add(control: &Rc<Control>, request: Request<Incoming>) -> Response<Body> {
+    let read = crate::request_path::read_admin_body(request, MAX_ADMIN_BODY_BYTES);
+    let body = match myelin_http::rt::timeout(ADMIN_BODY_TIMEOUT, read).await {
+        Some(Ok(body)) => body,
+        Some(Err(error)) => return error_response(&error),
+        None => return error_response(&ApiError::body_timeout()),
     };
     let add: AddBackend = match serde_json::from_slice(&body) {
         Ok(add) => add,
@@ -125,36 +253,18 @@ pub async fn add(core: &Rc<DataCore>, request: Request<Incoming>) -> Response<Bo
             ));
         }
     };
-    respond(core, AdminOp::Add(spec)).await
+    respond(control, AdminOp::Add(spec)).await
 }
 
-/// DELETE /admin/backends/{id}.
-pub async fn remove(core: &Rc<DataCore>, id: BackendId) -> Response<Body> {
-    respond(core, AdminOp::Remove(id)).await
-}
-
-/// POST /admin/backends/{id}/drain.
-pub async fn drain(core: &Rc<DataCore>, id: BackendId) -> Response<Body> {
-    respond(core, AdminOp::Drain(id)).await
-}
-
-async fn respond(core: &Rc<DataCore>, op: AdminOp) -> Response<Body> {
-    match core.admin(op).await {
-        Some(AdminOutcome::Added(info)) => {
-            json_response(StatusCode::CREATED, &info_json(core, &info))
+async fn respond(control: &Rc<Control>, op: AdminOp) -> Response<Body> {
+    match control.admin_change(op).await {
+        Some(AdminOutcome::Added(info)) => json_response(StatusCode::CREATED, &info_json(&info)),
+        Some(AdminOutcome::Draining(info)) => json_response(StatusCode::OK, &info_json(&info)),
+        Some(AdminOutcome::Removed(info)) => {
+            let mut json = info_json(&info);
+            json["state"] = json!("removed");
+            json_response(StatusCode::OK, &json)
         }
-        Some(AdminOutcome::Draining(info)) => {
-            json_response(StatusCode::OK, &info_json(core, &info))
-        }
-        Some(AdminOutcome::Removed(info)) => json_response(
-            StatusCode::OK,
-            &json!({
-                "id": info.id,
-                "url": info.spec.url,
-                "kv_events": info.spec.kv_events,
-                "state": "removed",
-            }),
-        ),
         Some(AdminOutcome::NotFound(id)) => error_response(&ApiError {
             status: StatusCode::NOT_FOUND,
             message: format!("no backend with id {id}"),
@@ -171,7 +281,50 @@ async fn respond(core: &Rc<DataCore>, op: AdminOp) -> Response<Body> {
         }),
         None => error_response(&ApiError::upstream(
             StatusCode::SERVICE_UNAVAILABLE,
-            "the control core did not confirm the change in time",
+            "not every data core confirmed the change in time (it is made on the control core \
+             and is being re-sent to them)",
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admin_routes() {
+        assert_eq!(
+            admin_route_of(&Method::GET, "/admin/backends/"),
+            Ok(AdminRoute::List)
+        );
+        assert_eq!(
+            admin_route_of(&Method::POST, "/admin/backends"),
+            Ok(AdminRoute::Add)
+        );
+        assert_eq!(
+            admin_route_of(&Method::DELETE, "/admin/backends/3"),
+            Ok(AdminRoute::Remove(3))
+        );
+        assert_eq!(
+            admin_route_of(&Method::POST, "/admin/backends/3/drain"),
+            Ok(AdminRoute::Drain(3))
+        );
+        let status = |method: Method, path: &str| admin_route_of(&method, path).unwrap_err().status;
+        assert_eq!(
+            status(Method::PUT, "/admin/backends"),
+            StatusCode::METHOD_NOT_ALLOWED
+        );
+        assert_eq!(
+            status(Method::GET, "/admin/backends/3"),
+            StatusCode::METHOD_NOT_ALLOWED
+        );
+        assert_eq!(
+            status(Method::DELETE, "/admin/backends/x"),
+            StatusCode::NOT_FOUND
+        );
+        assert_eq!(
+            status(Method::POST, "/v1/chat/completions"),
+            StatusCode::NOT_FOUND
+        );
     }
 }

@@ -27,6 +27,15 @@ pub enum BackendSpecError {
     UnsupportedScheme { spec: String },
     #[error("backend `{spec}`: URL has no host")]
     MissingHost { spec: String },
+    #[error("backend `{spec}`: `{host}` is not a host name or IP address")]
+    InvalidHost { spec: String, host: String },
+    #[error("backend `{spec}`: port must be a number from 1 to 65535")]
+    InvalidPort { spec: String },
+    #[error(
+        "backend `{spec}`: credentials in the URL are refused (they would be shown in the admin \
+         API, logs and metrics); engines are reached without URL credentials"
+    )]
+    Credentials { spec: String },
     #[error("backend `{spec}`: URL must not have a path, query or fragment past `/`")]
     UnexpectedPath { spec: String },
     #[error(
@@ -87,13 +96,18 @@ impl BackendSpec {
         if url.is_empty() {
             return Err(BackendSpecError::EmptyUrl { spec: spec.into() });
         }
+        // Credentials first: every later error message quotes the spec, which must not carry a
+        // password into logs or an admin API answer.
+        if has_credentials(url) {
+            return Err(BackendSpecError::Credentials {
+                spec: redact_credentials(spec),
+            });
+        }
         let Some(rest) = url.strip_prefix("http://") else {
             return Err(BackendSpecError::UnsupportedScheme { spec: spec.into() });
         };
-        let (authority, path) = match rest.find('/') {
-            Some(slash) => rest.split_at(slash),
-            None => (rest, ""),
-        };
+        let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+        let (authority, path) = rest.split_at(end);
         if authority.is_empty() {
             return Err(BackendSpecError::MissingHost { spec: spec.into() });
         }
@@ -101,18 +115,98 @@ impl BackendSpec {
         if !path.is_empty() && path != "/" {
             return Err(BackendSpecError::UnexpectedPath { spec: spec.into() });
         }
-        let authority = if authority.contains(':') && !authority.ends_with(']') {
-            authority.to_string()
-        } else {
-            format!("{authority}:80")
+        let (host, port) = split_host_port(authority);
+        if host.is_empty() {
+            return Err(BackendSpecError::MissingHost { spec: spec.into() });
+        }
+        if !is_valid_host(host) {
+            return Err(BackendSpecError::InvalidHost {
+                spec: spec.into(),
+                host: host.into(),
+            });
+        }
+        let port = match port {
+            None => 80,
+            Some(text) => match text.parse::<u16>() {
+                Ok(port) if port > 0 && text.bytes().all(|byte| byte.is_ascii_digit()) => port,
+                _ => return Err(BackendSpecError::InvalidPort { spec: spec.into() }),
+            },
         };
         Ok(BackendSpec {
-            url: format!("http://{}", rest.trim_end_matches('/')),
-            authority,
+            url: format!("http://{authority}"),
+            authority: format!("{host}:{port}"),
             kv_events,
             kv_replay,
         })
     }
+}
+
+/// True when the URL's authority has a `user[:password]@` part.
+fn has_credentials(url: &str) -> bool {
+    let after_scheme = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let end = after_scheme
+        .find(['/', '?', '#'])
+        .unwrap_or(after_scheme.len());
+    after_scheme[..end].contains('@')
+}
+
+/// `spec` with every `user:password@` replaced by `***@`.
+fn redact_credentials(spec: &str) -> String {
+    spec.split(',')
+        .map(|part| {
+            let (prefix, url) = match part.split_once('=') {
+                Some((option, url)) if !option.contains("://") => (format!("{option}="), url),
+                _ => (String::new(), part),
+            };
+            let Some((scheme, rest)) = url.split_once("://") else {
+                return part.to_string();
+            };
+            let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+            match rest[..end].rfind('@') {
+                Some(at) => format!("{prefix}{scheme}://***@{}", &rest[at + 1..]),
+                None => part.to_string(),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Splits `host[:port]` or `[v6][:port]` (brackets kept on the host).
+fn split_host_port(authority: &str) -> (&str, Option<&str>) {
+    if authority.starts_with('[') {
+        return match authority.find(']') {
+            Some(close) => {
+                let (host, rest) = authority.split_at(close + 1);
+                (
+                    host,
+                    rest.strip_prefix(':')
+                        .or(Some(rest).filter(|r| !r.is_empty())),
+                )
+            }
+            None => (authority, None),
+        };
+    }
+    match authority.rsplit_once(':') {
+        Some((host, port)) => (host, Some(port)),
+        None => (authority, None),
+    }
+}
+
+/// A DNS name (letters, digits, `-`, `_`, dots), an IPv4 address, or a bracketed IPv6 address.
+fn is_valid_host(host: &str) -> bool {
+    if let Some(inner) = host.strip_prefix('[') {
+        return inner
+            .strip_suffix(']')
+            .is_some_and(|v6| v6.parse::<std::net::Ipv6Addr>().is_ok());
+    }
+    host.len() <= 253
+        && host.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && label
+                    .bytes()
+                    .all(|byte| byte.is_ascii_alphanumeric() || byte == b'-' || byte == b'_')
+        })
 }
 
 impl fmt::Display for BackendSpec {
@@ -193,5 +287,79 @@ mod tests {
             BackendSpec::parse("http:///x"),
             Err(BackendSpecError::MissingHost { .. })
         ));
+    }
+
+    #[test]
+    fn validates_host_and_port() {
+        for (text, authority) in [
+            ("http://h:1", "h:1"),
+            ("http://h:65535", "h:65535"),
+            ("http://[::1]:8000", "[::1]:8000"),
+            ("http://[::1]", "[::1]:80"),
+            ("http://engine-1.local_x:8000/", "engine-1.local_x:8000"),
+        ] {
+            assert_eq!(
+                BackendSpec::parse(text).unwrap().authority,
+                authority,
+                "{text}"
+            );
+        }
+        for bad_port in [
+            "http://h:0",
+            "http://h:99999",
+            "http://h:",
+            "http://h:+80",
+            "http://h:8a",
+            "http://[::1]x",
+        ] {
+            assert!(
+                matches!(
+                    BackendSpec::parse(bad_port),
+                    Err(BackendSpecError::InvalidPort { .. })
+                ),
+                "{bad_port}: {:?}",
+                BackendSpec::parse(bad_port)
+            );
+        }
+        for bad_host in [
+            "http://h h:1",
+            "http://a..b:1",
+            "http://[::g]:1",
+            "http://h%41:1",
+        ] {
+            assert!(
+                matches!(
+                    BackendSpec::parse(bad_host),
+                    Err(BackendSpecError::InvalidHost { .. })
+                ),
+                "{bad_host}: {:?}",
+                BackendSpec::parse(bad_host)
+            );
+        }
+        assert!(matches!(
+            BackendSpec::parse("http://h:1?x=1"),
+            Err(BackendSpecError::UnexpectedPath { .. })
+        ));
+    }
+
+    #[test]
+    fn refuses_credentials_without_repeating_them() {
+        for text in [
+            "http://user:hunter2@h:8000",
+            "http://user@h:8000",
+            "https://user:hunter2@h:8000",
+            "http://user:hunter2@h:8000,kv-events=tcp://h:5557",
+        ] {
+            let error = BackendSpec::parse(text).unwrap_err();
+            assert!(
+                matches!(error, BackendSpecError::Credentials { .. }),
+                "{text}: {error}"
+            );
+            let message = error.to_string();
+            assert!(!message.contains("hunter2"), "{message}");
+            assert!(message.contains("***@h:8000"), "{message}");
+        }
+        let table = BackendSpec::from_parts("table", "http://u:hunter2@h:1", None, None);
+        assert!(matches!(table, Err(BackendSpecError::Credentials { .. })));
     }
 }

@@ -1,7 +1,7 @@
 //! Backend identity and each data core's table of backends: state, this core's load on each,
 //! and the load the other cores last reported (the load view).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
 use serde::Serialize;
@@ -58,10 +58,13 @@ pub struct BackendEntry {
     pub local: Load,
     /// Load each other core last reported, by core index.
     pub peers: Vec<Load>,
+    /// Version of the last control-core change applied to this entry (0: the startup list).
+    pub version: u64,
 }
 
 impl BackendEntry {
     /// Total load over all cores, as this core last heard it.
+    #[cfg(test)]
     pub fn total_load(&self) -> Load {
         let mut total = self.local;
         for peer in &self.peers {
@@ -77,6 +80,8 @@ impl BackendEntry {
 pub struct BackendTable {
     shards: usize,
     entries: BTreeMap<BackendId, BackendEntry>,
+    /// Ids removed (never reused): a late or re-sent change for one of them is ignored.
+    removed: BTreeSet<BackendId>,
 }
 
 impl BackendTable {
@@ -84,30 +89,61 @@ impl BackendTable {
         BackendTable {
             shards,
             entries: BTreeMap::new(),
+            removed: BTreeSet::new(),
         }
     }
 
     pub fn upsert(&mut self, info: BackendInfo) {
+        self.upsert_versioned(info, 0);
+    }
+
+    /// Adds or updates a backend unless this table already applied a newer change to it or
+    /// removed it. Returns whether it changed anything.
+    pub fn upsert_versioned(&mut self, info: BackendInfo, version: u64) -> bool {
+        if self.removed.contains(&info.id) {
+            return false;
+        }
         match self.entries.get_mut(&info.id) {
-            Some(entry) => entry.info = info,
+            Some(entry) if entry.version > version => false,
+            Some(entry) => {
+                entry.version = version;
+                entry.info = info;
+                true
+            }
             None => {
                 let entry = BackendEntry {
                     info: info.clone(),
                     local: Load::default(),
                     peers: vec![Load::default(); self.shards],
+                    version,
                 };
                 self.entries.insert(info.id, entry);
+                true
             }
         }
     }
 
+    /// Removes a backend for good (its id is never reused).
     pub fn remove(&mut self, id: BackendId) -> Option<BackendEntry> {
+        self.removed.insert(id);
         self.entries.remove(&id)
     }
 
-    pub fn set_state(&mut self, id: BackendId, state: BackendState) {
-        if let Some(entry) = self.entries.get_mut(&id) {
-            entry.info.state = state;
+    /// Sets a backend's routing state unless a newer change was applied to it. Returns whether
+    /// it changed anything.
+    pub fn set_state_versioned(
+        &mut self,
+        id: BackendId,
+        state: BackendState,
+        version: u64,
+    ) -> bool {
+        match self.entries.get_mut(&id) {
+            Some(entry) if entry.version <= version => {
+                entry.version = version;
+                entry.info.state = state;
+                true
+            }
+            _ => false,
         }
     }
 
@@ -223,11 +259,26 @@ mod tests {
     fn states() {
         let mut table = BackendTable::new(1);
         table.upsert(info(1));
-        table.set_state(1, BackendState::Draining);
+        table.set_state_versioned(1, BackendState::Draining, 0);
         assert_eq!(table.get(1).unwrap().info.state, BackendState::Draining);
         table.upsert(info(1));
         assert_eq!(table.get(1).unwrap().info.state, BackendState::Up);
         assert!(table.remove(1).is_some());
         assert_eq!(table.len(), 0);
+    }
+
+    #[test]
+    fn older_and_resent_changes_never_undo_newer_ones() {
+        let mut table = BackendTable::new(1);
+        assert!(table.upsert_versioned(info(1), 5));
+        assert!(!table.set_state_versioned(1, BackendState::Down, 4));
+        assert!(table.set_state_versioned(1, BackendState::Draining, 7));
+        // The add re-sent after the drain: ignored.
+        assert!(!table.upsert_versioned(info(1), 5));
+        assert_eq!(table.get(1).unwrap().info.state, BackendState::Draining);
+        assert!(table.remove(1).is_some());
+        // A re-sent add of a removed backend does not bring it back.
+        assert!(!table.upsert_versioned(info(1), 9));
+        assert!(table.get(1).is_none());
     }
 }

@@ -18,6 +18,7 @@ pub struct Defaults;
 
 impl Defaults {
     pub const LISTEN: &'static str = "0.0.0.0:8080";
+    pub const ADMIN_LISTEN: &'static str = "127.0.0.1:9090";
     pub const BLOCK_SIZE_TOKENS: usize = 16;
     pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
     pub const MAX_IN_FLIGHT_PER_CORE: usize = 1024;
@@ -107,6 +108,18 @@ pub struct ServeArgs {
     /// [default: none]
     #[arg(long, env = "MYELIN_METRICS_LISTEN", value_name = "HOST:PORT")]
     pub metrics_listen: Option<SocketAddr>,
+
+    /// Address of the admin API (`/admin/backends`), served by the control core and never on
+    /// --listen. Port 0 picks a free port (printed on stdout). A non-loopback address needs
+    /// --admin-token-file. [default: 127.0.0.1:9090]
+    #[arg(long, env = "MYELIN_ADMIN_LISTEN", value_name = "HOST:PORT")]
+    pub admin_listen: Option<SocketAddr>,
+
+    /// File holding the admin API's bearer token (`Authorization: Bearer TOKEN`; surrounding
+    /// whitespace ignored). Required when --admin-listen is not a loopback address.
+    /// [default: none: no token on loopback]
+    #[arg(long, env = "MYELIN_ADMIN_TOKEN_FILE", value_name = "PATH")]
+    pub admin_token_file: Option<PathBuf>,
 
     /// An inference engine: `http://host:port[,kv-events=tcp://host:port]`. Repeat the flag
     /// for several; in MYELIN_BACKEND separate them with `;`. [default: none]
@@ -256,6 +269,8 @@ pub struct ServeArgs {
 pub struct FileConfig {
     pub listen: Option<SocketAddr>,
     pub metrics_listen: Option<SocketAddr>,
+    pub admin_listen: Option<SocketAddr>,
+    pub admin_token_file: Option<PathBuf>,
     #[serde(default, alias = "backends")]
     pub backend: Vec<FileBackend>,
     pub sim: Option<usize>,
@@ -320,6 +335,9 @@ pub struct HealthConfig {
 pub struct ServeConfig {
     pub listen: SocketAddr,
     pub metrics_listen: Option<SocketAddr>,
+    pub admin_listen: SocketAddr,
+    /// Bearer token the admin API requires (always set when `admin_listen` is not loopback).
+    pub admin_token: Option<AdminToken>,
     pub backends: Vec<BackendSpec>,
     pub sim: usize,
     pub sim_speedup: f64,
@@ -368,6 +386,61 @@ pub enum ConfigError {
     SimSpeedup,
     #[error("--health-path must start with `/`")]
     HealthPath,
+    #[error(
+        "--admin-listen {0} is not a loopback address: give --admin-token-file PATH (a bearer \
+         token) or listen on 127.0.0.1 / [::1]"
+    )]
+    AdminTokenRequired(SocketAddr),
+    #[error("reading --admin-token-file {path}: {source}")]
+    AdminTokenFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("--admin-token-file {0} holds no token (empty or only whitespace)")]
+    AdminTokenEmpty(PathBuf),
+}
+
+/// The admin API's bearer token. Its `Debug` never shows it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct AdminToken(String);
+
+impl std::fmt::Debug for AdminToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AdminToken(<redacted>)")
+    }
+}
+
+impl AdminToken {
+    /// Reads a token file (surrounding whitespace, such as the final newline, is dropped).
+    pub fn from_file(path: &Path) -> Result<AdminToken, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::AdminTokenFile {
+            path: path.into(),
+            source,
+        })?;
+        AdminToken::new(text.trim()).ok_or_else(|| ConfigError::AdminTokenEmpty(path.into()))
+    }
+
+    /// A token, or `None` when empty.
+    pub fn new(token: &str) -> Option<AdminToken> {
+        (!token.is_empty()).then(|| AdminToken(token.to_string()))
+    }
+
+    /// True when `authorization` (an `Authorization` header value) is `Bearer TOKEN`. The
+    /// comparison takes the same time wherever the first difference is.
+    pub fn accepts(&self, authorization: &[u8]) -> bool {
+        let Some(presented) = authorization
+            .strip_prefix(b"Bearer ")
+            .or_else(|| authorization.strip_prefix(b"bearer "))
+        else {
+            return false;
+        };
+        let expected = self.0.as_bytes();
+        let mut difference = presented.len() ^ expected.len();
+        for (index, byte) in expected.iter().enumerate() {
+            difference |= usize::from(byte ^ presented.get(index).copied().unwrap_or(0));
+        }
+        difference == 0
+    }
 }
 
 impl FileConfig {
@@ -461,9 +534,22 @@ impl ServeConfig {
             Some(listen) => listen,
             None => SocketAddr::from(([0, 0, 0, 0], 8080)),
         };
+        let admin_listen = args
+            .admin_listen
+            .or(file.admin_listen)
+            .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 9090)));
+        let admin_token = match args.admin_token_file.or(file.admin_token_file) {
+            Some(path) => Some(AdminToken::from_file(&path)?),
+            None => None,
+        };
+        if admin_token.is_none() && !admin_listen.ip().is_loopback() {
+            return Err(ConfigError::AdminTokenRequired(admin_listen));
+        }
         Ok(ServeConfig {
             listen,
             metrics_listen: args.metrics_listen.or(file.metrics_listen),
+            admin_listen,
+            admin_token,
             backends,
             sim,
             sim_speedup,
@@ -605,6 +691,8 @@ mod tests {
         )
         .unwrap();
         assert_eq!(config.listen.to_string(), Defaults::LISTEN);
+        assert_eq!(config.admin_listen.to_string(), Defaults::ADMIN_LISTEN);
+        assert_eq!(config.admin_token, None);
         assert_eq!(config.routing, RoutingPolicy::Prefix);
         assert_eq!(config.residency, ResidencyMode::Auto);
         assert_eq!(config.block_size, 16);
@@ -668,6 +756,49 @@ mod tests {
             ),
             Err(ConfigError::HealthPath)
         ));
+    }
+
+    #[test]
+    fn admin_off_loopback_needs_a_token() {
+        let merge = |flags: &[&str]| {
+            let mut all = vec!["--backend", "http://a:1", "--shards", "1"];
+            all.extend_from_slice(flags);
+            ServeConfig::merge(parse(&all), FileConfig::default(), &[0])
+        };
+        assert!(merge(&["--admin-listen", "[::1]:0"]).is_ok());
+        let error = merge(&["--admin-listen", "0.0.0.0:9090"]).unwrap_err();
+        assert!(matches!(error, ConfigError::AdminTokenRequired(_)));
+        assert!(error.to_string().contains("--admin-token-file"), "{error}");
+
+        let dir = std::env::temp_dir().join(format!("myelin-admin-token-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let token_path = dir.join("token");
+        std::fs::write(&token_path, "s3cret\n").unwrap();
+        let path = token_path.to_str().unwrap();
+        let config = merge(&["--admin-listen", "0.0.0.0:9090", "--admin-token-file", path])
+            .expect("a token makes any address acceptable");
+        let token = config.admin_token.expect("token");
+        assert!(!format!("{token:?}").contains("s3cret"));
+        assert!(token.accepts(b"Bearer s3cret"));
+        for wrong in [
+            &b"Bearer s3cre"[..],
+            b"Bearer s3cret2",
+            b"s3cret",
+            b"Bearer ",
+            b"",
+        ] {
+            assert!(!token.accepts(wrong), "{wrong:?}");
+        }
+        std::fs::write(&token_path, " \n").unwrap();
+        assert!(matches!(
+            merge(&["--admin-token-file", path]),
+            Err(ConfigError::AdminTokenEmpty(_))
+        ));
+        assert!(matches!(
+            merge(&["--admin-token-file", "/nonexistent/myelin/token"]),
+            Err(ConfigError::AdminTokenFile { .. })
+        ));
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]

@@ -1,9 +1,10 @@
 //! The control core: owns the backend list and its health (active checks, passive circuit
-//! breaker, half-open probes), executes admin actions, fans state changes out to the data
-//! cores, runs the metrics recorder's upkeep and the optional `--metrics-listen` server.
-//! Nothing here is on the request path; a slow engine only ever delays a health check.
+//! breaker, half-open probes), serves the admin API on its own listener and executes its
+//! changes, fans state changes out to the data cores, runs the metrics recorder's upkeep and
+//! the optional `--metrics-listen` server. Nothing here is on the request path; a slow engine
+//! only ever delays a health check.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap};
 use std::rc::Rc;
 use std::sync::Arc;
@@ -22,12 +23,12 @@ use myelin_routing::WriteOp;
 
 use crate::backend_spec::BackendSpec;
 use crate::backends::{BackendId, BackendInfo, BackendState};
-use crate::config::{HealthConfig, ServeConfig};
+use crate::config::{AdminToken, HealthConfig, ResidencyMode, ServeConfig};
 use crate::health::{BackendHealth, HealthEvent};
 use crate::kv_feed::KvFeed;
 use crate::kv_subscriber::{FeedEvent, KvEndpoints, Subscriber};
-use crate::mesh::{Mesh, MeshEnds};
-use crate::messages::{AdminOp, AdminOutcome, Message};
+use crate::mesh::{Mesh, MeshEnds, OneShot};
+use crate::messages::{Message, ReplicaSnapshot};
 use crate::metrics as names;
 
 /// How often open breakers are checked for the end of their open period.
@@ -41,6 +42,39 @@ const KV_FEED_INTERVAL: Duration = Duration::from_millis(2);
 /// Updates queued between the subscriber threads and the control core; a full queue makes the
 /// subscribers wait (and, if it lasts, the engines' PUB sockets drop: counted as gaps).
 const KV_FEED_QUEUE: usize = 16 * 1024;
+/// How long an admin change waits for every data core to confirm it; past it the change is
+/// answered 503 and its pending entry expires (the change itself stays on the control core).
+const ADMIN_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often an admin change not yet confirmed by every data core is sent again to those
+/// that did not confirm it (a full queue drops messages).
+const ADMIN_RESEND_INTERVAL: Duration = Duration::from_millis(100);
+/// How long the admin listing waits for the data cores' replica snapshots.
+const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// An operator action from the admin API, executed by the control core.
+#[derive(Debug, Clone)]
+pub(crate) enum AdminOp {
+    Add(BackendSpec),
+    Remove(BackendId),
+    Drain(BackendId),
+}
+
+/// What an admin action did.
+#[derive(Debug, Clone)]
+pub(crate) enum AdminOutcome {
+    Added(BackendInfo),
+    Removed(BackendInfo),
+    Draining(BackendInfo),
+    NotFound(BackendId),
+    Duplicate(String),
+}
+
+/// Addresses the control core listens on, reported at startup.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ControlAddrs {
+    pub metrics: Option<std::net::SocketAddr>,
+    pub admin: Option<std::net::SocketAddr>,
+}
 
 struct ControlBackend {
     info: BackendInfo,
@@ -61,23 +95,40 @@ impl ControlBackend {
     }
 }
 
+/// An admin change sent to the data cores, until every one confirmed it or it expired.
 struct PendingChange {
-    request_id: u64,
-    reply_to: usize,
     outcome: AdminOutcome,
-    acks_remaining: usize,
+    reply: OneShot<AdminOutcome>,
+    /// Data cores that have not confirmed it yet, by index.
+    unconfirmed: Vec<bool>,
+    message: Rc<dyn Fn() -> Message>,
+    expires: Instant,
 }
 
 struct ControlState {
     backends: BTreeMap<BackendId, ControlBackend>,
     next_backend_id: BackendId,
-    next_change_id: u64,
-    pending: HashMap<u64, PendingChange>,
+    /// Version of the next backend change sent to the data cores (every kind of change shares
+    /// this counter, so a data core can tell which of two changes is newer).
+    next_version: u64,
+    pending: BTreeMap<u64, PendingChange>,
+}
+
+impl ControlState {
+    fn take_version(&mut self) -> u64 {
+        let version = self.next_version;
+        self.next_version += 1;
+        version
+    }
 }
 
 /// The control core's context.
-struct Control {
+pub(crate) struct Control {
     shards: usize,
+    residency: ResidencyMode,
+    admin_token: Option<AdminToken>,
+    pending_snapshots: RefCell<HashMap<u64, OneShot<ReplicaSnapshot>>>,
+    next_request_id: Cell<u64>,
     health_config: HealthConfig,
     mesh: Mesh<Message>,
     state: RefCell<ControlState>,
@@ -98,7 +149,7 @@ pub async fn run_control(
     initial: Vec<BackendInfo>,
     metrics: PrometheusHandle,
     stop: Arc<AtomicBool>,
-    ready: std::sync::mpsc::Sender<Result<Option<std::net::SocketAddr>, String>>,
+    ready: std::sync::mpsc::Sender<Result<ControlAddrs, String>>,
 ) {
     let (mesh, receivers) = mesh_ends.connect().await;
     let (feed_sender, feed_receiver) = crossbeam_channel::bounded(KV_FEED_QUEUE);
@@ -120,13 +171,17 @@ pub async fn run_control(
         .collect();
     let control = Rc::new(Control {
         shards,
+        residency: config.residency,
+        admin_token: config.admin_token.clone(),
+        pending_snapshots: RefCell::new(HashMap::new()),
+        next_request_id: Cell::new(1),
         health_config: config.health.clone(),
         mesh,
         state: RefCell::new(ControlState {
             backends,
             next_backend_id,
-            next_change_id: 1,
-            pending: HashMap::new(),
+            next_version: 1,
+            pending: BTreeMap::new(),
         }),
         pool: Pool::new(PoolConfig {
             connect_timeout: config.health.timeout,
@@ -150,6 +205,7 @@ pub async fn run_control(
     }
     glommio::spawn_local(health_check_loop(control.clone())).detach();
     glommio::spawn_local(breaker_loop(control.clone())).detach();
+    glommio::spawn_local(admin_resend_loop(control.clone())).detach();
     let upkeep_handle = metrics.clone();
     glommio::spawn_local(async move {
         loop {
@@ -159,14 +215,17 @@ pub async fn run_control(
     })
     .detach();
 
-    let metrics_server = match config.metrics_listen {
-        Some(addr) => match glommio::net::TcpListener::bind(addr) {
+    let mut addrs = ControlAddrs::default();
+    let mut servers = Vec::new();
+    let mut startup_error = None;
+    if let Some(addr) = config.metrics_listen {
+        match glommio::net::TcpListener::bind(addr) {
             Ok(listener) => {
-                let bound = listener.local_addr().ok();
+                addrs.metrics = listener.local_addr().ok();
                 let shutdown = myelin_http::server::Shutdown::new();
                 shutdown.follow(stop.clone(), STOP_POLL_INTERVAL);
                 let handle = metrics.clone();
-                let task = glommio::spawn_local(myelin_http::server::serve(
+                servers.push(glommio::spawn_local(myelin_http::server::serve(
                     listener,
                     move |request: Request<Incoming>| {
                         let handle = handle.clone();
@@ -177,27 +236,51 @@ pub async fn run_control(
                         ..Default::default()
                     },
                     shutdown,
-                ));
-                let _ = ready.send(Ok(bound));
-                Some(task)
+                )));
             }
             Err(error) => {
-                let _ = ready.send(Err(format!("cannot listen for metrics on {addr}: {error}")));
-                None
+                startup_error = Some(format!("cannot listen for metrics on {addr}: {error}"));
             }
-        },
-        None => {
-            let _ = ready.send(Ok(None));
-            None
         }
-    };
+    }
+    match glommio::net::TcpListener::bind(config.admin_listen) {
+        Ok(listener) => {
+            addrs.admin = listener.local_addr().ok();
+            let shutdown = myelin_http::server::Shutdown::new();
+            shutdown.follow(stop.clone(), STOP_POLL_INTERVAL);
+            let admin_control = control.clone();
+            servers.push(glommio::spawn_local(myelin_http::server::serve(
+                listener,
+                move |request: Request<Incoming>| {
+                    crate::admin::handle(admin_control.clone(), request)
+                },
+                myelin_http::server::ServerConfig {
+                    header_read_timeout: Duration::from_secs(10),
+                    drain_timeout: Duration::from_millis(500),
+                    ..Default::default()
+                },
+                shutdown,
+            )));
+        }
+        Err(error) => {
+            startup_error.get_or_insert(format!(
+                "cannot listen for the admin API on {} (--admin-listen; port 0 picks a free \
+                 one): {error}",
+                config.admin_listen
+            ));
+        }
+    }
+    let _ = ready.send(match startup_error {
+        Some(message) => Err(message),
+        None => Ok(addrs),
+    });
 
     while !stop.load(Ordering::Acquire) {
         Timer::new(STOP_POLL_INTERVAL).await;
     }
     // Stop every subscriber thread (each notices within its receive timeout).
     control.subscribers.borrow_mut().clear();
-    if let Some(task) = metrics_server {
+    for task in servers {
         task.await;
     }
 }
@@ -256,12 +339,16 @@ async fn receive_loop(control: Rc<Control>, receiver: ConnectedReceiver<Message>
                     health.on_request(success, now, config, events)
                 });
             }
-            Message::Admin {
+            Message::Applied { shard, version } => control.on_applied(shard, version),
+            Message::SnapshotReply {
                 request_id,
-                reply_to,
-                op,
-            } => control.apply_admin(request_id, reply_to, op),
-            Message::Applied { change_id } => control.on_applied(change_id),
+                snapshot,
+            } => {
+                let slot = control.pending_snapshots.borrow_mut().remove(&request_id);
+                if let Some(slot) = slot {
+                    slot.fill(*snapshot);
+                }
+            }
             _ => {}
         }
     }
@@ -313,15 +400,17 @@ impl Control {
         }
     }
 
-    fn send(&self, to: usize, message: Message) {
+    fn send(&self, to: usize, message: Message) -> bool {
         let kind = message.kind();
         match self.mesh.try_send(to, message) {
             Ok(()) => {
                 metrics::counter!(names::CROSS_CORE_MESSAGES_TOTAL, "shard" => "control", "kind" => kind)
                     .increment(1);
+                true
             }
             Err(_) => {
                 metrics::counter!(names::CROSS_CORE_DROPPED_TOTAL, "kind" => kind).increment(1);
+                false
             }
         }
     }
@@ -376,17 +465,100 @@ impl Control {
     fn publish_state(&self, id: BackendId, state: BackendState, url: String) {
         let up = if state == BackendState::Up { 1.0 } else { 0.0 };
         metrics::gauge!(names::BACKEND_UP, "backend" => url).set(up);
-        self.broadcast(|| Message::BackendState { id, state });
+        let version = self.state.borrow_mut().take_version();
+        self.broadcast(|| Message::BackendState { version, id, state });
     }
 
-    fn apply_admin(&self, request_id: u64, reply_to: usize, op: AdminOp) {
+    /// Number of data cores.
+    pub(crate) fn shards(&self) -> usize {
+        self.shards
+    }
+
+    /// The admin API's bearer token, when one is configured.
+    pub(crate) fn admin_token(&self) -> Option<&AdminToken> {
+        self.admin_token.as_ref()
+    }
+
+    /// The configured residency mode (what a backend's residency is when no replica answered).
+    pub(crate) fn residency(&self) -> ResidencyMode {
+        self.residency
+    }
+
+    /// Every backend as the control core knows it (its state is the truth the data cores
+    /// follow).
+    pub(crate) fn backend_infos(&self) -> Vec<BackendInfo> {
+        self.state
+            .borrow()
+            .backends
+            .values()
+            .map(|backend| backend.info.clone())
+            .collect()
+    }
+
+    /// Every data core's replica snapshot, by core index, from those that answered within
+    /// [`SNAPSHOT_TIMEOUT`].
+    pub(crate) async fn snapshots(&self) -> Vec<(usize, ReplicaSnapshot)> {
+        let mut waiting = Vec::with_capacity(self.shards);
+        for shard in 0..self.shards {
+            let request_id = self.next_request_id.get();
+            self.next_request_id.set(request_id + 1);
+            let slot = OneShot::default();
+            self.pending_snapshots
+                .borrow_mut()
+                .insert(request_id, slot.clone());
+            if self.send(shard, Message::Snapshot { request_id }) {
+                waiting.push((shard, request_id, slot));
+            } else {
+                self.pending_snapshots.borrow_mut().remove(&request_id);
+            }
+        }
+        let deadline = Instant::now() + SNAPSHOT_TIMEOUT;
+        let mut answers = Vec::with_capacity(waiting.len());
+        for (shard, request_id, slot) in waiting {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if let Some(snapshot) = myelin_http::rt::timeout(left, slot.wait()).await {
+                answers.push((shard, snapshot));
+            }
+            self.pending_snapshots.borrow_mut().remove(&request_id);
+        }
+        answers
+    }
+
+    /// Executes an admin action and waits until every data core has it (`None` when some did
+    /// not confirm within [`ADMIN_TIMEOUT`]; the change stays made on the control core and is
+    /// re-sent to the others until then).
+    pub(crate) async fn admin_change(&self, op: AdminOp) -> Option<AdminOutcome> {
+        let (outcome, change) = self.apply_admin(op);
+        let Some((version, message)) = change else {
+            return Some(outcome);
+        };
+        let reply = OneShot::default();
+        self.state.borrow_mut().pending.insert(
+            version,
+            PendingChange {
+                outcome,
+                reply: reply.clone(),
+                unconfirmed: vec![true; self.shards],
+                message: message.clone(),
+                expires: Instant::now() + ADMIN_TIMEOUT,
+            },
+        );
+        self.broadcast(|| message());
+        let confirmed = myelin_http::rt::timeout(ADMIN_TIMEOUT, reply.wait()).await;
+        self.state.borrow_mut().pending.remove(&version);
+        confirmed
+    }
+
+    /// Makes an admin change on the control core. Returns its outcome and, when the data cores
+    /// must apply it, its version and the message that tells them (sent again to a core that
+    /// has not confirmed it).
+    #[allow(clippy::type_complexity)]
+    fn apply_admin(&self, op: AdminOp) -> (AdminOutcome, Option<(u64, Rc<dyn Fn() -> Message>)>) {
         let mut state = self.state.borrow_mut();
-        let change_id = state.next_change_id;
-        state.next_change_id += 1;
         // KV-event subscriptions to start or stop once the state is released.
         let mut follow: Option<(BackendId, BackendSpec)> = None;
         let mut unfollow: Option<BackendId> = None;
-        let (outcome, broadcast) = match op {
+        let (outcome, change): (AdminOutcome, Option<(u64, Rc<dyn Fn() -> Message>)>) = match op {
             AdminOp::Add(spec) => {
                 if let Some(existing) = state
                     .backends
@@ -400,58 +572,70 @@ impl Control {
                 } else {
                     let id = state.next_backend_id;
                     state.next_backend_id += 1;
+                    let version = state.take_version();
                     let info = BackendInfo {
                         id,
                         spec,
                         state: BackendState::Up,
                     };
-                    let info_copy = info.clone();
                     follow = Some((id, info.spec.clone()));
                     metrics::gauge!(names::BACKEND_UP, "backend" => info.spec.url.clone()).set(1.0);
                     state.backends.insert(
                         id,
                         ControlBackend {
-                            info: info_copy.clone(),
+                            info: info.clone(),
                             health: BackendHealth::new(),
                             draining: false,
                             probe_in_flight: false,
                         },
                     );
-                    let upsert: Box<dyn Fn() -> Message> =
-                        Box::new(move || Message::BackendUpsert {
-                            change_id,
-                            info: info.clone(),
+                    let sent = info.clone();
+                    let message: Rc<dyn Fn() -> Message> =
+                        Rc::new(move || Message::BackendUpsert {
+                            version,
+                            info: sent.clone(),
                         });
-                    (AdminOutcome::Added(info_copy), Some(upsert))
+                    (AdminOutcome::Added(info), Some((version, message)))
                 }
             }
             AdminOp::Remove(id) => match state.backends.remove(&id) {
                 Some(backend) => {
                     unfollow = Some(id);
+                    let version = state.take_version();
                     metrics::gauge!(names::BACKEND_UP, "backend" => backend.info.spec.url.clone())
                         .set(0.0);
-                    let remove: Box<dyn Fn() -> Message> =
-                        Box::new(move || Message::BackendRemove { change_id, id });
-                    (AdminOutcome::Removed(backend.info), Some(remove))
+                    let message: Rc<dyn Fn() -> Message> =
+                        Rc::new(move || Message::BackendRemove { version, id });
+                    (
+                        AdminOutcome::Removed(backend.info),
+                        Some((version, message)),
+                    )
                 }
                 None => (AdminOutcome::NotFound(id), None),
             },
-            AdminOp::Drain(id) => match state.backends.get_mut(&id) {
-                Some(backend) => {
-                    backend.draining = true;
-                    backend.info.state = BackendState::Draining;
-                    metrics::gauge!(names::BACKEND_UP, "backend" => backend.info.spec.url.clone())
+            AdminOp::Drain(id) => {
+                let version = state.next_version;
+                match state.backends.get_mut(&id) {
+                    Some(backend) => {
+                        backend.draining = true;
+                        backend.info.state = BackendState::Draining;
+                        metrics::gauge!(
+                            names::BACKEND_UP, "backend" => backend.info.spec.url.clone()
+                        )
                         .set(0.0);
-                    let info = backend.info.clone();
-                    let upsert: Box<dyn Fn() -> Message> =
-                        Box::new(move || Message::BackendUpsert {
-                            change_id,
-                            info: info.clone(),
-                        });
-                    (AdminOutcome::Draining(backend.info.clone()), Some(upsert))
+                        let info = backend.info.clone();
+                        state.next_version += 1;
+                        let sent = info.clone();
+                        let message: Rc<dyn Fn() -> Message> =
+                            Rc::new(move || Message::BackendUpsert {
+                                version,
+                                info: sent.clone(),
+                            });
+                        (AdminOutcome::Draining(info), Some((version, message)))
+                    }
+                    None => (AdminOutcome::NotFound(id), None),
                 }
-                None => (AdminOutcome::NotFound(id), None),
-            },
+            }
         };
         drop(state);
         if let Some((id, spec)) = follow {
@@ -460,54 +644,48 @@ impl Control {
         if let Some(id) = unfollow {
             self.subscribers.borrow_mut().remove(&id);
         }
-        let mut state = self.state.borrow_mut();
-        match broadcast {
-            Some(make_message) => {
-                state.pending.insert(
-                    change_id,
-                    PendingChange {
-                        request_id,
-                        reply_to,
-                        outcome,
-                        acks_remaining: self.shards,
-                    },
-                );
-                drop(state);
-                self.broadcast(make_message);
+        (outcome, change)
+    }
+
+    /// Data core `shard` has the change `version`: once every core has an admin change, its
+    /// caller gets the outcome.
+    fn on_applied(&self, shard: usize, version: u64) {
+        let finished = {
+            let mut state = self.state.borrow_mut();
+            let Some(pending) = state.pending.get_mut(&version) else {
+                return;
+            };
+            if let Some(flag) = pending.unconfirmed.get_mut(shard) {
+                *flag = false;
             }
-            None => {
-                drop(state);
-                self.send(
-                    reply_to,
-                    Message::AdminReply {
-                        request_id,
-                        outcome,
-                    },
-                );
+            if pending.unconfirmed.iter().any(|&flag| flag) {
+                return;
             }
+            state.pending.remove(&version)
+        };
+        if let Some(pending) = finished {
+            pending.reply.fill(pending.outcome);
         }
     }
 
-    fn on_applied(&self, change_id: u64) {
-        let finished = {
-            let mut state = self.state.borrow_mut();
-            let Some(pending) = state.pending.get_mut(&change_id) else {
-                return;
-            };
-            pending.acks_remaining = pending.acks_remaining.saturating_sub(1);
-            if pending.acks_remaining > 0 {
-                return;
+    /// Sends every unconfirmed admin change again to the cores that have not confirmed it,
+    /// and drops the expired ones.
+    fn resend_pending(&self) {
+        let now = Instant::now();
+        let mut resend: Vec<(usize, Rc<dyn Fn() -> Message>)> = Vec::new();
+        self.state.borrow_mut().pending.retain(|_, pending| {
+            if pending.expires <= now {
+                return false;
             }
-            state.pending.remove(&change_id)
-        };
-        if let Some(pending) = finished {
-            self.send(
-                pending.reply_to,
-                Message::AdminReply {
-                    request_id: pending.request_id,
-                    outcome: pending.outcome,
-                },
-            );
+            for (shard, &unconfirmed) in pending.unconfirmed.iter().enumerate() {
+                if unconfirmed {
+                    resend.push((shard, pending.message.clone()));
+                }
+            }
+            true
+        });
+        for (shard, message) in resend {
+            self.send(shard, message());
         }
     }
 
@@ -544,6 +722,14 @@ impl Control {
         myelin_http::rt::timeout(self.health_config.timeout, attempt)
             .await
             .unwrap_or(false)
+    }
+}
+
+/// Re-sends admin changes some data core has not confirmed (see [`Control::resend_pending`]).
+async fn admin_resend_loop(control: Rc<Control>) {
+    loop {
+        Timer::new(ADMIN_RESEND_INTERVAL).await;
+        control.resend_pending();
     }
 }
 

@@ -3,7 +3,6 @@
 //! `request_path.rs`.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -19,18 +18,14 @@ use myelin_tokenize::{ChatTemplate, FastBpe, Tokenizer};
 
 use crate::backends::{BackendId, BackendInfo, BackendTable, Load, LoadUpdate};
 use crate::config::ServeConfig;
-use crate::mesh::{Mesh, MeshEnds, OneShot, SendError};
-use crate::messages::{AdminOp, AdminOutcome, Message};
+use crate::mesh::{Mesh, MeshEnds, SendError};
+use crate::messages::{Message, ReplicaBackend, ReplicaSnapshot};
 use crate::metrics as names;
 use crate::route_tokens::{AddedTokens, RouteTokenizer};
-use crate::routing_glue::{BlockCounts, LookupAnswer, LookupQuery, RoutingShard};
+use crate::routing_glue::{LookupAnswer, LookupQuery, RoutingShard};
 
 /// Learned routes sent to the other replicas in one message, at most.
 const MAX_WRITES_PER_BATCH: usize = 256;
-/// How long an admin request waits for the control core and every data core.
-const ADMIN_TIMEOUT: Duration = Duration::from_secs(5);
-/// Time the admin API waits for the other shards' block counts.
-const BLOCK_COUNTS_TIMEOUT: Duration = Duration::from_secs(1);
 /// Period of the full load and shard-stats broadcast that heals dropped updates.
 const RESYNC_INTERVAL: Duration = Duration::from_secs(1);
 /// How often the server loop looks at the process-wide stop flag.
@@ -90,9 +85,6 @@ pub struct DataCore {
     /// Backends with a success not yet reported to the control core.
     pending_successes: RefCell<Vec<BackendId>>,
     flush_scheduled: Cell<bool>,
-    pending_admin: RefCell<HashMap<u64, OneShot<AdminOutcome>>>,
-    pending_block_counts: RefCell<HashMap<u64, OneShot<BlockCounts>>>,
-    next_request_id: Cell<u64>,
     in_flight: Cell<usize>,
 }
 
@@ -168,9 +160,6 @@ pub async fn run_data_core(setup: DataCoreSetup) -> ServeReport {
         dirty_loads: RefCell::new(Vec::new()),
         pending_successes: RefCell::new(Vec::new()),
         flush_scheduled: Cell::new(false),
-        pending_admin: RefCell::new(HashMap::new()),
-        pending_block_counts: RefCell::new(HashMap::new()),
-        next_request_id: Cell::new(1),
         in_flight: Cell::new(0),
         config: setup.config.clone(),
     });
@@ -284,18 +273,6 @@ impl DataCore {
                     routing.apply(op);
                 }
             }
-            Message::BlockCounts {
-                request_id,
-                reply_to,
-            } => {
-                let counts = self.routing.borrow().block_counts();
-                self.send(reply_to, Message::BlockCountsReply { request_id, counts });
-            }
-            Message::BlockCountsReply { request_id, counts } => {
-                if let Some(slot) = self.pending_block_counts.borrow_mut().remove(&request_id) {
-                    slot.fill(counts);
-                }
-            }
             Message::Loads(updates) => {
                 let mut backends = self.backends.borrow_mut();
                 let mut routing = self.routing.borrow_mut();
@@ -306,36 +283,70 @@ impl DataCore {
                     routing.set_load(update.backend, update.from, update.load);
                 }
             }
-            Message::BackendUpsert { change_id, info } => {
-                self.routing.borrow_mut().add_backend(&info);
-                self.backends.borrow_mut().upsert(info);
-                self.acknowledge(change_id);
+            Message::BackendUpsert { version, info } => {
+                let info_copy = info.clone();
+                if self.backends.borrow_mut().upsert_versioned(info, version) {
+                    self.routing.borrow_mut().add_backend(&info_copy);
+                }
+                self.acknowledge(version);
             }
-            Message::BackendRemove { change_id, id } => {
+            Message::BackendRemove { version, id } => {
                 self.routing.borrow_mut().remove_backend(id);
                 self.backends.borrow_mut().remove(id);
-                self.acknowledge(change_id);
+                self.acknowledge(version);
             }
-            Message::BackendState { id, state } => {
-                self.routing.borrow_mut().set_state(id, state);
-                self.backends.borrow_mut().set_state(id, state);
-            }
-            Message::AdminReply {
-                request_id,
-                outcome,
-            } => {
-                if let Some(slot) = self.pending_admin.borrow_mut().remove(&request_id) {
-                    slot.fill(outcome);
+            Message::BackendState { version, id, state } => {
+                if self
+                    .backends
+                    .borrow_mut()
+                    .set_state_versioned(id, state, version)
+                {
+                    self.routing.borrow_mut().set_state(id, state);
                 }
+                self.acknowledge(version);
+            }
+            Message::Snapshot { request_id } => {
+                let snapshot = self.snapshot();
+                self.send(
+                    self.shards,
+                    Message::SnapshotReply {
+                        request_id,
+                        snapshot: Box::new(snapshot),
+                    },
+                );
             }
             // Messages for the control core never reach a data core.
-            Message::Outcome { .. } | Message::Admin { .. } | Message::Applied { .. } => {}
+            Message::Outcome { .. } | Message::Applied { .. } | Message::SnapshotReply { .. } => {}
         }
     }
 
-    fn acknowledge(&self, change_id: u64) {
-        if change_id != 0 {
-            self.send(self.shards, Message::Applied { change_id });
+    /// Tells the control core this core has the backend change `version` (or a newer one).
+    fn acknowledge(&self, version: u64) {
+        self.send(
+            self.shards,
+            Message::Applied {
+                shard: self.shard,
+                version,
+            },
+        );
+    }
+
+    /// What this core's replica holds and the load this core puts on each backend.
+    fn snapshot(&self) -> ReplicaSnapshot {
+        let routing = self.routing.borrow();
+        let backends = self
+            .backends
+            .borrow()
+            .iter()
+            .map(|entry| ReplicaBackend {
+                id: entry.info.id,
+                local: entry.local,
+                residency: routing.residency_of(entry.info.id),
+            })
+            .collect();
+        ReplicaSnapshot {
+            counts: routing.block_counts(),
+            backends,
         }
     }
 
@@ -358,12 +369,6 @@ impl DataCore {
         }
     }
 
-    fn next_request_id(&self) -> u64 {
-        let id = self.next_request_id.get();
-        self.next_request_id.set(id + 1);
-        id
-    }
-
     /// Takes a slot of the per-core in-flight budget, or `None` at the limit.
     pub fn admit(self: &Rc<Self>) -> Option<InFlightPermit> {
         if self.in_flight.get() >= self.config.max_in_flight_per_core {
@@ -378,40 +383,6 @@ impl DataCore {
     pub fn lookup(&self, query: &LookupQuery) -> LookupAnswer {
         self.lookups.increment(1);
         self.routing.borrow().lookup(query)
-    }
-
-    /// Blocks per backend in this core's replica, and every core's own figures (this core's
-    /// first) from those that answered within the admin timeout: replicas that received the
-    /// same writes report the same counts.
-    pub async fn block_counts(&self) -> (BlockCounts, Vec<BlockCounts>) {
-        let local = self.routing.borrow().block_counts();
-        let mut all = vec![local.clone()];
-        let mut waiting = Vec::new();
-        for peer in (0..self.shards).filter(|&peer| peer != self.shard) {
-            let request_id = self.next_request_id();
-            let slot = OneShot::default();
-            self.pending_block_counts
-                .borrow_mut()
-                .insert(request_id, slot.clone());
-            let message = Message::BlockCounts {
-                request_id,
-                reply_to: self.shard,
-            };
-            if self.send(peer, message) {
-                waiting.push((request_id, slot));
-            } else {
-                self.pending_block_counts.borrow_mut().remove(&request_id);
-            }
-        }
-        let deadline = Instant::now() + BLOCK_COUNTS_TIMEOUT;
-        for (request_id, slot) in waiting {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if let Some(counts) = myelin_http::rt::timeout(left, slot.wait()).await {
-                all.push(counts);
-            }
-            self.pending_block_counts.borrow_mut().remove(&request_id);
-        }
-        (local, all)
     }
 
     /// Records that a prompt went to `backend`: applied to this core's replica now, and sent
@@ -470,8 +441,7 @@ impl DataCore {
             };
             self.broadcast_loads(&loads);
         }
-        let successes: Vec<BackendId> =
-            std::mem::take(&mut *self.pending_successes.borrow_mut());
+        let successes: Vec<BackendId> = std::mem::take(&mut *self.pending_successes.borrow_mut());
         for backend in successes {
             self.send(
                 self.shards,
@@ -590,29 +560,5 @@ impl DataCore {
         for peer in (0..self.shards).filter(|&peer| peer != self.shard) {
             self.send(peer, Message::Loads(batch.clone()));
         }
-    }
-
-    /// Runs an admin action on the control core and waits until every data core applied it.
-    pub async fn admin(&self, op: AdminOp) -> Option<AdminOutcome> {
-        let request_id = self.next_request_id();
-        let slot = OneShot::default();
-        self.pending_admin
-            .borrow_mut()
-            .insert(request_id, slot.clone());
-        let sent = self.send(
-            self.shards,
-            Message::Admin {
-                request_id,
-                reply_to: self.shard,
-                op,
-            },
-        );
-        let outcome = if sent {
-            myelin_http::rt::timeout(ADMIN_TIMEOUT, slot.wait()).await
-        } else {
-            None
-        };
-        self.pending_admin.borrow_mut().remove(&request_id);
-        outcome
     }
 }

@@ -72,6 +72,8 @@ pub struct Server {
     pub addr: SocketAddr,
     /// Address of the `--metrics-listen` server, when configured.
     pub metrics_addr: Option<SocketAddr>,
+    /// Address of the admin API (`--admin-listen`, port 0 resolved).
+    pub admin_addr: Option<SocketAddr>,
     /// Number of data shards.
     pub shards: usize,
     stop: Arc<AtomicBool>,
@@ -281,20 +283,21 @@ pub fn start(config: ServeConfig, stop: Arc<AtomicBool>) -> Result<Server, Serve
             Err(_) => startup_error = Some("a data core stopped during startup".into()),
         }
     }
-    let metrics_addr = match control_ready.recv() {
-        Ok(Ok(addr)) => addr,
+    let control_addrs = match control_ready.recv() {
+        Ok(Ok(addrs)) => addrs,
         Ok(Err(message)) => {
             startup_error.get_or_insert(message);
-            None
+            control::ControlAddrs::default()
         }
         Err(_) => {
             startup_error.get_or_insert("the control core stopped during startup".into());
-            None
+            control::ControlAddrs::default()
         }
     };
     let server = Server {
         addr: listen,
-        metrics_addr,
+        metrics_addr: control_addrs.metrics,
+        admin_addr: control_addrs.admin,
         shards,
         stop,
         control_stop,
@@ -337,8 +340,12 @@ pub fn run(args: ServeArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         .metrics_addr
         .map(|addr| format!(", metrics on http://{addr}/metrics"))
         .unwrap_or_default();
+    let admin_note = server
+        .admin_addr
+        .map(|addr| format!(", admin on http://{addr}"))
+        .unwrap_or_default();
     println!(
-        "myelin: listening on http://{} ({summary}{metrics_note})",
+        "myelin: listening on http://{} ({summary}{metrics_note}{admin_note})",
         server.addr
     );
     use std::io::Write;

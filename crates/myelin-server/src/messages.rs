@@ -1,29 +1,29 @@
 //! The messages cores send each other over the mesh (all `Send`, all owned data).
 
-use crate::backend_spec::BackendSpec;
-use crate::backends::{BackendId, BackendInfo, BackendState, LoadUpdate};
+use crate::backends::{BackendId, BackendInfo, BackendState, Load, LoadUpdate};
 use std::sync::Arc;
 
 use myelin_routing::WriteOp;
 
 use crate::routing_glue::BlockCounts;
 
-/// An operator action from the admin API, executed by the control core.
-#[derive(Debug, Clone)]
-pub enum AdminOp {
-    Add(BackendSpec),
-    Remove(BackendId),
-    Drain(BackendId),
+/// What a data core's replica holds, for the admin API's listing (answer to `Snapshot`).
+#[derive(Debug, Clone, Default)]
+pub struct ReplicaSnapshot {
+    /// Blocks per backend in this replica's tree and mirror.
+    pub counts: BlockCounts,
+    /// This core's own load on each backend and the residency in effect for it.
+    pub backends: Vec<ReplicaBackend>,
 }
 
-/// What an admin action did.
-#[derive(Debug, Clone)]
-pub enum AdminOutcome {
-    Added(BackendInfo),
-    Removed(BackendInfo),
-    Draining(BackendInfo),
-    NotFound(BackendId),
-    Duplicate(String),
+/// One backend in a [`ReplicaSnapshot`].
+#[derive(Debug, Clone, Copy)]
+pub struct ReplicaBackend {
+    pub id: BackendId,
+    /// Load this core put on the backend (not its view of the other cores' load).
+    pub local: Load,
+    /// `verified` or `estimate` (or the configured mode when it is not `auto`).
+    pub residency: &'static str,
 }
 
 /// Every message between cores.
@@ -35,15 +35,6 @@ pub enum Message {
     /// One shared batch per sender flush.
     Writes(Arc<[WriteOp]>),
 
-    // Data core -> data core.
-    /// Blocks per backend in the receiver's replica (admin API); answered by `BlockCountsReply`.
-    BlockCounts { request_id: u64, reply_to: usize },
-    /// Answer to `BlockCounts`.
-    BlockCountsReply {
-        request_id: u64,
-        counts: BlockCounts,
-    },
-
     // Data core -> every other data core.
     /// The sender's load on backends whose load changed since its last flush (absolute, so a
     /// dropped update heals).
@@ -54,28 +45,30 @@ pub enum Message {
     /// scheduling round (a success only resets the breaker's failure count); a failure is sent
     /// at once, after any success still pending for that backend.
     Outcome { backend: BackendId, success: bool },
-    /// An admin action; the control core answers with `AdminReply` once every data core
-    /// has applied it.
-    Admin {
+    /// Data core `shard` received the backend change of this `version` (applied, or
+    /// superseded by a newer one it already had).
+    Applied { shard: usize, version: u64 },
+    /// Answer to `Snapshot`.
+    SnapshotReply {
         request_id: u64,
-        reply_to: usize,
-        op: AdminOp,
+        snapshot: Box<ReplicaSnapshot>,
     },
-    /// A data core applied a backend change sent with this `change_id`.
-    Applied { change_id: u64 },
 
-    // Control core -> data cores.
-    /// Add or update a backend. `change_id` 0 needs no acknowledgement.
-    BackendUpsert { change_id: u64, info: BackendInfo },
-    /// Remove a backend (its shard entries are dropped too).
-    BackendRemove { change_id: u64, id: BackendId },
+    // Control core -> data cores. Every backend change carries a version from one counter on
+    // the control core; a data core ignores a change older than the one it last applied for
+    // that backend, so a re-sent message never undoes a newer one.
+    /// Add or update a backend.
+    BackendUpsert { version: u64, info: BackendInfo },
+    /// Remove a backend (its shard entries are dropped too; ids are never reused).
+    BackendRemove { version: u64, id: BackendId },
     /// Routing state of a backend changed (health, breaker, drain).
-    BackendState { id: BackendId, state: BackendState },
-    /// Answer to `Admin`.
-    AdminReply {
-        request_id: u64,
-        outcome: AdminOutcome,
+    BackendState {
+        version: u64,
+        id: BackendId,
+        state: BackendState,
     },
+    /// What the receiver's replica holds (admin API); answered by `SnapshotReply`.
+    Snapshot { request_id: u64 },
 }
 
 impl Message {
@@ -83,16 +76,14 @@ impl Message {
     pub fn kind(&self) -> &'static str {
         match self {
             Message::Writes(_) => "writes",
-            Message::BlockCounts { .. } => "block_counts",
-            Message::BlockCountsReply { .. } => "block_counts_reply",
             Message::Loads(_) => "loads",
             Message::Outcome { .. } => "outcome",
-            Message::Admin { .. } => "admin",
             Message::Applied { .. } => "applied",
+            Message::SnapshotReply { .. } => "snapshot_reply",
             Message::BackendUpsert { .. } => "backend_upsert",
             Message::BackendRemove { .. } => "backend_remove",
             Message::BackendState { .. } => "backend_state",
-            Message::AdminReply { .. } => "admin_reply",
+            Message::Snapshot { .. } => "snapshot",
         }
     }
 }

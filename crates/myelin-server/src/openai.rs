@@ -101,6 +101,17 @@ impl ApiError {
         }
     }
 
+    /// The client did not send its whole body within the body read deadline.
+    pub fn body_timeout() -> Self {
+        ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            message: "The request body did not arrive in time".into(),
+            error_type: "invalid_request_error",
+            param: None,
+            code: Some("request_timeout"),
+        }
+    }
+
     pub fn overloaded() -> Self {
         ApiError {
             status: StatusCode::TOO_MANY_REQUESTS,

@@ -124,6 +124,18 @@ pub async fn attempt(pool: &Pool, base_url: &str, upstream: &UpstreamRequest) ->
     }
 }
 
+/// What went wrong with an attempt, in words a client may see: without the engine's address
+/// or host name (those stay in the admin API).
+pub fn describe_client_error(error: &ClientError) -> String {
+    match error {
+        ClientError::BadUri(_) => "its address is not a valid URI".into(),
+        ClientError::Resolve { .. } => "its host name did not resolve".into(),
+        ClientError::Connect { source, .. } => format!("cannot connect: {}", source.kind()),
+        ClientError::ConnectTimeout(_) => "connect timed out".into(),
+        ClientError::Http(error) => format!("http: {error}"),
+    }
+}
+
 /// True when a response is an SSE stream.
 pub fn is_event_stream(headers: &HeaderMap) -> bool {
     headers

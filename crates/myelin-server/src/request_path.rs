@@ -1,6 +1,7 @@
 //! The request path, top to bottom: accept -> parse -> tokenize -> lookup (own replica) ->
 //! score -> proxy (with retries before the first byte) -> learn, plus the small endpoints
-//! (models, health, metrics) and the dispatch of admin requests.
+//! (models, health, metrics). The admin API is not here: it has its own listener on the
+//! control core (`admin.rs`).
 
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -34,10 +35,6 @@ enum Route {
     Models,
     Health,
     Metrics,
-    AdminList,
-    AdminAdd,
-    AdminRemove(BackendId),
-    AdminDrain(BackendId),
 }
 
 impl Route {
@@ -48,9 +45,6 @@ impl Route {
             Route::Models => "/v1/models",
             Route::Health => "/health",
             Route::Metrics => "/metrics",
-            Route::AdminList | Route::AdminAdd => "/admin/backends",
-            Route::AdminRemove(_) => "/admin/backends/{id}",
-            Route::AdminDrain(_) => "/admin/backends/{id}/drain",
         }
     }
 }
@@ -83,32 +77,8 @@ fn route_of(method: &Method, path: &str) -> Result<Route, ApiError> {
         "/v1/models" => allow("GET", Route::Models, is_get),
         "/health" => allow("GET", Route::Health, is_get),
         "/metrics" => allow("GET", Route::Metrics, is_get),
-        "/admin/backends" => match *method {
-            Method::GET | Method::HEAD => Ok(Route::AdminList),
-            Method::POST => Ok(Route::AdminAdd),
-            _ => Err(ApiError::method_not_allowed(
-                method.as_str(),
-                path,
-                "GET, POST",
-            )),
-        },
-        _ => {
-            let Some(rest) = path.strip_prefix("/admin/backends/") else {
-                return Err(ApiError::not_found(method.as_str(), path));
-            };
-            let (id_text, drain) = match rest.strip_suffix("/drain") {
-                Some(id_text) => (id_text, true),
-                None => (rest, false),
-            };
-            let Ok(id) = id_text.parse::<BackendId>() else {
-                return Err(ApiError::not_found(method.as_str(), path));
-            };
-            if drain {
-                allow("POST", Route::AdminDrain(id), method == Method::POST)
-            } else {
-                allow("DELETE", Route::AdminRemove(id), method == Method::DELETE)
-            }
-        }
+        // The admin API (`/admin/...`) is only on --admin-listen: unknown here.
+        _ => Err(ApiError::not_found(method.as_str(), path)),
     }
 }
 
@@ -122,10 +92,6 @@ pub async fn handle(core: Rc<DataCore>, request: Request<Incoming>) -> Response<
                 Route::Models => models(&core).await,
                 Route::Health => health(&core),
                 Route::Metrics => metrics_text(&core),
-                Route::AdminList => crate::admin::list(&core).await,
-                Route::AdminAdd => crate::admin::add(&core, request).await,
-                Route::AdminRemove(id) => crate::admin::remove(&core, id).await,
-                Route::AdminDrain(id) => crate::admin::drain(&core, id).await,
             };
             (route.label(), response)
         }
@@ -321,7 +287,7 @@ async fn generate(
                 }
                 return relay_response(
                     response,
-                    &base_url,
+                    chosen.backend,
                     &generation,
                     arrived,
                     load,
@@ -346,17 +312,22 @@ async fn generate(
                 // The engine's own 502/503 goes through as it is.
                 FailedAttempt::Status(response) => relay_response(
                     response,
-                    &base_url,
+                    chosen.backend,
                     &generation,
                     arrived,
                     load,
                     permit,
                     core,
                 ),
+                // Named by id: clients never learn the engines' addresses.
                 FailedAttempt::Error(error) => with_retry_after(
                     error_response(&ApiError::upstream(
                         StatusCode::BAD_GATEWAY,
-                        format!("backend {base_url} failed: {error}"),
+                        format!(
+                            "backend {} failed: {}",
+                            chosen.backend,
+                            proxy::describe_client_error(&error)
+                        ),
                     )),
                     1,
                 ),
@@ -451,11 +422,12 @@ impl RelayObserver for ResponseObserver {
     }
 }
 
-/// The client's response: the engine's status and end-to-end headers, `x-myelin-backend`,
-/// and the body relayed frame by frame.
+/// The client's response: the engine's status and end-to-end headers, `x-myelin-backend`
+/// (the backend's id, as the admin API lists it: never its address), and the body relayed
+/// frame by frame.
 fn relay_response(
     response: Response<Incoming>,
-    base_url: &str,
+    backend: BackendId,
     generation: &GenerationRequest,
     arrived: Instant,
     load: LoadGuard,
@@ -481,9 +453,9 @@ fn relay_response(
             .headers_mut()
             .insert(header::CONTENT_LENGTH, length.clone());
     }
-    if let Ok(value) = HeaderValue::from_str(base_url) {
-        client_response.headers_mut().insert(BACKEND_HEADER, value);
-    }
+    client_response
+        .headers_mut()
+        .insert(BACKEND_HEADER, HeaderValue::from(backend));
     client_response
 }
 
@@ -603,18 +575,6 @@ mod tests {
             Ok(Route::Generate(Endpoint::ChatCompletions))
         );
         assert_eq!(route_of(&Method::GET, "/v1/models/"), Ok(Route::Models));
-        assert_eq!(
-            route_of(&Method::DELETE, "/admin/backends/3"),
-            Ok(Route::AdminRemove(3))
-        );
-        assert_eq!(
-            route_of(&Method::POST, "/admin/backends/3/drain"),
-            Ok(Route::AdminDrain(3))
-        );
-        assert_eq!(
-            route_of(&Method::POST, "/admin/backends"),
-            Ok(Route::AdminAdd)
-        );
         let status = |method: Method, path: &str| route_of(&method, path).unwrap_err().status;
         assert_eq!(
             status(Method::GET, "/v1/chat/completions"),
@@ -624,19 +584,16 @@ mod tests {
             status(Method::POST, "/health"),
             StatusCode::METHOD_NOT_ALLOWED
         );
-        assert_eq!(
-            status(Method::PUT, "/admin/backends"),
-            StatusCode::METHOD_NOT_ALLOWED
-        );
-        assert_eq!(
-            status(Method::GET, "/admin/backends/3"),
-            StatusCode::METHOD_NOT_ALLOWED
-        );
         assert_eq!(status(Method::GET, "/v2/chat"), StatusCode::NOT_FOUND);
-        assert_eq!(
-            status(Method::DELETE, "/admin/backends/x"),
-            StatusCode::NOT_FOUND
-        );
+        // The admin API is not on the client listener.
+        for (method, path) in [
+            (Method::GET, "/admin/backends"),
+            (Method::POST, "/admin/backends"),
+            (Method::DELETE, "/admin/backends/3"),
+            (Method::POST, "/admin/backends/3/drain"),
+        ] {
+            assert_eq!(status(method, path), StatusCode::NOT_FOUND, "{path}");
+        }
     }
 
     #[test]

@@ -23,10 +23,8 @@ fn streams_chunk_by_chunk_without_buffering() {
     let mut response = router.post_json("/v1/chat/completions", &chat_body("hi", true));
     assert_eq!(response.status, 200);
     assert_eq!(response.header("content-type"), Some("text/event-stream"));
-    assert_eq!(
-        response.header("x-myelin-backend"),
-        Some(engine.url().as_str())
-    );
+    // The backend is named by its id, never by its address.
+    assert_eq!(response.header("x-myelin-backend"), Some("0"));
     // The engine sends chunk k+1 only after the client has read chunk k through the router:
     // any buffering in the router would stall this loop (and fail on the read timeout).
     let mut received = String::new();
@@ -64,10 +62,7 @@ fn non_streaming_chat_and_completions_pass_through_with_headers() {
         Some(body.as_bytes()),
     );
     assert_eq!(response.status, 200);
-    assert_eq!(
-        response.header("x-myelin-backend"),
-        Some(engine.url().as_str())
-    );
+    assert_eq!(response.header("x-myelin-backend"), Some("0"));
     let completion = response.json();
     assert_eq!(
         completion["choices"][0]["message"]["content"],
@@ -204,10 +199,8 @@ fn fails_over_before_the_first_byte() {
     for _ in 0..6 {
         let response = router.post_json("/v1/chat/completions", &chat_body("hi", true));
         assert_eq!(response.status, 200);
-        assert_eq!(
-            response.header("x-myelin-backend"),
-            Some(good.url().as_str())
-        );
+        // good is the third backend: id 2.
+        assert_eq!(response.header("x-myelin-backend"), Some("2"));
         assert!(response.text().ends_with("data: [DONE]\n\n"));
     }
     let metrics = router.metrics();
@@ -241,10 +234,7 @@ fn does_not_retry_after_streaming_began() {
     ]);
     let response = router.post_json("/v1/chat/completions", &chat_body("hi", true));
     assert_eq!(response.status, 200);
-    assert_eq!(
-        response.header("x-myelin-backend"),
-        Some(broken.url().as_str())
-    );
+    assert_eq!(response.header("x-myelin-backend"), Some("0"));
     let text = response.text();
     assert!(text.starts_with(&chunk_event("broken", 0)), "{text:?}");
     assert!(text.contains(&chunk_event("broken", 1)));
@@ -316,10 +306,8 @@ fn health_checks_take_a_backend_down_and_bring_it_back() {
     let before = flaky.requests();
     for _ in 0..6 {
         let response = router.post_json("/v1/chat/completions", &chat_body("hi", false));
-        assert_eq!(
-            response.header("x-myelin-backend"),
-            Some(steady.url().as_str())
-        );
+        // steady is backend 1.
+        assert_eq!(response.header("x-myelin-backend"), Some("1"));
     }
     assert_eq!(flaky.requests(), before);
     assert_eq!(router.get("/health").status, 200);
@@ -337,7 +325,7 @@ fn health_checks_take_a_backend_down_and_bring_it_back() {
     wait_until("flaky to be up again", || state_of(&flaky.url()) == "up");
     wait_until("requests to reach flaky again", || {
         let response = router.post_json("/v1/chat/completions", &chat_body("hi", false));
-        response.header("x-myelin-backend") == Some(flaky.url().as_str())
+        response.header("x-myelin-backend") == Some("0")
     });
     let metrics = router.metrics();
     assert!(
@@ -404,7 +392,7 @@ fn admin_counts_routed_blocks_in_every_replica() {
         "--block-size",
         "16",
     ]);
-    let before = router.get("/admin/backends").json();
+    let before = router.admin("GET", "/admin/backends", None).json();
     assert_eq!(before["shards_answered"], 2);
     for backend in before["backends"].as_array().unwrap() {
         assert_eq!(backend["routed_blocks"], 0);
@@ -422,7 +410,7 @@ fn admin_counts_routed_blocks_in_every_replica() {
     }
     // A route reaches the other replica by message: give the last one a moment to land.
     let expected_total = 6 * 4;
-    let mut listing = router.get("/admin/backends").json();
+    let mut listing = router.admin("GET", "/admin/backends", None).json();
     for _ in 0..40 {
         let total: u64 = listing["backends"]
             .as_array()
@@ -434,14 +422,14 @@ fn admin_counts_routed_blocks_in_every_replica() {
             break;
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
-        listing = router.get("/admin/backends").json();
+        listing = router.admin("GET", "/admin/backends", None).json();
     }
     assert_eq!(listing["shards"], 2);
     assert_eq!(listing["shards_answered"], 2);
     assert_eq!(listing["replicas_agree"], true, "{listing}");
     for backend in listing["backends"].as_array().unwrap() {
-        let url = backend["url"].as_str().unwrap();
-        let prompts = sent_to.get(url).copied().unwrap_or(0);
+        let id = backend["id"].to_string();
+        let prompts = sent_to.get(&id).copied().unwrap_or(0);
         assert_eq!(backend["routed_blocks"], prompts * 4, "{backend}");
         assert_eq!(backend["resident_blocks"], prompts * 4, "{backend}");
         assert_eq!(backend["resident_blocks_source"], "routes");
@@ -470,55 +458,197 @@ fn admin_adds_drains_and_removes_backends() {
     }
     assert_eq!(listed[0]["residency"], "estimate");
 
-    let added = router.post_json("/admin/backends", &json!({"url": second.url()}));
+    let add = |url: &str| router.admin("POST", "/admin/backends", Some(&json!({"url": url})));
+    let added = add(&second.url());
     assert_eq!(added.status, 201);
     let added = added.json();
     let second_id = added["id"].as_u64().unwrap();
     assert_eq!(router.backends().len(), 2);
-    let duplicate = router.post_json("/admin/backends", &json!({"url": second.url()}));
-    assert_eq!(duplicate.status, 409);
-    let invalid = router.post_json("/admin/backends", &json!({"url": "ftp://x"}));
-    assert_eq!(invalid.status, 400);
+    assert_eq!(add(&second.url()).status, 409);
+    assert_eq!(add("ftp://x").status, 400);
 
     let first_id = listed[0]["id"].as_u64().unwrap();
-    let removed = request(
-        router.addr,
-        "DELETE",
-        &format!("/admin/backends/{first_id}"),
-        &[],
-        None,
-    );
+    let removed = router.admin("DELETE", &format!("/admin/backends/{first_id}"), None);
     assert_eq!(removed.status, 200);
     // Every core applied the removal before the admin call returned: all traffic goes to second.
     for _ in 0..6 {
         let response = router.post_json("/v1/chat/completions", &chat_body("hi", false));
         assert_eq!(
             response.header("x-myelin-backend"),
-            Some(second.url().as_str())
+            Some(second_id.to_string().as_str())
         );
     }
-    let missing = request(
-        router.addr,
-        "DELETE",
-        &format!("/admin/backends/{first_id}"),
-        &[],
-        None,
-    );
+    let missing = router.admin("DELETE", &format!("/admin/backends/{first_id}"), None);
     assert_eq!(missing.status, 404);
     assert_eq!(missing.json()["error"]["code"], "backend_not_found");
 
-    let drained = request(
-        router.addr,
-        "POST",
-        &format!("/admin/backends/{second_id}/drain"),
-        &[],
-        None,
-    );
+    let drained = router.admin("POST", &format!("/admin/backends/{second_id}/drain"), None);
     assert_eq!(drained.status, 200);
     assert_eq!(drained.json()["state"], "draining");
     let response = router.post_json("/v1/chat/completions", &chat_body("hi", false));
     assert_eq!(response.status, 503);
     assert_eq!(response.json()["error"]["code"], "no_backend_available");
+}
+
+/// The admin API lives on its own listener with a bearer token; clients see backend ids, never
+/// engine addresses; URLs with credentials or bad ports are refused.
+#[test]
+fn admin_api_is_separate_authenticated_and_never_leaks_engine_addresses() {
+    let engine = Engine::start("a", normal());
+    let dir = std::env::temp_dir().join(format!("myelin-admin-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let token_path = dir.join("admin-token");
+    std::fs::write(&token_path, "tok-123\n").unwrap();
+    let dead = dead_backend_url();
+    let router = Router::start(&[
+        "--backend",
+        &dead,
+        "--backend",
+        &engine.url(),
+        "--routing",
+        "round-robin",
+        "--retry-backoff-ms",
+        "1",
+        "--max-retries",
+        "0",
+        "--admin-token-file",
+        token_path.to_str().unwrap(),
+    ]);
+    let admin = router.admin_addr();
+    assert_ne!(admin.port(), router.addr.port());
+    let with_token = |method: &str, path: &str, token: Option<&str>, body: Option<&str>| {
+        let authorization = token.map(|token| format!("Bearer {token}"));
+        let mut headers = vec![("content-type", "application/json")];
+        if let Some(value) = &authorization {
+            headers.push(("authorization", value.as_str()));
+        }
+        request(admin, method, path, &headers, body.map(str::as_bytes))
+    };
+    // No token, a wrong one: 401, whatever the path.
+    for token in [None, Some("tok-12"), Some("tok-1234")] {
+        let refused = with_token("GET", "/admin/backends", token, None);
+        assert_eq!(refused.header("www-authenticate"), Some("Bearer"));
+        assert_openai_error(refused, 401, None);
+    }
+    assert_eq!(
+        with_token("DELETE", "/admin/backends/0", None, None).status,
+        401
+    );
+    let listing = with_token("GET", "/admin/backends", Some("tok-123"), None);
+    assert_eq!(listing.status, 200);
+    let listing = listing.json();
+    // Operators still see the URLs.
+    assert_eq!(listing["backends"][1]["url"], engine.url());
+
+    // Not on the client port, with or without the token.
+    for method in ["GET", "POST", "DELETE"] {
+        let response = request(
+            router.addr,
+            method,
+            "/admin/backends/0",
+            &[("authorization", "Bearer tok-123")],
+            None,
+        );
+        assert_eq!(response.status, 404, "{method}");
+    }
+
+    // Validation: credentials (never echoed), port range, scheme.
+    let add = |url: &str| {
+        let body = json!({ "url": url }).to_string();
+        with_token("POST", "/admin/backends", Some("tok-123"), Some(&body))
+    };
+    let with_password = add("http://user:hunter2@127.0.0.1:9");
+    assert_eq!(with_password.status, 400);
+    let text = with_password.text();
+    assert!(
+        text.contains("credentials") && !text.contains("hunter2"),
+        "{text}"
+    );
+    for bad in [
+        "http://127.0.0.1:99999",
+        "http://127.0.0.1:0",
+        "ftp://h:1",
+        "http://:80",
+    ] {
+        assert_eq!(add(bad).status, 400, "{bad}");
+    }
+    assert_eq!(router.backends_with_token("tok-123").len(), 2);
+
+    // Clients get ids: the header and the 502 of a dead engine never carry its address.
+    let engine_port = engine.addr.port().to_string();
+    let dead_port = dead.rsplit(':').next().unwrap().to_string();
+    let mut saw_502 = false;
+    for _ in 0..4 {
+        let response = router.post_json("/v1/chat/completions", &chat_body("hi", false));
+        let header = response.header("x-myelin-backend").map(str::to_string);
+        let status = response.status;
+        let text = response.text();
+        assert!(!text.contains("127.0.0.1"), "{text}");
+        match status {
+            200 => assert_eq!(header.as_deref(), Some("1")),
+            502 => {
+                saw_502 = true;
+                assert!(
+                    text.contains("backend 0") && !text.contains(&dead_port),
+                    "{text}"
+                );
+            }
+            other => panic!("unexpected status {other}: {text}"),
+        }
+        if let Some(header) = header {
+            assert!(!header.contains(&engine_port), "{header}");
+        }
+    }
+    assert!(
+        saw_502,
+        "round-robin with no retry reaches the dead backend"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn refuses_an_unauthenticated_admin_api_off_loopback_and_urls_with_credentials() {
+    let run = |args: &[&str]| {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_myelin"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!output.status.success(), "{args:?} started");
+        String::from_utf8(output.stderr).unwrap()
+    };
+    let stderr = run(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "0.0.0.0:0",
+        "--backend",
+        "http://127.0.0.1:1",
+    ]);
+    assert!(stderr.contains("--admin-token-file"), "{stderr}");
+    let stderr = run(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--backend",
+        "http://admin:hunter2@127.0.0.1:1",
+    ]);
+    assert!(
+        stderr.contains("credentials") && !stderr.contains("hunter2"),
+        "{stderr}"
+    );
+    let stderr = run(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--backend",
+        "http://127.0.0.1:99999",
+    ]);
+    assert!(stderr.contains("port"), "{stderr}");
 }
 
 fn assert_openai_error(response: support::HttpResponse, status: u16, param: Option<&str>) {
@@ -627,9 +757,11 @@ fn every_bad_input_gets_an_openai_error() {
     assert_openai_error(router.get("/v1/nothing"), 404, None);
     assert_openai_error(router.get("/v1/chat/completions"), 405, None);
     assert_openai_error(post("/v1/models", "{}"), 405, None);
+    // The admin API is not on the client port.
+    assert_openai_error(router.get("/admin/backends"), 404, None);
     assert_openai_error(
         request(router.addr, "PUT", "/admin/backends", &[], None),
-        405,
+        404,
         None,
     );
     assert_eq!(engine.requests(), 0, "no bad request reaches the engine");
@@ -773,7 +905,7 @@ fn config_file_and_environment_configure_the_server() {
     std::fs::write(
         &path,
         format!(
-            "listen = \"127.0.0.1:0\"\nshards = 2\nno-pin = true\nrouting = \"least-load\"\nmax-body-bytes = 100\nbackend = [\"{}\"]\n",
+            "listen = \"127.0.0.1:0\"\nadmin-listen = \"127.0.0.1:0\"\nshards = 2\nno-pin = true\nrouting = \"least-load\"\nmax-body-bytes = 100\nbackend = [\"{}\"]\n",
             engine.url()
         ),
     )

@@ -101,6 +101,8 @@ fn a_copied_binary_serves_with_its_embedded_tokenizer() {
             "50",
             "--listen",
             "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
             "--shards",
             "1",
             "--no-pin",

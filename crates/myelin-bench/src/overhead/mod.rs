@@ -382,6 +382,9 @@ fn run_leg(
                     "serve".into(),
                     "--listen".into(),
                     format!("127.0.0.1:{port}"),
+                    // Unused here; a free port keeps routers from colliding on the default.
+                    "--admin-listen".into(),
+                    "127.0.0.1:0".into(),
                 ];
                 arguments.extend(layout.serve_flags());
                 for url in &urls {

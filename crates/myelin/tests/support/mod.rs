@@ -17,6 +17,8 @@ pub const PATIENCE: Duration = Duration::from_secs(10);
 /// A running `myelin serve`; killed when dropped.
 pub struct Router {
     pub addr: SocketAddr,
+    /// The admin API's address (`--admin-listen`, from the listening line).
+    pub admin: Option<SocketAddr>,
     child: Child,
     pub stdout_lines: mpsc::Receiver<String>,
 }
@@ -27,13 +29,15 @@ impl Router {
         Router::start_with_shards(2, args)
     }
 
-    /// Starts `myelin serve` with `shards` unpinned shards on an ephemeral loopback port plus
-    /// `args`.
+    /// Starts `myelin serve` with `shards` unpinned shards on an ephemeral loopback port (and
+    /// its admin API on another) plus `args`.
     pub fn start_with_shards(shards: usize, args: &[&str]) -> Router {
         let shards = shards.to_string();
         let mut all = vec![
             "serve",
             "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
             "127.0.0.1:0",
             "--shards",
             &shards,
@@ -66,7 +70,7 @@ impl Router {
             }
         });
         let deadline = Instant::now() + PATIENCE;
-        let addr = loop {
+        let (addr, admin) = loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
             let line = match stdout_lines.recv_timeout(remaining) {
                 Ok(line) => line,
@@ -77,14 +81,46 @@ impl Router {
             };
             if let Some(rest) = line.split("listening on http://").nth(1) {
                 let addr_text = rest.split_whitespace().next().unwrap_or_default();
-                break addr_text.parse().expect("listening address");
+                let admin = line.split("admin on http://").nth(1).map(|rest| {
+                    let end = rest.find([',', ')', ' ']).unwrap_or(rest.len());
+                    rest[..end].parse().expect("admin address")
+                });
+                break (addr_text.parse().expect("listening address"), admin);
             }
         };
         Router {
             addr,
+            admin,
             child,
             stdout_lines,
         }
+    }
+
+    /// The admin API's address.
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin.expect("the router printed no admin address")
+    }
+
+    /// A request to the admin API (no token).
+    pub fn admin(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> HttpResponse {
+        let body = body.map(|body| body.to_string());
+        let headers: &[(&str, &str)] = if body.is_some() {
+            &[("content-type", "application/json")]
+        } else {
+            &[]
+        };
+        request(
+            self.admin_addr(),
+            method,
+            path,
+            headers,
+            body.as_deref().map(str::as_bytes),
+        )
     }
 
     /// Sends SIGTERM (graceful drain).
@@ -126,9 +162,23 @@ impl Router {
         self.get("/metrics").text()
     }
 
+    /// The admin view of every backend, with a bearer token.
+    pub fn backends_with_token(&self, token: &str) -> Vec<serde_json::Value> {
+        let authorization = format!("Bearer {token}");
+        let listing = request(
+            self.admin_addr(),
+            "GET",
+            "/admin/backends",
+            &[("authorization", &authorization)],
+            None,
+        )
+        .json();
+        listing["backends"].as_array().cloned().unwrap_or_default()
+    }
+
     /// The admin view of every backend.
     pub fn backends(&self) -> Vec<serde_json::Value> {
-        let listing = self.get("/admin/backends").json();
+        let listing = self.admin("GET", "/admin/backends", None).json();
         listing["backends"].as_array().cloned().unwrap_or_default()
     }
 }
