@@ -1028,6 +1028,12 @@ impl<'a> Reader<'a> {
         let len = self.array_len(what)?;
         let mut hashes = Vec::with_capacity(len.min(MAX_PREALLOCATED_ELEMENTS));
         for _ in 0..len {
+            // Fast path: vLLM's int hashes are uniform 64-bit values, nearly all uint64.
+            if let Some(&[0xcf, b0, b1, b2, b3, b4, b5, b6, b7]) = self.rest().first_chunk() {
+                self.offset += 9;
+                hashes.push(u64::from_be_bytes([b0, b1, b2, b3, b4, b5, b6, b7]));
+                continue;
+            }
             let offset = self.offset;
             let header = self.header(what)?;
             hashes.push(self.hash_from(header, offset, what)?);
@@ -1039,17 +1045,28 @@ impl<'a> Reader<'a> {
         let len = self.array_len(what)?;
         let mut tokens = Vec::with_capacity(len.min(MAX_PREALLOCATED_ELEMENTS));
         for _ in 0..len {
-            // Fast path: most token ids below 128 are one positive fixint byte.
-            if let Some(&byte) = self.bytes.get(self.offset)
-                && byte < 0x80
-            {
-                self.offset += 1;
-                tokens.push(u32::from(byte));
-                continue;
-            }
-            tokens.push(self.u32(what)?);
+            // Fast paths for the encodings msgpack writers pick for non-negative ids (positive
+            // fixint, uint8, uint16, uint32: a 128k vocabulary is mostly uint16 and uint32);
+            // anything else, and every error, takes the general path.
+            let (token, width) = match *self.rest() {
+                [byte @ 0x00..=0x7f, ..] => (u32::from(byte), 1),
+                [0xcc, byte, ..] => (u32::from(byte), 2),
+                [0xcd, b0, b1, ..] => (u32::from(u16::from_be_bytes([b0, b1])), 3),
+                [0xce, b0, b1, b2, b3, ..] => (u32::from_be_bytes([b0, b1, b2, b3]), 5),
+                _ => {
+                    tokens.push(self.u32(what)?);
+                    continue;
+                }
+            };
+            self.offset += width;
+            tokens.push(token);
         }
         Ok(tokens)
+    }
+
+    /// The bytes not read yet.
+    fn rest(&self) -> &'a [u8] {
+        self.bytes.get(self.offset..).unwrap_or_default()
     }
 
     /// Skips one value of any type.
@@ -1138,6 +1155,74 @@ mod tests {
             reader.hash_from(header, 0, "hash"),
             Err(DecodeError::HashLength { offset: 0, len: 0 })
         );
+    }
+
+    #[test]
+    fn token_and_hash_fast_paths_agree_with_the_general_path() {
+        // Token ids in every width a writer may pick, minimal or not: fixint, uint8, uint16,
+        // uint32 (fast paths), then uint64 and int8 (general path).
+        let tokens = [
+            0x90 | 8,
+            0x05,
+            0xcc,
+            0x80,
+            0xcd,
+            0x01,
+            0x00,
+            0xce,
+            0x00,
+            0x01,
+            0x00,
+            0x00,
+            0xce,
+            0xff,
+            0xff,
+            0xff,
+            0xff,
+            0xcf,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0x2a,
+            0xd0,
+            0x07,
+            0xcc,
+            0x05,
+        ];
+        let mut reader = Reader::new(&tokens);
+        assert_eq!(
+            reader.token_ids("token_ids"),
+            Ok(vec![5, 0x80, 0x100, 0x1_0000, u32::MAX, 42, 7, 5])
+        );
+        assert_eq!(reader.remaining(), 0);
+        // Out of range and truncated values still fail with their general-path errors.
+        let mut reader = Reader::new(&[0x91, 0xcf, 0, 0, 0, 1, 0, 0, 0, 0]);
+        assert!(matches!(
+            reader.token_ids("token_ids"),
+            Err(DecodeError::OutOfRange { offset: 1, .. })
+        ));
+        let mut reader = Reader::new(&[0x92, 0x01, 0xcd, 0x01]);
+        assert!(matches!(
+            reader.token_ids("token_ids"),
+            Err(DecodeError::Truncated { offset: 3, .. })
+        ));
+        let mut hashes = vec![0x92, 0xcf];
+        hashes.extend_from_slice(&0x0102_0304_0506_0708u64.to_be_bytes());
+        hashes.push(0x07);
+        let mut reader = Reader::new(&hashes);
+        assert_eq!(
+            reader.hashes("block_hashes"),
+            Ok(vec![0x0102_0304_0506_0708, 7])
+        );
+        let mut reader = Reader::new(&[0x91, 0xcf, 1, 2, 3]);
+        assert!(matches!(
+            reader.hashes("block_hashes"),
+            Err(DecodeError::Truncated { offset: 2, .. })
+        ));
     }
 
     #[test]
