@@ -29,10 +29,14 @@ pub fn start_cluster(
     settings: &ClusterSettings,
     kv_events: bool,
 ) -> Result<EmbeddedCluster, ClusterError> {
+    // vLLM's scheduler limits for the profile's GPU (an unknown profile is refused below).
+    let defaults = myelin_sim::perf::profile_by_name(&settings.profile)
+        .map(|profile| EngineConfig::for_profile(profile.as_ref()))
+        .unwrap_or_default();
     let engine = EngineConfig {
         block_size: settings.block_size as usize,
         num_gpu_blocks: settings.kv_blocks as usize,
-        ..EngineConfig::default()
+        ..defaults
     };
     let sim = SimCluster::start(ClusterConfig {
         engines: settings.engines as usize,

@@ -11,12 +11,9 @@ use std::time::Duration;
 use myelin_kv_events::WireVersion;
 
 use crate::cluster::{ClusterConfig, DEFAULT_MODEL_NAME, KvEventsConfig, SimCluster};
-use crate::engine::{
-    DEFAULT_BLOCK_SIZE, DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_GPU_BLOCKS, EngineConfig,
-};
+use crate::engine::{DEFAULT_BLOCK_SIZE, DEFAULT_NUM_GPU_BLOCKS, EngineConfig};
 use crate::faults::FaultConfig;
-use crate::perf::A100_LLAMA_8B_PROFILE;
+use crate::perf::{A100_LLAMA_8B_PROFILE, A100Llama8B, profile_by_name};
 use crate::publisher::DEFAULT_BUFFER_STEPS;
 
 /// How often the foreground thread checks for a stop signal.
@@ -58,15 +55,17 @@ pub struct SimArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE)]
     pub block_size: usize,
-    /// Token budget of one scheduler step.
-    #[arg(long, default_value_t = DEFAULT_MAX_NUM_BATCHED_TOKENS)]
-    pub max_num_batched_tokens: usize,
-    /// Running sequences at most.
-    #[arg(long, default_value_t = DEFAULT_MAX_NUM_SEQS)]
-    pub max_num_seqs: usize,
-    /// Context length (capped by the KV capacity).
-    #[arg(long, default_value_t = DEFAULT_MAX_MODEL_LEN)]
-    pub max_model_len: usize,
+    /// Token budget of one scheduler step [default: vLLM's for the profile's GPU: 2048 on an
+    /// A100, 8192 on an H100].
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<usize>,
+    /// Running sequences at most [default: vLLM's for the profile's GPU: 256 on an A100, 1024
+    /// on an H100].
+    #[arg(long)]
+    pub max_num_seqs: Option<usize>,
+    /// Context length, capped by the KV capacity [default: the profile model's, 131072].
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
     /// Model name served.
     #[arg(long, default_value = DEFAULT_MODEL_NAME)]
     pub served_model_name: String,
@@ -99,6 +98,11 @@ pub struct SimArgs {
 impl SimArgs {
     /// The cluster these arguments describe.
     pub fn cluster_config(&self) -> ClusterConfig {
+        // An unknown profile is refused by `SimCluster::start`; its limits do not matter.
+        let defaults = match profile_by_name(&self.profile) {
+            Some(profile) => EngineConfig::for_profile(profile.as_ref()),
+            None => EngineConfig::for_profile(&A100Llama8B),
+        };
         ClusterConfig {
             engines: self.engines,
             listen_host: self.listen.ip(),
@@ -108,9 +112,11 @@ impl SimArgs {
             engine: EngineConfig {
                 block_size: self.block_size,
                 num_gpu_blocks: self.kv_blocks,
-                max_num_batched_tokens: self.max_num_batched_tokens,
-                max_num_seqs: self.max_num_seqs,
-                max_model_len: self.max_model_len,
+                max_num_batched_tokens: self
+                    .max_num_batched_tokens
+                    .unwrap_or(defaults.max_num_batched_tokens),
+                max_num_seqs: self.max_num_seqs.unwrap_or(defaults.max_num_seqs),
+                max_model_len: self.max_model_len.unwrap_or(defaults.max_model_len),
             },
             kv_events: self.kv_events_base_port.map(|base_port| KvEventsConfig {
                 base_port,
@@ -213,5 +219,30 @@ mod tests {
         assert_eq!(kv.topic, "kv");
         assert_eq!(kv.bind_host, "*");
         assert!(Command::try_parse_from(["sim", "--vllm-wire", "0.9"]).is_err());
+        // The scheduler limits follow the profile unless a flag sets them.
+        assert_eq!(config.engine.max_num_batched_tokens, 2048);
+        assert_eq!(config.engine.max_num_seqs, 256);
+        let h100 = Command::try_parse_from(["sim", "--profile", "dynamo-mocker-h100"])
+            .expect("flags parse")
+            .sim
+            .cluster_config();
+        assert_eq!(
+            (h100.engine.max_num_batched_tokens, h100.engine.max_num_seqs),
+            (8192, 1024)
+        );
+        let set = Command::try_parse_from([
+            "sim",
+            "--profile",
+            "dynamo-mocker-h100",
+            "--max-num-batched-tokens",
+            "512",
+        ])
+        .expect("flags parse")
+        .sim
+        .cluster_config();
+        assert_eq!(
+            (set.engine.max_num_batched_tokens, set.engine.max_num_seqs),
+            (512, 1024)
+        );
     }
 }

@@ -76,7 +76,9 @@ pub struct ClusterConfig {
     pub profile: String,
     /// All simulated times are divided by this.
     pub speedup: f64,
-    /// Scheduler and KV cache settings of every engine.
+    /// Scheduler and KV cache settings of every engine. Build them with
+    /// [`EngineConfig::for_profile`] so the scheduler limits are vLLM's for the profile's GPU
+    /// (`EngineConfig::default()` has the default profile's).
     pub engine: EngineConfig,
     /// KV events, when enabled.
     pub kv_events: Option<KvEventsConfig>,

@@ -16,14 +16,8 @@ use crate::perf::{PerformanceModel, ScheduledChunk, StepShape};
 /// An engine-local request id (unique per engine, chosen by the driver).
 pub type RequestId = u64;
 
-/// vLLM's defaults for an 8B model on one GPU with chunked prefill.
+/// vLLM's default KV block size.
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
-/// Token budget of one scheduler step (`max_num_batched_tokens`).
-pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: usize = 8192;
-/// Running sequences at most (`max_num_seqs`).
-pub const DEFAULT_MAX_NUM_SEQS: usize = 256;
-/// Llama-3.1's context length.
-pub const DEFAULT_MAX_MODEL_LEN: usize = 131_072;
 /// KV capacity of Llama-3.1-8B on an A100-40GB at `gpu_memory_utilization` 0.5 (~2 to 4 GB
 /// left for KV: 1,500 blocks = 24,000 tokens = 3 GB at 128 KiB per token).
 pub const DEFAULT_NUM_GPU_BLOCKS: usize = 1500;
@@ -44,18 +38,28 @@ pub struct EngineConfig {
 }
 
 impl Default for EngineConfig {
+    /// The default profile's (`a100-40gb-llama-3.1-8b`) limits.
     fn default() -> Self {
-        EngineConfig {
-            block_size: DEFAULT_BLOCK_SIZE,
-            num_gpu_blocks: DEFAULT_NUM_GPU_BLOCKS,
-            max_num_batched_tokens: DEFAULT_MAX_NUM_BATCHED_TOKENS,
-            max_num_seqs: DEFAULT_MAX_NUM_SEQS,
-            max_model_len: DEFAULT_MAX_MODEL_LEN,
-        }
+        EngineConfig::for_profile(&crate::perf::A100Llama8B)
     }
 }
 
 impl EngineConfig {
+    /// vLLM's defaults for the profile's GPU and model (its [`SchedulerLimits`]), with the
+    /// default block size and KV capacity: what `vllm serve` would run with.
+    ///
+    /// [`SchedulerLimits`]: crate::perf::SchedulerLimits
+    pub fn for_profile(profile: &dyn PerformanceModel) -> Self {
+        let limits = profile.scheduler_limits();
+        EngineConfig {
+            block_size: DEFAULT_BLOCK_SIZE,
+            num_gpu_blocks: DEFAULT_NUM_GPU_BLOCKS,
+            max_num_batched_tokens: limits.max_num_batched_tokens,
+            max_num_seqs: limits.max_num_seqs,
+            max_model_len: limits.max_model_len,
+        }
+    }
+
     /// The context length the engine really accepts: vLLM refuses to start when one maximal
     /// request cannot fit the KV cache, so cap it at the KV capacity.
     pub fn effective_max_model_len(&self) -> usize {
@@ -948,26 +952,33 @@ mod tests {
     #[test]
     fn long_prompts_are_chunked_and_decodes_go_first() {
         let mut engine = engine(2000, 16);
+        let budget = engine.config().max_num_batched_tokens;
+        assert_eq!(budget, 2048, "vLLM's OpenAI-server default on an A100");
         engine
             .add_request(1, spec((0..100).collect(), 5))
             .expect("accepted");
         let step = engine.schedule().expect("scheduled");
         assert_eq!(engine.complete_step(&step).len(), 1);
+        let prompt = budget as u32 + 1000;
         engine
-            .add_request(2, spec((1000..11000).collect(), 5))
+            .add_request(2, spec((1000..1000 + prompt).collect(), 5))
             .expect("accepted");
         let step = engine.schedule().expect("scheduled");
         assert_eq!(step.requests[0].0, 1, "the decode comes first");
         assert_eq!(step.requests[0].1.new_tokens, 1);
         assert_eq!(
-            step.requests[1].1.new_tokens, 8191,
+            step.requests[1].1.new_tokens,
+            budget - 1,
             "the prefill takes the rest"
         );
         let outputs = engine.complete_step(&step);
         assert!(outputs.iter().all(|output| output.request_id == 1));
         let step = engine.schedule().expect("scheduled");
-        assert_eq!(step.requests[1].1.new_tokens, 10000 - 8191);
-        assert_eq!(step.requests[1].1.context_tokens, 8191);
+        assert_eq!(
+            step.requests[1].1.new_tokens,
+            prompt as usize - (budget - 1)
+        );
+        assert_eq!(step.requests[1].1.context_tokens, budget - 1);
         let outputs = engine.complete_step(&step);
         assert!(outputs.iter().any(|output| output.request_id == 2));
     }

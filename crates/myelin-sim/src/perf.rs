@@ -38,7 +38,31 @@ pub trait PerformanceModel: Debug + Send + Sync {
     fn name(&self) -> &str;
     /// Wall time of one forward pass over `shape` on the real hardware (before `--speedup`).
     fn step_time(&self, shape: &StepShape<'_>) -> Duration;
+    /// What vLLM's OpenAI server schedules with on this profile's GPU and model when no flag
+    /// says otherwise.
+    fn scheduler_limits(&self) -> SchedulerLimits;
 }
+
+/// A profile's scheduler limits: vLLM's defaults for its GPU, and its model's context length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SchedulerLimits {
+    /// Token budget of one scheduler step (`max_num_batched_tokens`).
+    pub max_num_batched_tokens: usize,
+    /// Running sequences at most (`max_num_seqs`).
+    pub max_num_seqs: usize,
+    /// The model's context length (`max_model_len`).
+    pub max_model_len: usize,
+}
+
+/// vLLM's OpenAI-server defaults on an A100 or any GPU under 70 GiB (`EngineArgs`'s
+/// usage-context defaults: 2,048 batched tokens and 256 sequences; the offline `LLM` class
+/// uses 8,192 tokens there).
+pub const VLLM_SERVER_LIMITS_SMALL_GPU: (usize, usize) = (2048, 256);
+/// vLLM's OpenAI-server defaults on GPUs of 70 GiB or more other than the A100 (H100, H200,
+/// MI300X): 8,192 batched tokens and 1,024 sequences (the `LLM` class: 16,384 tokens).
+pub const VLLM_SERVER_LIMITS_LARGE_GPU: (usize, usize) = (8192, 1024);
+/// Llama-3.1's context length.
+pub const LLAMA_3_1_CONTEXT: usize = 131_072;
 
 /// Names of the built-in profiles.
 pub const PROFILE_NAMES: [&str; 2] = [A100_LLAMA_8B_PROFILE, DYNAMO_MOCKER_H100_PROFILE];
@@ -104,6 +128,15 @@ impl PerformanceModel for A100Llama8B {
         A100_LLAMA_8B_PROFILE
     }
 
+    fn scheduler_limits(&self) -> SchedulerLimits {
+        let (max_num_batched_tokens, max_num_seqs) = VLLM_SERVER_LIMITS_SMALL_GPU;
+        SchedulerLimits {
+            max_num_batched_tokens,
+            max_num_seqs,
+            max_model_len: LLAMA_3_1_CONTEXT,
+        }
+    }
+
     fn step_time(&self, shape: &StepShape<'_>) -> Duration {
         if shape.chunks.is_empty() {
             return Duration::ZERO;
@@ -134,6 +167,16 @@ pub struct DynamoMockerH100;
 impl PerformanceModel for DynamoMockerH100 {
     fn name(&self) -> &str {
         DYNAMO_MOCKER_H100_PROFILE
+    }
+
+    fn scheduler_limits(&self) -> SchedulerLimits {
+        let (max_num_batched_tokens, max_num_seqs) = VLLM_SERVER_LIMITS_LARGE_GPU;
+        SchedulerLimits {
+            max_num_batched_tokens,
+            max_num_seqs,
+            // The mocker models no particular model; the simulated engines serve Llama-3.1.
+            max_model_len: LLAMA_3_1_CONTEXT,
+        }
     }
 
     fn step_time(&self, shape: &StepShape<'_>) -> Duration {
@@ -252,6 +295,17 @@ mod tests {
             assert_eq!(profile.name(), name);
         }
         assert!(profile_by_name("h200").is_none());
+        // vLLM's OpenAI-server defaults: A100 2,048 tokens / 256 sequences, H100 8,192 / 1,024.
+        let a100 = A100Llama8B.scheduler_limits();
+        assert_eq!(
+            (a100.max_num_batched_tokens, a100.max_num_seqs),
+            (2048, 256)
+        );
+        let h100 = DynamoMockerH100.scheduler_limits();
+        assert_eq!(
+            (h100.max_num_batched_tokens, h100.max_num_seqs),
+            (8192, 1024)
+        );
         let dynamo = ms(&DynamoMockerH100, &[fresh(1000)]);
         assert!((dynamo - (4.209989e-7 * 1e6 + 15.18344 + 16.50142)).abs() < 1e-6);
     }
