@@ -21,6 +21,7 @@ pub enum ClusterError {
 /// A running simulated cluster; dropping it stops the engines.
 pub struct EmbeddedCluster {
     sim: Arc<SimCluster>,
+    block_size: u32,
 }
 
 /// Starts `settings.engines` simulated engines on loopback ephemeral ports, publishing KV
@@ -47,7 +48,10 @@ pub fn start_cluster(
         kv_events: kv_events.then(KvEventsConfig::default),
         ..ClusterConfig::default()
     })?;
-    Ok(EmbeddedCluster { sim: Arc::new(sim) })
+    Ok(EmbeddedCluster {
+        sim: Arc::new(sim),
+        block_size: settings.block_size,
+    })
 }
 
 impl EmbeddedCluster {
@@ -85,6 +89,11 @@ impl EmbeddedCluster {
             })
     }
 
+    /// Tokens per KV block of the engines.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
     /// The oracle's view of the engines' true state.
     pub fn oracle(&self) -> Arc<dyn CacheOracle> {
         Arc::new(SimOracle {
@@ -113,9 +122,9 @@ impl CacheOracle for SimOracle {
             .probe(prompt_tokens)
             .into_iter()
             .map(|probe| EngineTruth {
-                // What this prompt would really be served from cache (the last token is always
-                // recomputed).
-                cached_tokens: probe.prompt_hit_tokens as u64,
+                // The leading tokens whose full blocks the engine holds: what an exact KV-event
+                // mirror shows the router.
+                cached_tokens: probe.cached_prefix_tokens as u64,
                 // The router's load measure, in true values: prefill still to do (net of cache)
                 // plus output tokens still to generate.
                 queued_tokens: (probe.load.pending_prefill_tokens

@@ -44,8 +44,8 @@ pub enum LegKind {
     LeastLoad,
     /// `myelin serve --routing prefix --residency MODE`.
     Prefix(Residency),
-    /// The harness itself routes each request to the engine with the lowest true cost, read
-    /// from the simulator's actual cache contents and queues: the lower bound.
+    /// The harness itself routes each request with the router's decision code fed the truth:
+    /// the simulator's actual cache contents and queues (see [`crate::oracle`]).
     Oracle,
     /// Another router, started from a command line.
     External,

@@ -16,7 +16,7 @@ use myelin_http::executor::{ExecutorSpec, spawn_executor};
 use myelin_http::sse::SseParser;
 
 use crate::engine_tokens::EngineTokenizer;
-use crate::oracle::{CacheOracle, choose_engine};
+use crate::oracle::{CacheOracle, Oracle};
 use crate::record::{Outcome, RequestRecord};
 use crate::request_body::{endpoint_path, request_body};
 use crate::stats::HarnessCost;
@@ -45,6 +45,8 @@ pub enum Target {
     Oracle {
         engine_urls: Vec<String>,
         oracle: Arc<dyn CacheOracle>,
+        /// The engines' KV block size in tokens.
+        block_size: u32,
         /// Text prompts: how the engines tokenize them (token-id prompts are probed as is).
         engine_tokenizer: Option<Arc<EngineTokenizer>>,
     },
@@ -95,8 +97,8 @@ struct Shared {
     pool: Pool,
     started: Instant,
     records: RefCell<Vec<RequestRecord>>,
-    /// Oracle only: requests in flight per engine, as the harness sent them.
-    in_flight: RefCell<Vec<u32>>,
+    /// Oracle only: the router's decision code, fed the truth.
+    oracle: RefCell<Oracle>,
     /// Oracle only: how long each probe of the simulator took, microseconds.
     probe_us: RefCell<Vec<u64>>,
 }
@@ -124,9 +126,9 @@ impl Drop for FinishOnDrop {
 async fn drive(plan: LoadPlan, target: Target) -> LoadOutcome {
     let _finish = FinishOnDrop(plan.progress.clone());
     let cpu_at_start = thread_cpu_us();
-    let engines = match &target {
-        Target::Oracle { engine_urls, .. } => engine_urls.len(),
-        Target::Router { .. } => 0,
+    let block_size = match &target {
+        Target::Oracle { block_size, .. } => *block_size,
+        Target::Router { .. } => 16,
     };
     let users_hint = match plan.workload.arrival() {
         Arrival::ClosedLoop { users } => users as usize,
@@ -141,7 +143,7 @@ async fn drive(plan: LoadPlan, target: Target) -> LoadOutcome {
         target,
         started: Instant::now(),
         records: RefCell::new(Vec::new()),
-        in_flight: RefCell::new(vec![0; engines]),
+        oracle: RefCell::new(Oracle::new(block_size)),
         probe_us: RefCell::new(Vec::new()),
     });
 
@@ -234,12 +236,17 @@ async fn sleep_until(deadline: Instant) {
 async fn exchange(shared: &Shared, user: u32, seq: u64, request: PlannedRequest) -> RequestRecord {
     let plan = &shared.plan;
     let path = endpoint_path(plan.api);
+    // The clock starts before the oracle's probe and decision: a router's TTFT includes its
+    // routing, so the oracle's includes its own.
+    let sent_at = Instant::now();
+    let sent_at_us = sent_at.duration_since(shared.started).as_micros() as u64;
     let (url, chosen_engine) = match &shared.target {
         Target::Router { base_url } => (format!("{base_url}{path}"), None),
         Target::Oracle {
             engine_urls,
             oracle,
             engine_tokenizer,
+            ..
         } => {
             let probe_started = Instant::now();
             // Tokenizing our own words cannot fail; if it did, the planned ids are the best guess.
@@ -250,14 +257,17 @@ async fn exchange(shared: &Shared, user: u32, seq: u64, request: PlannedRequest)
             });
             let probe_tokens: &[u32] = engine_tokens.as_deref().unwrap_or(&request.tokens);
             let truths = oracle.probe(probe_tokens);
+            // The probe answers for every engine the harness knows (validated: at least one).
+            let engine = shared
+                .oracle
+                .borrow_mut()
+                .choose(probe_tokens.len(), &truths)
+                .unwrap_or(0)
+                .min(engine_urls.len().saturating_sub(1));
             shared
                 .probe_us
                 .borrow_mut()
                 .push(probe_started.elapsed().as_micros() as u64);
-            // The probe answers for every engine the harness knows (validated: at least one).
-            let engine = choose_engine(probe_tokens.len(), &truths, &shared.in_flight.borrow())
-                .unwrap_or(0)
-                .min(engine_urls.len().saturating_sub(1));
             (format!("{}{path}", engine_urls[engine]), Some(engine))
         }
     };
@@ -266,7 +276,7 @@ async fn exchange(shared: &Shared, user: u32, seq: u64, request: PlannedRequest)
         user,
         seq,
         label: request.label,
-        sent_at_us: shared.started.elapsed().as_micros() as u64,
+        sent_at_us,
         ttft_us: None,
         e2e_us: None,
         prompt_tokens: request.tokens.len() as u32,
@@ -278,12 +288,8 @@ async fn exchange(shared: &Shared, user: u32, seq: u64, request: PlannedRequest)
         },
         outcome: Outcome::Ok,
     };
-    if let Some(engine) = chosen_engine {
-        shared.in_flight.borrow_mut()[engine] += 1;
-    }
     plan.progress.sent.fetch_add(1, Ordering::Relaxed);
 
-    let sent_at = Instant::now();
     let timeout = plan.request_timeout;
     let result = or(
         async { Some(stream_response(shared, &url, body, &mut record, sent_at).await) },
@@ -300,10 +306,6 @@ async fn exchange(shared: &Shared, user: u32, seq: u64, request: PlannedRequest)
     };
     if record.outcome.is_error() {
         plan.progress.errors.fetch_add(1, Ordering::Relaxed);
-    }
-    if let Some(engine) = chosen_engine {
-        let mut in_flight = shared.in_flight.borrow_mut();
-        in_flight[engine] = in_flight[engine].saturating_sub(1);
     }
     plan.progress.completed.fetch_add(1, Ordering::Relaxed);
     record

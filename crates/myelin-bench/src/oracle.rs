@@ -1,12 +1,20 @@
-//! The oracle's routing rule: send each request where its true cost is lowest, reading the
-//! simulator's actual cache contents and queues. Pure; the probe itself is behind a trait.
+//! The oracle: the router's own decision code (`myelin_routing::Router`, prefix policy, its
+//! default load bound) fed the truth instead of what a router can know: every engine's actual
+//! cache contents as its verified mirror, and every engine's actual queue as its load. Pure;
+//! the probe of the simulator is behind a trait.
+
+use myelin_routing::{
+    BackendId, BackendMatch, BackendState, BackendView, Policy, PrefixMatch, ResidencyMode, Router,
+    RouterConfig,
+};
 
 /// What an engine truly holds and owes at one instant.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct EngineTruth {
-    /// Leading prompt tokens whose KV blocks the engine holds right now.
+    /// Leading prompt tokens whose full KV blocks the engine holds right now.
     pub cached_tokens: u64,
-    /// Tokens of work waiting or running on the engine (prefill still to do plus decode).
+    /// Tokens of work waiting or running on the engine: prefill still to do (net of what its
+    /// cache serves) plus output still to generate.
     pub queued_tokens: u64,
 }
 
@@ -16,28 +24,77 @@ pub trait CacheOracle: Send + Sync {
     fn probe(&self, prompt_tokens: &[u32]) -> Vec<EngineTruth>;
 }
 
-/// The engine with the lowest expected cost in tokens: uncached prefill plus queued work (the
-/// same cost model the router scores with, fed the truth instead of estimates). Ties go to the
-/// engine with fewer requests in flight from the harness (requests sent that the engine may
-/// not have seen yet), then to the lower index. `None` when there are no engines.
-pub fn choose_engine(
-    prompt_len: usize,
-    truths: &[EngineTruth],
-    harness_in_flight: &[u32],
-) -> Option<usize> {
-    truths
-        .iter()
-        .enumerate()
-        .min_by_key(|(engine, truth)| {
-            let uncached = (prompt_len as u64).saturating_sub(truth.cached_tokens);
-            let in_flight = harness_in_flight.get(*engine).copied().unwrap_or(0);
-            (uncached + truth.queued_tokens, in_flight, *engine)
-        })
-        .map(|(engine, _)| engine)
+/// The router's decision with true inputs. Holds the router's tie-break cursor (ties go to the
+/// first tied engine after the last one chosen, as in `myelin serve`), so keep one per leg.
+pub struct Oracle {
+    router: Router,
+    block_size: u32,
+}
+
+impl Oracle {
+    /// The router as `myelin serve --routing prefix` runs it by default (load bound
+    /// [`myelin_routing::DEFAULT_LOAD_BOUND_TOKENS`]), reading residency from a mirror that
+    /// is always exact. `block_size`: the engines' KV block size in tokens.
+    pub fn new(block_size: u32) -> Self {
+        Self {
+            router: Router::new(
+                Policy::Prefix,
+                ResidencyMode::Verified,
+                RouterConfig::default(),
+            ),
+            block_size: block_size.max(1),
+        }
+    }
+
+    /// The engine the router picks for a prompt of `prompt_len` tokens when every engine's
+    /// verified resident blocks are its true cached blocks and its load is its true queue:
+    /// lowest `(prompt − cached) + max(load − load_bound, min_load)`. `None` when there are no
+    /// engines.
+    pub fn choose(&mut self, prompt_len: usize, truths: &[EngineTruth]) -> Option<usize> {
+        let block_size = u64::from(self.block_size);
+        let backends = truths
+            .iter()
+            .enumerate()
+            .map(|(engine, truth)| {
+                let blocks = u32::try_from(truth.cached_tokens / block_size).unwrap_or(u32::MAX);
+                BackendMatch {
+                    backend: BackendId(engine as u32),
+                    matched_blocks: blocks,
+                    last_routed_ms: 0,
+                    residency_stamp: 0,
+                    verified_resident_blocks: Some(blocks),
+                }
+            })
+            .collect();
+        let matched = PrefixMatch {
+            block_size: self.block_size,
+            prompt_blocks: u32::try_from(prompt_len as u64 / block_size).unwrap_or(u32::MAX),
+            looked_up_at_ms: 0,
+            backends,
+            segments: Vec::new(),
+        };
+        let views: Vec<BackendView> = truths
+            .iter()
+            .enumerate()
+            .map(|(engine, truth)| {
+                BackendView::new(
+                    BackendId(engine as u32),
+                    BackendState::Up,
+                    truth.queued_tokens,
+                )
+            })
+            .collect();
+        self.router
+            .decide(prompt_len as u64, &matched, &views)
+            .ok()
+            .map(|decision| decision.backend.0 as usize)
+    }
 }
 
 #[cfg(test)]
 mod tests {
+    use myelin_routing::DEFAULT_LOAD_BOUND_TOKENS;
+
     use super::*;
 
     fn truth(cached_tokens: u64, queued_tokens: u64) -> EngineTruth {
@@ -49,17 +106,43 @@ mod tests {
 
     #[test]
     fn prefers_the_cached_engine_unless_its_queue_costs_more() {
+        let mut oracle = Oracle::new(16);
         let truths = [truth(0, 0), truth(4000, 1000), truth(0, 100)];
-        assert_eq!(choose_engine(5000, &truths, &[0, 0, 0]), Some(1));
+        assert_eq!(oracle.choose(5000, &truths), Some(1));
         let busy = [truth(0, 0), truth(4000, 9000)];
-        assert_eq!(choose_engine(5000, &busy, &[0, 0]), Some(0));
+        assert_eq!(oracle.choose(5000, &busy), Some(0));
     }
 
     #[test]
-    fn ties_spread_by_harness_in_flight_then_index() {
+    fn load_within_the_routers_bound_is_noise_as_in_the_router() {
+        let mut oracle = Oracle::new(16);
+        // Engine 1 holds 1,600 more tokens but has 3,000 more queued. Scored on raw load (no
+        // bound) engine 0 would win (5,000 + 0 < 3,400 + 3,000); the router counts load only
+        // beyond the least-loaded engine's plus the bound, so engine 1 wins.
+        const { assert!(3000 - 1600 < DEFAULT_LOAD_BOUND_TOKENS) };
+        let truths = [truth(0, 0), truth(1600, 3000)];
+        assert_eq!(oracle.choose(5000, &truths), Some(1));
+        // Beyond the bound the load counts in full.
+        let truths = [truth(0, 0), truth(1600, 3000 + DEFAULT_LOAD_BOUND_TOKENS)];
+        assert_eq!(oracle.choose(5000, &truths), Some(0));
+    }
+
+    #[test]
+    fn cached_tokens_count_in_whole_blocks() {
+        let mut oracle = Oracle::new(16);
+        // 31 cached tokens are one whole block (16): the same as 16, a tie broken by rotation.
+        let first = oracle.choose(64, &[truth(31, 0), truth(16, 0)]);
+        let second = oracle.choose(64, &[truth(31, 0), truth(16, 0)]);
+        assert_ne!(first, second, "ties rotate as in the router");
+        assert_eq!(oracle.choose(64, &[truth(31, 0), truth(32, 0)]), Some(1));
+    }
+
+    #[test]
+    fn ties_rotate_and_no_engines_is_none() {
+        let mut oracle = Oracle::new(16);
         let empty = [truth(0, 0); 3];
-        assert_eq!(choose_engine(100, &empty, &[1, 0, 0]), Some(1));
-        assert_eq!(choose_engine(100, &empty, &[0, 0, 0]), Some(0));
-        assert_eq!(choose_engine(100, &[], &[]), None);
+        let picks: Vec<Option<usize>> = (0..4).map(|_| oracle.choose(100, &empty)).collect();
+        assert_eq!(picks, [Some(0), Some(1), Some(2), Some(0)]);
+        assert_eq!(oracle.choose(100, &[]), None);
     }
 }

@@ -264,6 +264,7 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
         None => Target::Oracle {
             engine_urls: backends.iter().map(|backend| backend.url.clone()).collect(),
             oracle: cluster.oracle(),
+            block_size: cluster.block_size(),
             engine_tokenizer: match config.prompt {
                 PromptFormat::TokenIds => None,
                 PromptFormat::Text => Some(Arc::new(EngineTokenizer::bundled()?)),

@@ -233,6 +233,7 @@ fn open_loop_trace_replay_sends_every_line_and_the_oracle_routes_by_truth() {
         Target::Oracle {
             engine_urls: vec![unreachable_engine, fixture.url.clone()],
             oracle: Arc::new(SecondEngineHoldsAll),
+            block_size: 16,
             engine_tokenizer: None,
         },
     )
@@ -255,4 +256,53 @@ fn open_loop_trace_replay_sends_every_line_and_the_oracle_routes_by_truth() {
         .find(|record| record.seq == 0)
         .unwrap();
     assert_eq!((first.prompt_tokens, first.output_tokens), (6758, 500));
+}
+
+/// Takes `PROBE` to answer: a slow look at the engines.
+struct SlowOracle;
+
+const PROBE: Duration = Duration::from_millis(30);
+
+impl CacheOracle for SlowOracle {
+    fn probe(&self, _prompt_tokens: &[u32]) -> Vec<EngineTruth> {
+        std::thread::sleep(PROBE);
+        vec![EngineTruth::default()]
+    }
+}
+
+#[test]
+fn the_oracles_probe_counts_in_its_own_ttft() {
+    let fixture = Fixture::start(0);
+    let mut config = WorkloadConfig::load("trace").unwrap();
+    config.cluster.speedup = 1.0;
+    config.duration_s = 60.0;
+    config.warmup_s = 0.0;
+    if let Some(trace) = config.trace.as_mut() {
+        trace.max_requests = Some(3);
+        trace.time_scale = 0.01;
+    }
+    let outcome = loadgen::start(
+        plan(&config),
+        Target::Oracle {
+            engine_urls: vec![fixture.url.clone()],
+            oracle: Arc::new(SlowOracle),
+            block_size: 16,
+            engine_tokenizer: None,
+        },
+    )
+    .unwrap()
+    .join()
+    .unwrap();
+    assert_eq!(outcome.records.len(), 3);
+    for record in &outcome.records {
+        assert_eq!(record.outcome, Outcome::Ok, "{record:?}");
+        // The fixture answers at once: the time to the first token is at least the probe's.
+        let ttft = Duration::from_micros(record.ttft_us.unwrap());
+        assert!(
+            ttft >= PROBE,
+            "TTFT {ttft:?} leaves out the {PROBE:?} probe"
+        );
+        assert!(record.e2e_us.unwrap() >= record.ttft_us.unwrap());
+    }
+    assert_eq!(outcome.harness.oracle_probe_us.len(), 3);
 }
