@@ -26,6 +26,10 @@ impl Defaults {
     pub const MAX_RETRIES: u32 = 2;
     pub const RETRY_BACKOFF_MS: u64 = 20;
     pub const CONNECT_TIMEOUT_MS: u64 = 2_000;
+    pub const BODY_READ_TIMEOUT_MS: u64 = 30_000;
+    pub const UPSTREAM_HEADER_TIMEOUT_MS: u64 = 30_000;
+    pub const UPSTREAM_RESPONSE_TIMEOUT_MS: u64 = 600_000;
+    pub const STREAM_IDLE_TIMEOUT_MS: u64 = 60_000;
     pub const HEALTH_INTERVAL_MS: u64 = 2_000;
     pub const HEALTH_TIMEOUT_MS: u64 = 1_000;
     pub const HEALTH_PATH: &'static str = "/health";
@@ -205,6 +209,28 @@ pub struct ServeArgs {
     #[arg(long, env = "MYELIN_CONNECT_TIMEOUT_MS", value_name = "MS")]
     pub connect_timeout_ms: Option<u64>,
 
+    /// Time a client has to send its whole request body once the head arrived; past it, 408.
+    /// The in-flight slot is taken only once the body is complete. [default: 30000]
+    #[arg(long, env = "MYELIN_BODY_READ_TIMEOUT_MS", value_name = "MS")]
+    pub body_read_timeout_ms: Option<u64>,
+
+    /// Time an engine has to send the response head of a streaming request (engines send it
+    /// before the first token); past it the attempt counts as a failure (circuit breaker) and
+    /// the request goes to another backend like after a connect error. [default: 30000]
+    #[arg(long, env = "MYELIN_UPSTREAM_HEADER_TIMEOUT_MS", value_name = "MS")]
+    pub upstream_header_timeout_ms: Option<u64>,
+
+    /// Time an engine has to answer a non-streaming request (its head comes with the whole
+    /// completion); past it, 504 and a breaker failure, no retry. [default: 600000]
+    #[arg(long, env = "MYELIN_UPSTREAM_RESPONSE_TIMEOUT_MS", value_name = "MS")]
+    pub upstream_response_timeout_ms: Option<u64>,
+
+    /// Longest silence of an engine's response body (before its first byte and between two
+    /// chunks); past it the engine request is aborted and an SSE stream ends with an error
+    /// event. [default: 60000]
+    #[arg(long, env = "MYELIN_STREAM_IDLE_TIMEOUT_MS", value_name = "MS")]
+    pub stream_idle_timeout_ms: Option<u64>,
+
     /// Interval of active health checks (GET --health-path on each engine). [default: 2000]
     #[arg(long, env = "MYELIN_HEALTH_INTERVAL_MS", value_name = "MS")]
     pub health_interval_ms: Option<u64>,
@@ -290,6 +316,10 @@ pub struct FileConfig {
     pub max_retries: Option<u32>,
     pub retry_backoff_ms: Option<u64>,
     pub connect_timeout_ms: Option<u64>,
+    pub body_read_timeout_ms: Option<u64>,
+    pub upstream_header_timeout_ms: Option<u64>,
+    pub upstream_response_timeout_ms: Option<u64>,
+    pub stream_idle_timeout_ms: Option<u64>,
     pub health_interval_ms: Option<u64>,
     pub health_timeout_ms: Option<u64>,
     pub health_path: Option<String>,
@@ -353,6 +383,10 @@ pub struct ServeConfig {
     pub max_retries: u32,
     pub retry_backoff: Duration,
     pub connect_timeout: Duration,
+    pub body_read_timeout: Duration,
+    pub upstream_header_timeout: Duration,
+    pub upstream_response_timeout: Duration,
+    pub stream_idle_timeout: Duration,
     pub health: HealthConfig,
     pub drain_timeout: Duration,
     pub tokenize_cache_bytes: usize,
@@ -601,6 +635,30 @@ impl ServeConfig {
                     .unwrap_or(Defaults::CONNECT_TIMEOUT_MS)
                     .max(1),
             ),
+            body_read_timeout: millis(
+                args.body_read_timeout_ms
+                    .or(file.body_read_timeout_ms)
+                    .unwrap_or(Defaults::BODY_READ_TIMEOUT_MS)
+                    .max(1),
+            ),
+            upstream_header_timeout: millis(
+                args.upstream_header_timeout_ms
+                    .or(file.upstream_header_timeout_ms)
+                    .unwrap_or(Defaults::UPSTREAM_HEADER_TIMEOUT_MS)
+                    .max(1),
+            ),
+            upstream_response_timeout: millis(
+                args.upstream_response_timeout_ms
+                    .or(file.upstream_response_timeout_ms)
+                    .unwrap_or(Defaults::UPSTREAM_RESPONSE_TIMEOUT_MS)
+                    .max(1),
+            ),
+            stream_idle_timeout: millis(
+                args.stream_idle_timeout_ms
+                    .or(file.stream_idle_timeout_ms)
+                    .unwrap_or(Defaults::STREAM_IDLE_TIMEOUT_MS)
+                    .max(1),
+            ),
             health: HealthConfig {
                 interval: millis(
                     args.health_interval_ms
@@ -699,6 +757,10 @@ mod tests {
         assert_eq!(config.layout.data_cpus, vec![Some(1), Some(2)]);
         assert_eq!(config.layout.control_cpu, Some(0));
         assert_eq!(config.health.path, "/health");
+        assert_eq!(config.body_read_timeout, Duration::from_secs(30));
+        assert_eq!(config.upstream_header_timeout, Duration::from_secs(30));
+        assert_eq!(config.upstream_response_timeout, Duration::from_secs(600));
+        assert_eq!(config.stream_idle_timeout, Duration::from_secs(60));
     }
 
     #[test]

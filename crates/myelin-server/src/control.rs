@@ -721,7 +721,10 @@ impl Control {
         };
         myelin_http::rt::timeout(self.health_config.timeout, attempt)
             .await
-            .unwrap_or(false)
+            .unwrap_or_else(|| {
+                names::timeout("health_check");
+                false
+            })
     }
 }
 

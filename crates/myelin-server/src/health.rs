@@ -1,10 +1,21 @@
 //! Backend health as a pure state machine: active checks with thresholds, a passive circuit
 //! breaker on consecutive request failures, and half-open probing. The control core feeds it
 //! check results, request outcomes and time; it never does I/O.
+//!
+//! The half-open probe is a health check, which an engine that accepts requests and never
+//! answers them still passes. So a breaker closed by a probe is on probation: the first real
+//! request decides. A failure re-opens it at once for twice the previous open period (up to
+//! [`MAX_OPEN_FACTOR`] times `--breaker-open-ms`); a success ends the probation and resets the
+//! period. Such an engine spends almost all its time open, and costs one request per period.
+//! A failed probe re-opens it for the base period (the engine is down, and should be back
+//! soon after it restarts).
 
 use std::time::{Duration, Instant};
 
 use crate::config::HealthConfig;
+
+/// The longest open period, as a multiple of `--breaker-open-ms`.
+pub const MAX_OPEN_FACTOR: u32 = 16;
 
 /// The circuit breaker of one backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,6 +58,10 @@ pub struct BackendHealth {
     consecutive_check_failures: u32,
     consecutive_request_failures: u32,
     breaker: Breaker,
+    /// Closed by a probe and no request succeeded since: one failure re-opens.
+    probation: bool,
+    /// Open periods in a row without a request succeeding in between (0: none).
+    reopenings: u32,
 }
 
 impl Default for BackendHealth {
@@ -65,7 +80,23 @@ impl BackendHealth {
             consecutive_check_failures: 0,
             consecutive_request_failures: 0,
             breaker: Breaker::Closed,
+            probation: false,
+            reopenings: 0,
         }
+    }
+
+    /// Opens the breaker for the current period: `--breaker-open-ms`, doubled for every
+    /// re-opening without a successful request in between.
+    fn open(&mut self, now: Instant, config: &HealthConfig, events: &mut Vec<HealthEvent>) {
+        let factor = 1u32 << self.reopenings.min(MAX_OPEN_FACTOR.trailing_zeros());
+        self.reopenings = self.reopenings.saturating_add(1);
+        self.probation = false;
+        self.transition(
+            Breaker::Open {
+                until: now + config.breaker_open.saturating_mul(factor),
+            },
+            events,
+        );
     }
 
     /// May requests be sent to this backend?
@@ -106,15 +137,16 @@ impl BackendHealth {
         }
         // The half-open probe is the next active check.
         if self.breaker == Breaker::HalfOpen {
-            let to = if success {
+            if success {
                 self.consecutive_request_failures = 0;
-                Breaker::Closed
+                self.probation = true;
+                self.transition(Breaker::Closed, events);
             } else {
-                Breaker::Open {
-                    until: now + config.breaker_open,
-                }
-            };
-            self.transition(to, events);
+                // A failed probe means the engine is down, not hung: the base period, so it
+                // is back soon after it restarts.
+                self.reopenings = 0;
+                self.open(now, config, events);
+            }
         }
     }
 
@@ -128,18 +160,17 @@ impl BackendHealth {
     ) {
         if success {
             self.consecutive_request_failures = 0;
+            if self.breaker == Breaker::Closed {
+                self.probation = false;
+                self.reopenings = 0;
+            }
             return;
         }
         self.consecutive_request_failures = self.consecutive_request_failures.saturating_add(1);
         if self.breaker == Breaker::Closed
-            && self.consecutive_request_failures >= config.breaker_failures
+            && (self.probation || self.consecutive_request_failures >= config.breaker_failures)
         {
-            self.transition(
-                Breaker::Open {
-                    until: now + config.breaker_open,
-                },
-                events,
-            );
+            self.open(now, config, events);
         }
     }
 
@@ -256,5 +287,51 @@ mod tests {
                 ("half_open", "closed"),
             ]
         );
+    }
+
+    /// An engine whose health endpoint answers but whose requests time out: every probe closes
+    /// the breaker, the next request re-opens it at once, for twice as long each time.
+    #[test]
+    fn probation_reopens_on_the_first_failure_with_a_growing_period() {
+        let config = config();
+        let mut now = Instant::now();
+        let mut health = BackendHealth::new();
+        let mut events = Vec::new();
+        health.on_request(false, now, &config, &mut events);
+        health.on_request(false, now, &config, &mut events);
+        let mut periods = Vec::new();
+        for _ in 0..7 {
+            let Breaker::Open { until } = health.breaker() else {
+                panic!("open expected: {:?}", health.breaker());
+            };
+            periods.push(until - now);
+            now = until;
+            assert!(health.on_tick(now, &mut events));
+            health.on_check(true, now, &config, &mut events);
+            assert!(health.is_routable(), "the probe closes it");
+            health.on_request(false, now, &config, &mut events);
+            assert!(
+                !health.is_routable(),
+                "one failure on probation re-opens it"
+            );
+        }
+        let seconds: Vec<u64> = periods.iter().map(Duration::as_secs).collect();
+        assert_eq!(seconds, [5, 10, 20, 40, 80, 80, 80]);
+
+        // A success after a probe ends the probation and resets the period.
+        now += Duration::from_secs(80);
+        assert!(health.on_tick(now, &mut events));
+        health.on_check(true, now, &config, &mut events);
+        health.on_request(true, now, &config, &mut events);
+        health.on_request(false, now, &config, &mut events);
+        assert!(
+            health.is_routable(),
+            "one failure is under the threshold again"
+        );
+        health.on_request(false, now, &config, &mut events);
+        let Breaker::Open { until } = health.breaker() else {
+            panic!("open expected");
+        };
+        assert_eq!(until - now, Duration::from_secs(5));
     }
 }

@@ -54,6 +54,25 @@ pub const LOAD_VIEW_STALENESS_SECONDS: &str = "myelin_load_view_staleness_second
 pub const OVERLOAD_REJECTIONS_TOTAL: &str = "myelin_overload_rejections_total";
 /// Streams that broke after the first byte and were ended with an SSE error event.
 pub const UPSTREAM_STREAM_ERRORS_TOTAL: &str = "myelin_upstream_stream_errors_total";
+/// Deadlines that passed, by `kind`: `body_read` (client body, 408), `upstream_header`
+/// (streaming request's head, retried), `upstream_response` (non-streaming answer, 504),
+/// `stream_idle` (engine body silent, aborted), `models` (a backend's /v1/models),
+/// `health_check` (an active check or breaker probe).
+pub const TIMEOUTS_TOTAL: &str = "myelin_timeouts_total";
+/// Every `kind` of [`TIMEOUTS_TOTAL`] (exported at 0 from the start).
+pub const TIMEOUT_KINDS: &[&str] = &[
+    "body_read",
+    "upstream_header",
+    "upstream_response",
+    "stream_idle",
+    "models",
+    "health_check",
+];
+
+/// Counts one passed deadline of `kind` (one of [`TIMEOUT_KINDS`]).
+pub fn timeout(kind: &'static str) {
+    metrics::counter!(TIMEOUTS_TOTAL, "kind" => kind).increment(1);
+}
 /// Responses the client abandoned before their end (the upstream request was cancelled).
 pub const CLIENT_DISCONNECTS_TOTAL: &str = "myelin_client_disconnects_total";
 /// KV-event batches applied to the mirror, by backend (live and replayed).
@@ -108,6 +127,9 @@ pub fn install() -> PrometheusHandle {
         CLIENT_DISCONNECTS_TOTAL,
     ] {
         metrics::counter!(counter).increment(0);
+    }
+    for kind in TIMEOUT_KINDS {
+        metrics::counter!(TIMEOUTS_TOTAL, "kind" => *kind).increment(0);
     }
     handle
 }
@@ -200,6 +222,7 @@ fn describe() {
         CLIENT_DISCONNECTS_TOTAL,
         "Responses abandoned by the client."
     );
+    describe_counter!(TIMEOUTS_TOTAL, "Deadlines that passed, by kind.");
     describe_counter!(
         KV_EVENTS_BATCHES_TOTAL,
         "KV-event batches applied to the verified mirror."

@@ -75,6 +75,9 @@ pub enum FailedAttempt {
     Status(Response<Incoming>),
     /// No response head arrived (connect error, reset).
     Error(ClientError),
+    /// No response head arrived within this deadline (the attempt was dropped, which closes
+    /// its connection: the engine aborts the request).
+    Timeout(std::time::Duration),
 }
 
 impl FailedAttempt {
@@ -87,6 +90,7 @@ impl FailedAttempt {
             FailedAttempt::Status(_) => "status_503",
             FailedAttempt::Error(error) if error.is_connect() => "connect",
             FailedAttempt::Error(_) => "no_response",
+            FailedAttempt::Timeout(_) => "header_timeout",
         }
     }
 }

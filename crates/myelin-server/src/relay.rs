@@ -2,13 +2,17 @@
 //!
 //! It reports the first byte (TTFT), the end of the stream, and how it ended to an observer.
 //! A stream that breaks after its first byte ends with an SSE `error` event (for event streams)
-//! instead of hanging. Dropping it before its end (the client went away) drops the engine's
+//! instead of hanging; so does one whose engine stays silent longer than the idle timeout (the
+//! engine's body is then dropped, which aborts its request). Dropping it before its end (the client went away) drops the engine's
 //! body, which closes that upstream connection: the engine sees the disconnect and aborts.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
+use glommio::timer::Timer;
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
 use myelin_http::BoxError;
@@ -20,6 +24,8 @@ pub enum StreamEnd {
     Complete,
     /// The engine's body failed mid-way.
     UpstreamBroken,
+    /// The engine sent nothing for the idle timeout; its request was aborted.
+    IdleTimeout,
     /// The client stopped reading (disconnect) before the end.
     ClientGone,
 }
@@ -36,6 +42,8 @@ pub struct RelayBody<O: RelayObserver> {
     is_event_stream: bool,
     saw_first_byte: bool,
     observer: Option<O>,
+    /// The idle timeout and its timer (re-armed on every frame).
+    idle: Option<(Duration, Timer)>,
 }
 
 impl<O: RelayObserver> RelayBody<O> {
@@ -45,7 +53,15 @@ impl<O: RelayObserver> RelayBody<O> {
             is_event_stream,
             saw_first_byte: false,
             observer: Some(observer),
+            idle: None,
         }
+    }
+
+    /// Ends the relay when the engine sends nothing for `timeout` (before its first frame or
+    /// between two). Must be called on a glommio executor.
+    pub fn with_idle_timeout(mut self, timeout: Duration) -> Self {
+        self.idle = Some((timeout, Timer::new(timeout)));
+        self
     }
 
     fn finish(&mut self, end: StreamEnd) {
@@ -57,12 +73,17 @@ impl<O: RelayObserver> RelayBody<O> {
 
 /// The SSE event that ends a broken stream, in OpenAI's error shape.
 pub fn sse_error_event(message: &str) -> Bytes {
+    sse_error_event_with_code(message, "upstream_stream_error")
+}
+
+/// An SSE `error` event in OpenAI's error shape with this `code`.
+pub fn sse_error_event_with_code(message: &str, code: &str) -> Bytes {
     let body = serde_json::json!({
         "error": {
             "message": message,
             "type": "server_error",
             "param": null,
-            "code": "upstream_stream_error",
+            "code": code,
         }
     });
     Bytes::from(format!("event: error\ndata: {body}\n\n"))
@@ -81,8 +102,33 @@ impl<O: RelayObserver + Unpin> HttpBody for RelayBody<O> {
             return Poll::Ready(None);
         };
         match Pin::new(upstream).poll_frame(cx) {
-            Poll::Pending => Poll::Pending,
+            Poll::Pending => {
+                let Some((timeout, timer)) = this.idle.as_mut() else {
+                    return Poll::Pending;
+                };
+                if Pin::new(timer).poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                // Dropping the engine's body closes its connection: the engine aborts.
+                let timeout = *timeout;
+                this.upstream = None;
+                this.idle = None;
+                this.finish(StreamEnd::IdleTimeout);
+                let message = format!(
+                    "the engine sent nothing for {} ms (--stream-idle-timeout-ms)",
+                    timeout.as_millis()
+                );
+                if this.is_event_stream {
+                    let event = sse_error_event_with_code(&message, "upstream_timeout");
+                    Poll::Ready(Some(Ok(Frame::data(event))))
+                } else {
+                    Poll::Ready(Some(Err(message.into())))
+                }
+            }
             Poll::Ready(Some(Ok(frame))) => {
+                if let Some((timeout, timer)) = this.idle.as_mut() {
+                    timer.reset(*timeout);
+                }
                 if !this.saw_first_byte && frame.data_ref().is_some_and(|data| !data.is_empty()) {
                     this.saw_first_byte = true;
                     if let Some(observer) = this.observer.as_mut() {

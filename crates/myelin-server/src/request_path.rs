@@ -142,24 +142,31 @@ async fn generate(
     request: Request<Incoming>,
     arrived: Instant,
 ) -> Response<Body> {
-    // Accept: a bounded number of requests in flight per core; past it, 429 right away
-    // (cheaper for everyone than queueing behind engines that are already saturated).
     if core.shutdown.is_triggered() {
         return with_retry_after(error_response(&ApiError::draining()), 1);
     }
+
+    // Parse: the body, bounded in size and time, before anything else is held for the request
+    // (a slow upload must not keep an in-flight slot: see Accept below).
+    let (parts, body) = request.into_parts();
+    let read = read_body(body, &parts.headers, core.config.max_body_bytes);
+    let body = match myelin_http::rt::timeout(core.config.body_read_timeout, read).await {
+        Some(Ok(body)) => body,
+        Some(Err(error)) => return error_response(&error),
+        None => {
+            names::timeout("body_read");
+            return error_response(&ApiError::body_timeout());
+        }
+    };
+
+    // Accept: a bounded number of requests in flight per core; past it, 429 right away
+    // (cheaper for everyone than queueing behind engines that are already saturated).
     let Some(permit) = core.admit() else {
         metrics::counter!(names::OVERLOAD_REJECTIONS_TOTAL).increment(1);
         return with_retry_after(
             error_response(&ApiError::overloaded()),
             core.config.retry_after_seconds,
         );
-    };
-
-    // Parse: bounded body, then validation of what routing needs.
-    let (parts, body) = request.into_parts();
-    let body = match read_body(body, &parts.headers, core.config.max_body_bytes).await {
-        Ok(body) => body,
-        Err(error) => return error_response(&error),
     };
     let generation = match parse_generation_request(endpoint, &body) {
         Ok(generation) => generation,
@@ -270,7 +277,27 @@ async fn generate(
         };
         let prefill_tokens = (prompt_tokens as u64).saturating_sub(chosen.expected_cached_tokens);
         let load = core.start_load(chosen.backend, prefill_tokens, decode_tokens);
-        let failure = match proxy::attempt(&core.pool, &base_url, &upstream).await {
+        // A streaming answer's head comes before the first token; a non-streaming one's comes
+        // with the whole completion, so it gets the longer deadline.
+        let head_timeout = if generation.stream {
+            core.config.upstream_header_timeout
+        } else {
+            core.config.upstream_response_timeout
+        };
+        let attempted = myelin_http::rt::timeout(
+            head_timeout,
+            proxy::attempt(&core.pool, &base_url, &upstream),
+        )
+        .await;
+        let attempted = attempted.unwrap_or_else(|| {
+            names::timeout(if generation.stream {
+                "upstream_header"
+            } else {
+                "upstream_response"
+            });
+            Attempt::Failed(FailedAttempt::Timeout(head_timeout))
+        });
+        let failure = match attempted {
             Attempt::Failed(failure) => failure,
             Attempt::Answered(response) => {
                 core.report_outcome(chosen.backend, !response.status().is_server_error());
@@ -297,11 +324,14 @@ async fn generate(
             }
         };
 
-        // Nothing reached the client yet: another backend may take it.
+        // Nothing reached the client yet: another backend may take it (not a non-streaming
+        // request that ran out of time: the engine may have done the work, and the client's
+        // own deadline has most likely passed).
         core.report_outcome(chosen.backend, false);
         tried.push(chosen.backend);
         let reason = failure.retry_reason();
-        if tried.len() <= core.config.max_retries as usize {
+        let retryable = generation.stream || !matches!(failure, FailedAttempt::Timeout(_));
+        if retryable && tried.len() <= core.config.max_retries as usize {
             choice = core
                 .routing
                 .borrow_mut()
@@ -320,6 +350,17 @@ async fn generate(
                     core,
                 ),
                 // Named by id: clients never learn the engines' addresses.
+                FailedAttempt::Timeout(limit) => error_response(&ApiError {
+                    status: StatusCode::GATEWAY_TIMEOUT,
+                    message: format!(
+                        "backend {} did not answer within {} ms",
+                        chosen.backend,
+                        limit.as_millis()
+                    ),
+                    error_type: "server_error",
+                    param: None,
+                    code: Some("upstream_timeout"),
+                }),
                 FailedAttempt::Error(error) => with_retry_after(
                     error_response(&ApiError::upstream(
                         StatusCode::BAD_GATEWAY,
@@ -362,8 +403,10 @@ async fn read_body(
     if declared.is_some_and(|length| length > limit as u64) {
         return Err(ApiError::body_too_large(limit));
     }
+    // Grown as bytes arrive: a declared length reserves at most 64 KiB up front, so a client
+    // announcing 8 MB and sending a byte a second holds 64 KiB, not 8 MB.
     let mut collected =
-        BytesMut::with_capacity(declared.map_or(8 * 1024, |length| length as usize));
+        BytesMut::with_capacity(declared.map_or(8 * 1024, |length| length.min(64 * 1024) as usize));
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|error| {
             ApiError::invalid_request(
@@ -415,6 +458,10 @@ impl RelayObserver for ResponseObserver {
                 metrics::counter!(names::UPSTREAM_STREAM_ERRORS_TOTAL).increment(1);
                 self.core.report_outcome(self.backend, false);
             }
+            StreamEnd::IdleTimeout => {
+                names::timeout("stream_idle");
+                self.core.report_outcome(self.backend, false);
+            }
             StreamEnd::ClientGone => {
                 metrics::counter!(names::CLIENT_DISCONNECTS_TOTAL).increment(1);
             }
@@ -444,7 +491,8 @@ fn relay_response(
         load,
         _permit: permit,
     };
-    let relayed = RelayBody::new(body, is_event_stream, observer);
+    let relayed = RelayBody::new(body, is_event_stream, observer)
+        .with_idle_timeout(core.config.stream_idle_timeout);
     let mut client_response = Response::new(Body::new(relayed));
     *client_response.status_mut() = parts.status;
     *client_response.headers_mut() = proxy::end_to_end_headers(&parts.headers);
@@ -476,9 +524,11 @@ async fn models(core: &Rc<DataCore>) -> Response<Body> {
         .map(|url| {
             let core = core.clone();
             glommio::spawn_local(async move {
-                myelin_http::rt::timeout(MODELS_TIMEOUT, fetch_models(&core, &url))
-                    .await
-                    .flatten()
+                let fetched = myelin_http::rt::timeout(MODELS_TIMEOUT, fetch_models(&core, &url));
+                fetched.await.unwrap_or_else(|| {
+                    names::timeout("models");
+                    None
+                })
             })
         })
         .collect();

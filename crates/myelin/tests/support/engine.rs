@@ -28,6 +28,11 @@ pub enum Behavior {
     Status(u16),
     /// Streams this many chunks, then breaks the connection.
     BreakAfter(usize),
+    /// Accepts generation requests and never answers (no response head); health checks pass.
+    Hang,
+    /// Sends the head and this many chunks, then stays silent (until the client goes away,
+    /// counted as a cancellation).
+    StallAfter(usize),
 }
 
 /// What the engine saw and did (shared with the test thread).
@@ -209,6 +214,11 @@ async fn handle(shared: Arc<Shared>, request: Request<Incoming>) -> Response<Bod
     let stream = body.get("stream").and_then(serde_json::Value::as_bool) == Some(true);
     *record.last_body.lock().unwrap() = Some(body);
     let behavior = shared.behavior.lock().unwrap().clone();
+    if let Behavior::Hang = behavior {
+        // Bounded so a leaked connection cannot keep the test's executor alive forever.
+        Timer::new(Duration::from_secs(120)).await;
+        return json(StatusCode::INTERNAL_SERVER_ERROR, serde_json::json!({}));
+    }
     if let Behavior::Status(status) = behavior {
         let status = StatusCode::from_u16(status).expect("status");
         return json(
@@ -233,17 +243,33 @@ async fn handle(shared: Arc<Shared>, request: Request<Incoming>) -> Response<Bod
     glommio::spawn_local(async move {
         let name = task_shared.name.clone();
         let record = task_shared.record.clone();
-        let (chunks, interval, gated, break_after) = match behavior {
-            Behavior::Normal { chunks, interval } => (chunks, interval, false, None),
-            Behavior::Gated { chunks } => (chunks, Duration::ZERO, true, None),
-            Behavior::BreakAfter(after) => {
-                (after + 10, Duration::from_millis(5), false, Some(after))
-            }
-            Behavior::Status(_) => (0, Duration::ZERO, false, None),
+        let (chunks, interval, gated, break_after, stall_after) = match behavior {
+            Behavior::Normal { chunks, interval } => (chunks, interval, false, None, None),
+            Behavior::Gated { chunks } => (chunks, Duration::ZERO, true, None, None),
+            Behavior::BreakAfter(after) => (
+                after + 10,
+                Duration::from_millis(5),
+                false,
+                Some(after),
+                None,
+            ),
+            Behavior::StallAfter(after) => (after + 10, Duration::ZERO, false, None, Some(after)),
+            Behavior::Status(_) | Behavior::Hang => (0, Duration::ZERO, false, None, None),
         };
         for index in 0..chunks {
             if break_after == Some(index) {
                 let _ = sender.abort("engine crashed mid-stream").await;
+                return;
+            }
+            if stall_after == Some(index) {
+                // Silent until the router drops the stream (bounded: 120 s).
+                for _ in 0..12_000 {
+                    if sender.is_closed() {
+                        record.streams_cancelled.fetch_add(1, Ordering::SeqCst);
+                        return;
+                    }
+                    Timer::new(Duration::from_millis(10)).await;
+                }
                 return;
             }
             if gated {

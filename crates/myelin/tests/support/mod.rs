@@ -246,7 +246,8 @@ pub fn send_on(
     read_response(stream)
 }
 
-fn read_response(stream: TcpStream) -> HttpResponse {
+/// Reads a response from `stream` (after the request was written by hand).
+pub fn read_response(stream: TcpStream) -> HttpResponse {
     let mut reader = BufReader::new(stream);
     let mut status_line = String::new();
     reader.read_line(&mut status_line).expect("status line");

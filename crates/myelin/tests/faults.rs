@@ -1,0 +1,193 @@
+//! Fault injection against the real `myelin serve` process: hostile clients, engines that hang
+//! or stall, and what the router does about each (what the client sees, what is counted).
+//! Everything listens on loopback; every wait is bounded by a deadline; no assertion is about
+//! how long something took. The scenarios and their outcomes are tabled in
+//! docs/operations.md (*Failure behaviour*).
+
+mod support;
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::time::Duration;
+
+use support::engine::{Behavior, Engine, chunk_event};
+use support::{PATIENCE, Router, chat_body, metric_value, read_response, wait_until};
+
+fn normal() -> Behavior {
+    Behavior::Normal {
+        chunks: 3,
+        interval: Duration::from_millis(1),
+    }
+}
+
+fn timeouts(router: &Router, kind: &str) -> f64 {
+    metric_value(
+        &router.metrics(),
+        &["myelin_timeouts_total", &format!("kind=\"{kind}\"")],
+    )
+}
+
+fn assert_openai_error_code(body: &serde_json::Value, code: &str) {
+    assert_eq!(body["error"]["code"], code, "{body}");
+    assert!(body["error"]["message"].is_string(), "{body}");
+    assert!(body["error"]["type"].is_string(), "{body}");
+}
+
+/// Finding 2: clients that send their body one byte at a time hold no in-flight slot (it is
+/// taken once the body is complete), get 408 at the body deadline, and never lock others out.
+#[test]
+fn slow_uploads_hold_no_slot_and_get_408_at_the_body_deadline() {
+    let engine = Engine::start("a", normal());
+    let router = Router::start_with_shards(
+        1,
+        &[
+            "--backend",
+            &engine.url(),
+            "--max-in-flight-per-core",
+            "2",
+            "--body-read-timeout-ms",
+            "1500",
+        ],
+    );
+    // Five uploads announce a body and send a few bytes of it: more than the two slots.
+    let mut slow = Vec::new();
+    for _ in 0..5 {
+        let mut stream = TcpStream::connect(router.addr).unwrap();
+        stream.set_read_timeout(Some(PATIENCE)).unwrap();
+        stream
+            .write_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n\
+                  content-length: 100000\r\n\r\n{\"model\":",
+            )
+            .unwrap();
+        slow.push(stream);
+    }
+    // Normal requests are served meanwhile: no slot is held by the slow uploads.
+    for turn in 0..4 {
+        let response = router.post_json(
+            "/v1/chat/completions",
+            &chat_body(&format!("turn {turn}"), false),
+        );
+        assert_eq!(response.status, 200, "turn {turn}");
+    }
+    // Each slow upload gets 408 with an OpenAI error once its deadline passes.
+    for stream in slow {
+        let response = read_response(stream);
+        assert_eq!(response.status, 408);
+        assert_openai_error_code(&response.json(), "request_timeout");
+    }
+    assert_eq!(timeouts(&router, "body_read"), 5.0);
+    assert_eq!(
+        metric_value(&router.metrics(), &["myelin_overload_rejections_total"]),
+        0.0
+    );
+}
+
+/// Finding 3: an engine that accepts streaming requests and never answers them. Each attempt
+/// on it ends at the header deadline and goes to the other engine; its breaker opens although
+/// its health endpoint answers, and stays open (probation: one failure re-opens it).
+#[test]
+fn an_engine_that_never_answers_is_retried_elsewhere_and_taken_out() {
+    let hung = Engine::start("hung", Behavior::Hang);
+    let good = Engine::start("good", normal());
+    let router = Router::start(&[
+        "--routing",
+        "round-robin",
+        "--backend",
+        &hung.url(),
+        "--backend",
+        &good.url(),
+        "--upstream-header-timeout-ms",
+        "300",
+        "--breaker-failures",
+        "2",
+        "--breaker-open-ms",
+        "200",
+        "--health-interval-ms",
+        "50",
+        "--retry-backoff-ms",
+        "1",
+    ]);
+    for turn in 0..8 {
+        let response = router.post_json(
+            "/v1/chat/completions",
+            &chat_body(&format!("turn {turn}"), true),
+        );
+        assert_eq!(response.status, 200, "turn {turn}");
+        assert_eq!(response.header("x-myelin-backend"), Some("1"));
+        assert!(response.text().ends_with("data: [DONE]\n\n"));
+    }
+    let metrics = router.metrics();
+    assert!(timeouts(&router, "upstream_header") >= 2.0, "{metrics}");
+    assert!(
+        metric_value(
+            &metrics,
+            &["myelin_retries_total", "reason=\"header_timeout\""]
+        ) >= 2.0,
+        "{metrics}"
+    );
+    assert!(
+        metric_value(
+            &metrics,
+            &["myelin_circuit_breaker_transitions_total", "to=\"open\""]
+        ) >= 1.0,
+        "{metrics}"
+    );
+    // The health endpoint answers all along: only the breaker knows.
+    assert_eq!(
+        metric_value(
+            &metrics,
+            &["myelin_health_check_transitions_total", "to=\"down\""]
+        ),
+        0.0
+    );
+    assert!(hung.requests() >= 2);
+}
+
+/// Finding 3, non-streaming: the answer's head is the whole completion, so the longer
+/// response deadline applies; past it the client gets 504 (no retry: the work may be done).
+#[test]
+fn a_non_streaming_request_to_a_silent_engine_gets_504_at_its_deadline() {
+    let hung = Engine::start("hung", Behavior::Hang);
+    let router = Router::start(&[
+        "--backend",
+        &hung.url(),
+        "--upstream-response-timeout-ms",
+        "300",
+    ]);
+    let response = router.post_json("/v1/chat/completions", &chat_body("hi", false));
+    assert_eq!(response.status, 504);
+    let body = response.json();
+    assert_openai_error_code(&body, "upstream_timeout");
+    assert!(
+        !body.to_string().contains("127.0.0.1"),
+        "no engine address: {body}"
+    );
+    assert_eq!(timeouts(&router, "upstream_response"), 1.0);
+    assert_eq!(hung.requests(), 1, "not retried");
+}
+
+/// Finding 3, mid-stream: the engine sends its head and two chunks, then nothing. The client
+/// gets those chunks and an SSE error event, and the engine sees its request aborted.
+#[test]
+fn a_stream_that_goes_silent_ends_with_an_sse_error_and_aborts_the_engine() {
+    let stalling = Engine::start("stall", Behavior::StallAfter(2));
+    let router = Router::start(&[
+        "--backend",
+        &stalling.url(),
+        "--stream-idle-timeout-ms",
+        "300",
+    ]);
+    let response = router.post_json("/v1/chat/completions", &chat_body("hi", true));
+    assert_eq!(response.status, 200);
+    let text = response.text();
+    assert!(text.starts_with(&chunk_event("stall", 0)), "{text:?}");
+    assert!(text.contains(&chunk_event("stall", 1)), "{text:?}");
+    assert!(
+        text.contains("event: error\ndata: {\"error\"") && text.contains("upstream_timeout"),
+        "{text:?}"
+    );
+    assert!(!text.contains("[DONE]"));
+    wait_until("the engine to see the abort", || stalling.cancelled() == 1);
+    assert_eq!(timeouts(&router, "stream_idle"), 1.0);
+}
