@@ -89,6 +89,16 @@ pub struct BenchArgs {
     #[arg(long)]
     pub max_requests: Option<u32>,
 
+    /// churn-open: arrival rate as a fraction of the cluster's measured capacity [workload
+    /// default: 0.8].
+    #[arg(long, value_name = "FRACTION")]
+    pub rate_fraction: Option<f64>,
+
+    /// churn-open: arrival rate in requests per simulated second (skips the capacity
+    /// measurement).
+    #[arg(long, value_name = "RPS")]
+    pub rate: Option<f64>,
+
     /// Output directory [default: results/<UTC timestamp>].
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
@@ -164,6 +174,24 @@ impl BenchArgs {
             } else {
                 PromptFormat::TokenIds
             };
+        }
+        if self.rate_fraction.is_some() || self.rate.is_some() {
+            let Some(open) = config
+                .open_loop
+                .as_mut()
+                .filter(|_| config.kind == WorkloadKind::ChurnOpen)
+            else {
+                return Err(invalid(
+                    "--rate-fraction and --rate need an open-loop churn workload (churn-open)",
+                ));
+            };
+            if let Some(fraction) = self.rate_fraction {
+                open.rate_fraction = fraction;
+                open.rate_rps = None;
+            }
+            if let Some(rate) = self.rate {
+                open.rate_rps = Some(rate);
+            }
         }
         let trace_flags =
             self.trace.is_some() || self.time_scale.is_some() || self.max_requests.is_some();
@@ -276,6 +304,25 @@ mod tests {
         assert_eq!((trace.max_requests, trace.time_scale), (Some(10), 0.5));
         assert!(
             parse(&["--workload", "shared-prefix", "--max-requests", "3"])
+                .workload_config()
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn rate_flags_shape_the_open_loop_churn() {
+        let config = parse(&["--workload", "churn-open", "--rate-fraction", "0.5"])
+            .workload_config()
+            .unwrap();
+        let open = config.open_loop.unwrap();
+        assert_eq!((open.rate_fraction, open.rate_rps), (0.5, None));
+        let config = parse(&["--workload", "churn-open", "--rate", "3"])
+            .workload_config()
+            .unwrap();
+        assert_eq!(config.open_loop.unwrap().rate_rps, Some(3.0));
+        assert!(parse(&["--rate", "3"]).workload_config().is_err());
+        assert!(
+            parse(&["--workload", "churn-open", "--rate-fraction=-1"])
                 .workload_config()
                 .is_err()
         );

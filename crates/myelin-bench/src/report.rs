@@ -25,6 +25,8 @@ pub struct Report<'a> {
     pub repeat: u32,
     pub quick: bool,
     pub workload: &'a WorkloadConfig,
+    /// What drives the traffic, in words (closed-loop users, or the open-loop schedule).
+    pub traffic: String,
     pub legs: &'a [LegSummary],
     /// Pairs of legs whose TTFT P50 or P99 ranges across repeats overlap (empty with one
     /// repeat: one run has no range).
@@ -435,8 +437,9 @@ fn verdict(gates: &[Gate]) -> String {
 pub fn render_text(report: &Report<'_>) -> String {
     let mut out = String::new();
     out.push_str(&format!(
-        "\nworkload {} | {} engines | {} | speedup {} | times in simulated ms\n\n",
+        "\nworkload {} | {} | {} engines | {} | speedup {} | times in simulated ms\n\n",
         report.workload.name,
+        report.traffic,
         report.workload.cluster.engines,
         report.workload.cluster.profile,
         report.speedup
@@ -473,7 +476,7 @@ pub fn render_markdown(report: &Report<'_>, plots: &[(&str, &str)]) -> String {
     let workload = report.workload;
     let mut out = format!(
         "# myelin bench: {}\n\n{}\n\n- command: `{}`\n- generated: {} (myelin {})\n- cluster: {} simulated engines, \
-         profile `{}`, {} KV blocks of {} tokens each, speedup {}\n- users: {}, duration {} s, warm-up {} s \
+         profile `{}`, {} KV blocks of {} tokens each, speedup {}\n- traffic: {}; duration {} s, warm-up {} s \
          (simulated), repeats: {}\n- latencies in simulated milliseconds (wall time x speedup); rates per simulated \
          second\n\n",
         workload.name,
@@ -486,7 +489,7 @@ pub fn render_markdown(report: &Report<'_>, plots: &[(&str, &str)]) -> String {
         workload.cluster.kv_blocks,
         workload.cluster.block_size,
         report.speedup,
-        workload.users,
+        report.traffic,
         workload.duration_s,
         workload.warmup_s,
         report.repeat,
@@ -603,6 +606,7 @@ mod tests {
             repeat: 1,
             quick: false,
             workload: &workload,
+            traffic: "60 closed-loop users".into(),
             legs: &legs,
             overlaps: &[],
             gates: &gates,
@@ -670,6 +674,7 @@ mod tests {
             repeat: 3,
             quick: false,
             workload: &workload,
+            traffic: "60 closed-loop users".into(),
             legs: &legs,
             overlaps: &overlaps,
             gates: &gates,

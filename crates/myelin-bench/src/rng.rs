@@ -46,6 +46,7 @@ pub mod stream {
     pub const SYSTEM_TOKENS: u64 = 0x7379_7374_0000_0000;
     pub const QUESTION_TOKENS: u64 = 0x7175_6573_0000_0000;
     pub const TRACE_BLOCK_TOKENS: u64 = 0x626c_6f6b_0000_0000;
+    pub const ARRIVAL_GAP: u64 = 0x6761_7073;
 }
 
 /// A seeded Fisher-Yates permutation of `0..len`.

@@ -96,7 +96,20 @@ pub fn run(args: BenchArgs) -> Result<ExitCode, BenchError> {
 }
 
 fn prepare(args: &BenchArgs) -> Result<RunContext, BenchError> {
-    let config = args.workload_config()?;
+    let mut config = args.workload_config()?;
+    // Open-loop churn: the rate is a fraction of the cluster's capacity, measured once here so
+    // every leg gets the same schedule.
+    let started = Instant::now();
+    if let Some(capacity) = crate::capacity::resolve_rate(&mut config)? {
+        eprintln!(
+            "myelin bench: cluster capacity {:.2} req/s (round-robin, engines saturated: {} requests \
+             in {:.0} simulated s on the engine model, measured in {:.1} s)",
+            capacity.requests_per_s,
+            capacity.completed,
+            capacity.window_s,
+            started.elapsed().as_secs_f64()
+        );
+    }
     let legs = all_legs(&args.legs, &args.external)?;
     // Text prompts use single-token words of the bundled tokenizer, the one the simulated
     // engines and the router tokenize with, so a prompt planned as N tokens is N tokens there.
@@ -403,6 +416,7 @@ fn finish(context: &RunContext, runs: &[LegRun]) -> Result<ExitCode, BenchError>
         repeat: context.repeat,
         quick: context.quick,
         workload: config,
+        traffic: context.workload.describe(),
         legs: &summaries,
         overlaps: &overlaps,
         gates: &gates,

@@ -107,3 +107,93 @@ fn oracle_leg_runs_on_simulated_engines_and_writes_a_valid_report() {
     );
     let _ = std::fs::remove_dir_all(directory);
 }
+
+/// The small churn, open loop, at a fixed rate (no capacity measurement).
+const SMALL_CHURN_OPEN: &str = r#"
+name = "small-churn-open"
+kind = "churn-open"
+api = "completions"
+prompt = "token-ids"
+seed = 7
+users = 1
+duration_s = 30.0
+warmup_s = 5.0
+output_tokens = 20
+
+[cluster]
+engines = 2
+profile = "a100-40gb-llama-3.1-8b"
+speedup = 20.0
+kv_blocks = 256
+block_size = 16
+
+[churn]
+population = 12
+active = 4
+rotate = 2
+rotate_every_s = 5.0
+prefix_tokens = [400, 900]
+suffix_tokens = [8, 32]
+
+[open_loop]
+rate_fraction = 0.5
+capacity_rps = 4.0
+
+[quick]
+"#;
+
+#[test]
+fn open_loop_churn_sends_identical_requests_on_every_run_and_keeps_each_repeat() {
+    let directory = scratch_dir("churn-open");
+    let workload = directory.join("small-churn-open.toml");
+    std::fs::write(&workload, SMALL_CHURN_OPEN).unwrap();
+    let out = directory.join("out");
+    let command = Command::parse_from([
+        "bench",
+        "--workload",
+        workload.to_str().unwrap(),
+        "--legs",
+        "oracle",
+        "--repeat",
+        "2",
+        "--out",
+        out.to_str().unwrap(),
+        "--no-progress",
+    ]);
+    let exit = myelin_bench::run(command.args).unwrap();
+    assert_eq!(exit, std::process::ExitCode::SUCCESS);
+
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    assert_eq!(report["workload"]["open_loop"]["rate_rps"], 2.0);
+    let leg = &report["legs"][0];
+    let repeats = leg["repeats"].as_array().unwrap();
+    assert_eq!(repeats.len(), 2);
+    // Both repeats sent every request of the schedule: the same count.
+    assert_eq!(repeats[0]["requests_sent"], repeats[1]["requests_sent"]);
+    let spread = &leg["spread"]["ttft_p99_ms"];
+    assert!(spread["min"].as_f64().unwrap() <= spread["median"].as_f64().unwrap());
+    assert!(spread["median"].as_f64().unwrap() <= spread["max"].as_f64().unwrap());
+
+    // requests.csv: leg,repeat,user,seq,label,send_s,ttft_ms,e2e_ms,prompt_tokens,output_tokens,...
+    let csv = std::fs::read_to_string(out.join("requests.csv")).unwrap();
+    let mut by_repeat: [Vec<(u64, String, String, String)>; 2] = [Vec::new(), Vec::new()];
+    for line in csv.lines().skip(1) {
+        let cells: Vec<&str> = line.split(',').collect();
+        let repeat: usize = cells[1].parse().unwrap();
+        by_repeat[repeat].push((
+            cells[3].parse().unwrap(),
+            cells[4].to_string(),
+            cells[8].to_string(),
+            cells[9].to_string(),
+        ));
+    }
+    for requests in &mut by_repeat {
+        requests.sort();
+    }
+    // 30 simulated s at 2 req/s: about 60 requests, the same ones (index, prefix, prompt
+    // length, output length) in both repeats.
+    assert!(by_repeat[0].len() > 30, "{}", by_repeat[0].len());
+    assert_eq!(by_repeat[0], by_repeat[1]);
+    let _ = std::fs::remove_dir_all(directory);
+}

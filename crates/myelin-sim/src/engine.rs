@@ -450,6 +450,12 @@ impl EngineModel {
         self.pool.cached_prefix_blocks(chain) * self.config.block_size
     }
 
+    /// Requests waiting to be admitted (or readmitted after preemption); cheaper than
+    /// [`EngineModel::load`].
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
     /// Current load.
     pub fn load(&self) -> EngineLoad {
         let mut pending_prefill_tokens = 0;

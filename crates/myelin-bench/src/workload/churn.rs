@@ -102,7 +102,12 @@ impl ChurnWorkload {
     /// The `seq`-th request of `user`, sent at `elapsed_s`: an active prefix and a suffix
     /// unique to (user, seq).
     pub fn request(&self, user: u32, seq: u64, elapsed_s: f64) -> PlannedRequest {
-        let request_key = (u64::from(user) << 40) | seq;
+        self.keyed_request((u64::from(user) << 40) | seq, elapsed_s)
+    }
+
+    /// The request drawn with `request_key` (what makes it unique), sent at `elapsed_s`: a
+    /// prefix of the active set at that time and a suffix drawn from the key.
+    pub fn keyed_request(&self, request_key: u64, elapsed_s: f64) -> PlannedRequest {
         let active = self.active_set(elapsed_s);
         let prefix = active[rng::draw_below(
             self.seed,

@@ -7,6 +7,10 @@ use serde::{Deserialize, Serialize};
 pub const BUILTIN_WORKLOADS: &[(&str, &str)] = &[
     ("churn", include_str!("../../../../benches/churn.toml")),
     (
+        "churn-open",
+        include_str!("../../../../benches/churn-open.toml"),
+    ),
+    (
         "shared-prefix",
         include_str!("../../../../benches/shared-prefix.toml"),
     ),
@@ -27,7 +31,7 @@ pub enum WorkloadError {
         source: Box<toml::de::Error>,
     },
     #[error(
-        "unknown workload `{0}` (built in: churn, shared-prefix, trace; or a path to a .toml file)"
+        "unknown workload `{0}` (built in: churn, churn-open, shared-prefix, trace; or a path to a .toml file)"
     )]
     Unknown(String),
     #[error("workload {name}: {problem}")]
@@ -46,6 +50,9 @@ pub enum WorkloadError {
 pub enum WorkloadKind {
     /// Closed-loop users over a rotating prefix population (Ranvier's residency benchmark).
     Churn,
+    /// The same population, open loop: request i's send time, prefix, suffix and output length
+    /// are a pure function of (seed, i), so every leg gets the identical requests.
+    ChurnOpen,
     /// Closed-loop users over groups sharing a system prompt (llm-d's shape).
     SharedPrefix,
     /// Open-loop replay of a Mooncake-format trace by timestamp.
@@ -114,6 +121,23 @@ pub struct ChurnSettings {
     pub suffix_tokens: [u32; 2],
 }
 
+/// Open-loop arrivals (`churn-open`): a Poisson process at a rate set as a fraction of the
+/// cluster's capacity.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct OpenLoopSettings {
+    /// Requests per simulated second as a fraction of `capacity_rps`.
+    pub rate_fraction: f64,
+    /// Requests per simulated second the cluster completes under round-robin routing with
+    /// every engine saturated; measured on the engine model before the run when absent (see
+    /// `crate::capacity`).
+    #[serde(default)]
+    pub capacity_rps: Option<f64>,
+    /// Requests per simulated second; `rate_fraction x capacity_rps` when absent.
+    #[serde(default)]
+    pub rate_rps: Option<f64>,
+}
+
 /// Groups sharing a system prompt.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -178,7 +202,7 @@ pub struct WorkloadConfig {
     pub prompt: PromptFormat,
     /// Seed of every draw.
     pub seed: u64,
-    /// Closed-loop users (ignored by the trace replay, which is open loop).
+    /// Closed-loop users (ignored by the open-loop workloads: trace and churn-open).
     pub users: u32,
     /// Simulated seconds of traffic per leg (a trace replay stops at the end of the trace).
     pub duration_s: f64,
@@ -192,6 +216,8 @@ pub struct WorkloadConfig {
     pub cluster: ClusterSettings,
     #[serde(default)]
     pub churn: Option<ChurnSettings>,
+    #[serde(default)]
+    pub open_loop: Option<OpenLoopSettings>,
     #[serde(default)]
     pub shared_prefix: Option<SharedPrefixSettings>,
     #[serde(default)]
@@ -284,14 +310,32 @@ impl WorkloadConfig {
         if self.api == Api::Chat && self.prompt == PromptFormat::TokenIds {
             return Err(self.invalid("token-id prompts need api = \"completions\""));
         }
-        if self.kind != WorkloadKind::Trace && self.users == 0 {
+        if matches!(self.kind, WorkloadKind::Churn | WorkloadKind::SharedPrefix) && self.users == 0
+        {
             return Err(self.invalid("users must be > 0"));
         }
         match self.kind {
-            WorkloadKind::Churn => {
+            WorkloadKind::Churn | WorkloadKind::ChurnOpen => {
                 let Some(churn) = &self.churn else {
                     return Err(self.invalid("kind = \"churn\" needs a [churn] section"));
                 };
+                if self.kind == WorkloadKind::ChurnOpen {
+                    let Some(open) = &self.open_loop else {
+                        return Err(
+                            self.invalid("kind = \"churn-open\" needs an [open_loop] section")
+                        );
+                    };
+                    if !finite_positive(open.rate_fraction) {
+                        return Err(self.invalid("open_loop: rate_fraction must be > 0"));
+                    }
+                    if !open.capacity_rps.is_none_or(finite_positive)
+                        || !open.rate_rps.is_none_or(finite_positive)
+                    {
+                        return Err(
+                            self.invalid("open_loop: capacity_rps and rate_rps must be > 0")
+                        );
+                    }
+                }
                 if churn.population == 0 || churn.active == 0 || churn.active > churn.population {
                     return Err(self.invalid("churn: need 0 < active <= population"));
                 }

@@ -1,15 +1,21 @@
-//! Workloads: what each simulated user (or trace line) sends, as pure functions of the seed,
-//! the user, the request number and the elapsed simulated time, so every leg, every repeat and
-//! every user agree on the schedule.
+//! Workloads: what each simulated user (or trace line, or open-loop arrival) sends, as pure
+//! functions of the seed, the user, the request number and the elapsed simulated time, so
+//! every leg, every repeat and every user agree on the schedule. Open-loop workloads (trace,
+//! churn-open) send the identical requests on every leg; closed-loop ones (churn,
+//! shared-prefix) the same requests per (user, request number), but how many each user sends
+//! and when depends on the leg's latencies, so legs get statistically identical traffic.
 
 pub mod alphabet;
 pub mod churn;
+pub mod churn_open;
 pub mod config;
 pub mod shared_prefix;
 pub mod trace;
 
 pub use alphabet::TokenAlphabet;
-pub use config::{Api, PromptFormat, WorkloadConfig, WorkloadError, WorkloadKind};
+pub use config::{
+    Api, OpenLoopSettings, PromptFormat, WorkloadConfig, WorkloadError, WorkloadKind,
+};
 
 /// One request to send: its prompt as token ids and how many tokens to generate.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,6 +45,7 @@ pub enum Arrival {
 #[derive(Debug)]
 pub enum Workload {
     Churn(churn::ChurnWorkload),
+    ChurnOpen(churn_open::ChurnOpenWorkload),
     SharedPrefix(shared_prefix::SharedPrefixWorkload),
     Trace(trace::TraceWorkload),
 }
@@ -49,6 +56,9 @@ impl Workload {
         config.validate()?;
         Ok(match config.kind {
             WorkloadKind::Churn => Workload::Churn(churn::ChurnWorkload::new(config, alphabet)),
+            WorkloadKind::ChurnOpen => {
+                Workload::ChurnOpen(churn_open::ChurnOpenWorkload::new(config, alphabet)?)
+            }
             WorkloadKind::SharedPrefix => {
                 Workload::SharedPrefix(shared_prefix::SharedPrefixWorkload::new(config, alphabet))
             }
@@ -68,6 +78,9 @@ impl Workload {
             Workload::Trace(trace) => Arrival::OpenLoop {
                 requests: trace.len(),
             },
+            Workload::ChurnOpen(open) => Arrival::OpenLoop {
+                requests: open.len(),
+            },
         }
     }
 
@@ -84,6 +97,16 @@ impl Workload {
     pub fn describe(&self) -> String {
         match self {
             Workload::Churn(churn) => format!("{} closed-loop users", churn.users()),
+            Workload::ChurnOpen(open) => format!(
+                "open loop, {} requests at {:.2} req/s{}",
+                open.len(),
+                open.rate_rps(),
+                open.capacity_rps()
+                    .map_or(String::new(), |capacity| format!(
+                        " ({:.2} of a capacity of {capacity:.2} req/s)",
+                        open.rate_rps() / capacity
+                    ))
+            ),
             Workload::SharedPrefix(shared) => format!("{} closed-loop users", shared.users()),
             Workload::Trace(trace) => format!(
                 "{} requests over {:.0} simulated s from {}",
@@ -101,6 +124,7 @@ impl Workload {
             Workload::Churn(churn) => churn.request(user, seq, elapsed_s),
             Workload::SharedPrefix(shared) => shared.request(user, seq),
             Workload::Trace(trace) => trace.request(seq as usize % trace.len().max(1)),
+            Workload::ChurnOpen(open) => open.request(seq as usize % open.len().max(1)),
         }
     }
 
@@ -110,6 +134,9 @@ impl Workload {
         match self {
             Workload::Trace(trace) if index < trace.len() => {
                 Some((trace.send_at_s(index), trace.request(index)))
+            }
+            Workload::ChurnOpen(open) if index < open.len() => {
+                Some((open.send_at_s(index), open.request(index)))
             }
             _ => None,
         }
