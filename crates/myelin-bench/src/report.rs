@@ -6,6 +6,7 @@ use serde::Serialize;
 use crate::gates::Gate;
 use crate::stats::{LegSummary, Overlap, Spread};
 use crate::workload::WorkloadConfig;
+use crate::workload::trace::SkippedOverContext;
 
 /// report.json's schema version (docs/benchmark.md describes the schema).
 pub const REPORT_SCHEMA_VERSION: u32 = 2;
@@ -27,6 +28,9 @@ pub struct Report<'a> {
     pub workload: &'a WorkloadConfig,
     /// What drives the traffic, in words (closed-loop users, or the open-loop schedule).
     pub traffic: String,
+    /// Trace replays: lines left out, on every leg alike, because prompt plus output exceed
+    /// the engines' context length (`null` for other workloads).
+    pub skipped_over_context: Option<SkippedOverContext>,
     pub legs: &'a [LegSummary],
     /// Pairs of legs whose TTFT P50 or P99 ranges across repeats overlap (empty with one
     /// repeat: one run has no range).
@@ -433,6 +437,32 @@ fn verdict(gates: &[Gate]) -> String {
     }
 }
 
+/// The trace lines skipped before the run, when there were any.
+fn skipped_line(report: &Report<'_>) -> Option<String> {
+    let skipped = report.skipped_over_context.as_ref()?;
+    if skipped.count == 0 {
+        return None;
+    }
+    let shown: Vec<String> = skipped
+        .lines
+        .iter()
+        .take(10)
+        .map(|line| line.to_string())
+        .collect();
+    Some(format!(
+        "Skipped {} trace line(s) whose prompt plus output exceed the engines' context of {} \
+         tokens, on every leg alike (line {}{}).",
+        skipped.count,
+        skipped.context_tokens,
+        shown.join(", "),
+        if skipped.lines.len() > shown.len() {
+            ", ..."
+        } else {
+            ""
+        }
+    ))
+}
+
 /// The text printed on stdout at the end of a run.
 pub fn render_text(report: &Report<'_>) -> String {
     let mut out = String::new();
@@ -444,6 +474,10 @@ pub fn render_text(report: &Report<'_>) -> String {
         report.workload.cluster.profile,
         report.speedup
     ));
+    if let Some(line) = skipped_line(report) {
+        out.push_str(&line);
+        out.push_str("\n\n");
+    }
     if let [a, b, ..] = report.legs {
         out.push_str(&comparison_table(a, b).plain());
         out.push('\n');
@@ -494,6 +528,9 @@ pub fn render_markdown(report: &Report<'_>, plots: &[(&str, &str)]) -> String {
         workload.warmup_s,
         report.repeat,
     );
+    if let Some(line) = skipped_line(report) {
+        out.push_str(&format!("{line}\n\n"));
+    }
     if let [a, b, ..] = report.legs {
         out.push_str(&format!("## {} vs {}\n\n", a.name, b.name));
         out.push_str(&comparison_table(a, b).markdown());
@@ -607,6 +644,7 @@ mod tests {
             quick: false,
             workload: &workload,
             traffic: "60 closed-loop users".into(),
+            skipped_over_context: None,
             legs: &legs,
             overlaps: &[],
             gates: &gates,
@@ -675,6 +713,7 @@ mod tests {
             quick: false,
             workload: &workload,
             traffic: "60 closed-loop users".into(),
+            skipped_over_context: None,
             legs: &legs,
             overlaps: &overlaps,
             gates: &gates,

@@ -120,6 +120,16 @@ fn prepare(args: &BenchArgs) -> Result<RunContext, BenchError> {
         }
     };
     let workload = Workload::build(&config, alphabet.clone())?;
+    if let Some(skipped) = workload
+        .skipped_over_context()
+        .filter(|skipped| skipped.count > 0)
+    {
+        eprintln!(
+            "myelin bench: skipping {} trace line(s) whose prompt plus output exceed the engines' \
+             context of {} tokens, on every leg (lines {:?})",
+            skipped.count, skipped.context_tokens, skipped.lines
+        );
+    }
     let out_dir = match &args.out {
         Some(out) => out.clone(),
         None => PathBuf::from("results").join(report::utc_now().1),
@@ -417,6 +427,7 @@ fn finish(context: &RunContext, runs: &[LegRun]) -> Result<ExitCode, BenchError>
         quick: context.quick,
         workload: config,
         traffic: context.workload.describe(),
+        skipped_over_context: context.workload.skipped_over_context().cloned(),
         legs: &summaries,
         overlaps: &overlaps,
         gates: &gates,

@@ -197,3 +197,67 @@ fn open_loop_churn_sends_identical_requests_on_every_run_and_keeps_each_repeat()
     assert_eq!(by_repeat[0], by_repeat[1]);
     let _ = std::fs::remove_dir_all(directory);
 }
+
+#[test]
+fn trace_lines_over_the_context_are_skipped_and_reported_not_errors() {
+    let directory = scratch_dir("over-context");
+    // 256 blocks of 16 tokens: a 4,096-token context. Line 3 asks for 5,000 + 10 tokens; the
+    // other eleven, 1,500-token prompts of their own, fill the engines' KV so they evict.
+    let trace = directory.join("trace.jsonl");
+    let lines: Vec<String> = (0..12u64)
+        .map(|line| {
+            let input = if line == 2 { 5000 } else { 1500 };
+            let blocks: Vec<String> = (0..10).map(|block| (line * 100 + block).to_string()).collect();
+            format!(
+                "{{\"timestamp\":{},\"input_length\":{input},\"output_length\":10,\"hash_ids\":[{}]}}",
+                line * 100,
+                blocks.join(",")
+            )
+        })
+        .collect();
+    std::fs::write(&trace, lines.join("\n") + "\n").unwrap();
+    let workload = directory.join("trace.toml");
+    std::fs::write(
+        &workload,
+        SMALL_CHURN
+            .replace("name = \"small-churn\"", "name = \"small-trace\"")
+            .replace("kind = \"churn\"", "kind = \"trace\"")
+            .replace("[quick]", "[quick]\n")
+            + &format!(
+                "\n[trace]\npath = {:?}\ntime_scale = 10.0\n",
+                trace.to_str().unwrap()
+            ),
+    )
+    .unwrap();
+    let out = directory.join("out");
+    let command = Command::parse_from([
+        "bench",
+        "--workload",
+        workload.to_str().unwrap(),
+        "--legs",
+        "oracle",
+        "--warmup",
+        "0",
+        "--out",
+        out.to_str().unwrap(),
+        "--no-progress",
+    ]);
+    // The churn section of the small churn stays (unused by a trace): fine for the format.
+    let exit = myelin_bench::run(command.args).unwrap();
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    assert_eq!(exit, std::process::ExitCode::SUCCESS, "{report:#}");
+    let skipped = &report["skipped_over_context"];
+    assert_eq!(skipped["count"], 1);
+    assert_eq!(skipped["context_tokens"], 4096);
+    assert_eq!(skipped["lines"], serde_json::json!([3]));
+    let leg = &report["legs"][0];
+    assert_eq!(leg["errors"], 0);
+    assert_eq!(leg["requests_sent"], 11);
+    assert!(
+        std::fs::read_to_string(out.join("report.md"))
+            .unwrap()
+            .contains("Skipped 1 trace line(s)")
+    );
+    let _ = std::fs::remove_dir_all(directory);
+}

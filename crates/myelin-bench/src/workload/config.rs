@@ -103,6 +103,23 @@ fn default_block_size() -> u32 {
     16
 }
 
+impl ClusterSettings {
+    /// The engines' context length: the profile's `max_model_len` capped by the KV capacity,
+    /// as the simulated engine caps it (a request whose prompt plus output exceeds it gets a
+    /// 400). An unknown profile (refused when the cluster starts) counts as the default one.
+    pub fn context_tokens(&self) -> usize {
+        let defaults = myelin_sim::perf::profile_by_name(&self.profile)
+            .map(|profile| myelin_sim::EngineConfig::for_profile(profile.as_ref()))
+            .unwrap_or_default();
+        myelin_sim::EngineConfig {
+            block_size: self.block_size as usize,
+            num_gpu_blocks: self.kv_blocks as usize,
+            ..defaults
+        }
+        .effective_max_model_len()
+    }
+}
+
 /// The churn population.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]

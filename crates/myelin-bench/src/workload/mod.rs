@@ -117,6 +117,15 @@ impl Workload {
         }
     }
 
+    /// Trace lines left out because prompt plus output exceed the engines' context (`None`
+    /// for workloads that are not trace replays).
+    pub fn skipped_over_context(&self) -> Option<&trace::SkippedOverContext> {
+        match self {
+            Workload::Trace(trace) => Some(trace.skipped_over_context()),
+            _ => None,
+        }
+    }
+
     /// The `seq`-th request of closed-loop user `user`, sent `elapsed_s` simulated seconds into
     /// the leg. A trace workload answers with its requests in order.
     pub fn closed_loop_request(&self, user: u32, seq: u64, elapsed_s: f64) -> PlannedRequest {

@@ -24,6 +24,9 @@ pub struct TraceRecord {
     pub input_length: u32,
     pub output_length: u32,
     pub hash_ids: Vec<u64>,
+    /// Line number in the file, from 1 (set by [`parse_trace`]).
+    #[serde(skip)]
+    pub line: usize,
 }
 
 /// Parses JSONL trace text, keeping at most `max_requests` lines (blank lines skipped).
@@ -46,8 +49,9 @@ pub fn parse_trace(
             line: index + 1,
             problem,
         };
-        let record: TraceRecord =
+        let mut record: TraceRecord =
             serde_json::from_str(line).map_err(|error| line_error(error.to_string()))?;
+        record.line = index + 1;
         if record.input_length == 0 || record.hash_ids.is_empty() {
             return Err(line_error(
                 "input_length and hash_ids must not be empty".into(),
@@ -68,6 +72,17 @@ pub fn parse_trace(
     Ok(records)
 }
 
+/// Trace lines left out of the replay because the engines would refuse them.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct SkippedOverContext {
+    /// The engines' context length: prompt plus output tokens may not exceed it.
+    pub context_tokens: usize,
+    /// How many lines were skipped.
+    pub count: usize,
+    /// Their line numbers in the file, from 1.
+    pub lines: Vec<usize>,
+}
+
 /// The trace generator.
 #[derive(Debug)]
 pub struct TraceWorkload {
@@ -75,12 +90,18 @@ pub struct TraceWorkload {
     block_tokens: u32,
     time_scale: f64,
     source_name: String,
+    /// Timestamp of the trace's first line: time zero of the replay, skipped or not.
+    first_timestamp: u64,
     records: Vec<TraceRecord>,
+    skipped: SkippedOverContext,
     alphabet: TokenAlphabet,
 }
 
 impl TraceWorkload {
-    /// Reads the trace the config names (or the built-in slice).
+    /// Reads the trace the config names (or the built-in slice), keeping the lines the engines
+    /// accept: a line whose prompt plus output exceeds the engines' context length (the
+    /// profile's, capped by the KV capacity, as the simulated engine caps it) would get a 400,
+    /// so it is skipped here, before the run, the same on every leg, and reported.
     pub fn load(config: &WorkloadConfig, alphabet: TokenAlphabet) -> Result<Self, WorkloadError> {
         let trace = config
             .trace
@@ -99,14 +120,42 @@ impl TraceWorkload {
                 parse_trace(BUILTIN_SLICE_NAME, BUILTIN_SLICE, trace.max_requests)?,
             ),
         };
+        let first_timestamp = records.first().map_or(0, |record| record.timestamp);
+        let context_tokens = config.cluster.context_tokens();
+        let (records, over): (Vec<TraceRecord>, Vec<TraceRecord>) =
+            records.into_iter().partition(|record| {
+                record.input_length as usize + record.output_length as usize <= context_tokens
+            });
+        if records.is_empty() {
+            return Err(WorkloadError::TraceLine {
+                path: source_name,
+                line: 0,
+                problem: format!(
+                    "every line's prompt plus output exceeds the engines' context length of \
+                     {context_tokens} tokens"
+                ),
+            });
+        }
+        let skipped = SkippedOverContext {
+            context_tokens,
+            count: over.len(),
+            lines: over.iter().map(|record| record.line).collect(),
+        };
         Ok(Self {
             seed: config.seed,
             block_tokens: trace.block_tokens,
             time_scale: trace.time_scale,
             source_name,
+            first_timestamp,
             records,
+            skipped,
             alphabet,
         })
+    }
+
+    /// The lines left out because they exceed the context length.
+    pub fn skipped_over_context(&self) -> &SkippedOverContext {
+        &self.skipped
     }
 
     /// Where the trace came from.
@@ -126,8 +175,11 @@ impl TraceWorkload {
 
     /// Simulated seconds from the start of the leg at which request `index` is sent.
     pub fn send_at_s(&self, index: usize) -> f64 {
-        let first = self.records.first().map_or(0, |record| record.timestamp);
-        (self.records[index].timestamp.saturating_sub(first)) as f64 / 1000.0 * self.time_scale
+        (self.records[index]
+            .timestamp
+            .saturating_sub(self.first_timestamp)) as f64
+            / 1000.0
+            * self.time_scale
     }
 
     /// The simulated seconds the whole replay spans.
@@ -160,7 +212,9 @@ impl TraceWorkload {
             tokens.extend(self.block_tokens(block_id));
         }
         tokens.truncate(input_length);
-        let tail_stream = stream::SUFFIX_TOKENS ^ (u64::MAX - index as u64);
+        // Keyed by the line, so skipping other lines changes nothing here.
+        let line_index = record.line.saturating_sub(1) as u64;
+        let tail_stream = stream::SUFFIX_TOKENS ^ (u64::MAX - line_index);
         let mut position = 0;
         while tokens.len() < input_length {
             tokens.push(
@@ -175,7 +229,7 @@ impl TraceWorkload {
             tokens,
             shared_len: shared_len.min(input_length),
             output_tokens: record.output_length,
-            label: index as u64,
+            label: line_index,
         }
     }
 }
@@ -231,6 +285,43 @@ mod tests {
         let normal = TraceWorkload::load(&config, TokenAlphabet::token_ids()).unwrap();
         assert_eq!(fast.send_at_s(200) * 2.0, normal.send_at_s(200));
         assert_eq!(normal.send_at_s(299), 102.0);
+    }
+
+    #[test]
+    fn lines_over_the_context_are_skipped_and_the_rest_is_unchanged() {
+        let full = workload(Some(100));
+        assert_eq!(full.skipped_over_context().count, 0);
+        assert_eq!(full.skipped_over_context().context_tokens, 131_072);
+        // 500 blocks of 16 tokens: an 8,000-token context (the KV capacity caps it).
+        let mut config = WorkloadConfig::load("trace").unwrap();
+        config.cluster.kv_blocks = 500;
+        if let Some(trace) = config.trace.as_mut() {
+            trace.max_requests = Some(100);
+        }
+        let cut = TraceWorkload::load(&config, TokenAlphabet::token_ids()).unwrap();
+        let skipped = cut.skipped_over_context();
+        assert_eq!(skipped.context_tokens, 8000);
+        assert!(skipped.count > 0 && !cut.is_empty());
+        assert_eq!(cut.len() + skipped.count, 100);
+        assert_eq!(skipped.lines.len(), skipped.count);
+        // Exactly the lines over the context went, and every kept one is the same request at
+        // the same time as in the full replay.
+        let mut kept = 0;
+        for index in 0..full.len() {
+            let record = &full.records[index];
+            let total = (record.input_length + record.output_length) as usize;
+            if total > 8000 {
+                assert!(skipped.lines.contains(&record.line));
+                continue;
+            }
+            assert_eq!(cut.request(kept), full.request(index));
+            assert_eq!(cut.send_at_s(kept), full.send_at_s(index));
+            kept += 1;
+        }
+        assert_eq!(kept, cut.len());
+        // A context no line fits is an error, not an empty run.
+        config.cluster.kv_blocks = 1;
+        assert!(TraceWorkload::load(&config, TokenAlphabet::token_ids()).is_err());
     }
 
     #[test]
