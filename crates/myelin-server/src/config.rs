@@ -40,6 +40,8 @@ impl Defaults {
     pub const DRAIN_TIMEOUT_MS: u64 = 30_000;
     pub const TOKENIZE_PREFIX_BYTES: usize = 2048;
     pub const TOKENIZE_CACHE_BYTES: usize = 16 * 1024 * 1024;
+    pub const TOKENIZE_MAX_BYTES: usize = crate::route_tokens::DEFAULT_MAX_TOKENIZED_BYTES;
+    pub const TOKENIZE_MAX_PIECE_BYTES: usize = crate::route_tokens::DEFAULT_MAX_PIECE_BYTES;
     pub const SIM_SPEEDUP: f64 = 1.0;
     pub const LOAD_BOUND_TOKENS: u64 = myelin_routing::DEFAULT_LOAD_BOUND_TOKENS;
 }
@@ -277,6 +279,18 @@ pub struct ServeArgs {
     #[arg(long, env = "MYELIN_TOKENIZE_PREFIX_BYTES", value_name = "BYTES")]
     pub tokenize_prefix_bytes: Option<usize>,
 
+    /// Bytes of a prompt tokenized afresh for routing, at most (bytes served from the
+    /// tokenizer caches are free); routing uses the prefix up to there, the request is still
+    /// proxied whole. 0 = no bound. [default: 32768]
+    #[arg(long, env = "MYELIN_TOKENIZE_MAX_BYTES", value_name = "BYTES")]
+    pub tokenize_max_bytes: Option<usize>,
+
+    /// A run of one character class (letters, digits, whitespace, other) longer than this
+    /// ends routing's tokenization where it starts (one pre-token that long costs more per byte
+    /// the longer it is). 0 = no bound. [default: 2048]
+    #[arg(long, env = "MYELIN_TOKENIZE_MAX_PIECE_BYTES", value_name = "BYTES")]
+    pub tokenize_max_piece_bytes: Option<usize>,
+
     /// Always tokenize with HuggingFace `tokenizers`, never with the built-in fast byte-level
     /// BPE path (same ids, checked at startup; used when the tokenizer is one it reproduces).
     #[arg(long, env = "MYELIN_NO_FAST_TOKENIZER")]
@@ -330,6 +344,8 @@ pub struct FileConfig {
     pub drain_timeout_ms: Option<u64>,
     pub tokenize_cache_bytes: Option<usize>,
     pub tokenize_prefix_bytes: Option<usize>,
+    pub tokenize_max_bytes: Option<usize>,
+    pub tokenize_max_piece_bytes: Option<usize>,
     pub no_fast_tokenizer: Option<bool>,
     pub load_bound_tokens: Option<u64>,
 }
@@ -391,6 +407,8 @@ pub struct ServeConfig {
     pub drain_timeout: Duration,
     pub tokenize_cache_bytes: usize,
     pub tokenize_prefix_bytes: usize,
+    pub tokenize_max_bytes: usize,
+    pub tokenize_max_piece_bytes: usize,
     pub fast_tokenizer: bool,
     pub load_bound_tokens: u64,
 }
@@ -710,6 +728,14 @@ impl ServeConfig {
                 .tokenize_prefix_bytes
                 .or(file.tokenize_prefix_bytes)
                 .unwrap_or(Defaults::TOKENIZE_PREFIX_BYTES),
+            tokenize_max_bytes: args
+                .tokenize_max_bytes
+                .or(file.tokenize_max_bytes)
+                .unwrap_or(Defaults::TOKENIZE_MAX_BYTES),
+            tokenize_max_piece_bytes: args
+                .tokenize_max_piece_bytes
+                .or(file.tokenize_max_piece_bytes)
+                .unwrap_or(Defaults::TOKENIZE_MAX_PIECE_BYTES),
             fast_tokenizer: !(args.no_fast_tokenizer || file.no_fast_tokenizer.unwrap_or(false)),
             load_bound_tokens: args
                 .load_bound_tokens

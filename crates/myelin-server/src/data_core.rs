@@ -138,6 +138,10 @@ pub async fn run_data_core(setup: DataCoreSetup) -> ServeReport {
         setup.added_tokens,
         setup.config.tokenize_cache_bytes,
         setup.config.block_size,
+    )
+    .with_limits(
+        setup.config.tokenize_max_bytes,
+        setup.config.tokenize_max_piece_bytes,
     );
     let shutdown = Shutdown::new();
     shutdown.follow(setup.stop.clone(), STOP_POLL_INTERVAL);

@@ -22,6 +22,12 @@ pub const TOKENIZE_PROMPTS_TOTAL: &str = "myelin_tokenize_prompts_total";
 pub const TOKENIZE_CACHED_SEGMENTS_TOTAL: &str = "myelin_tokenize_cached_segments_total";
 /// Leading prompt bytes whose token ids came from the prefix cache.
 pub const TOKENIZE_CACHED_PREFIX_BYTES_TOTAL: &str = "myelin_tokenize_cached_prefix_bytes_total";
+/// Prompt bytes tokenized afresh for routing (not served from a tokenizer cache).
+pub const TOKENIZE_BYTES_TOTAL: &str = "myelin_tokenize_bytes_total";
+/// Prompts whose routing tokenization stopped early, by `reason`: `length` (1 MiB looked at),
+/// `long_piece` (a run of one character class over `--tokenize-max-piece-bytes`), `budget`
+/// (`--tokenize-max-bytes` tokenized).
+pub const TOKENIZE_TRUNCATED_TOTAL: &str = "myelin_tokenize_truncated_total";
 /// Bytes held by each data core's tokenizer caches, by `cache` (segment, prefix) and `shard`.
 pub const TOKENIZE_CACHE_BYTES: &str = "myelin_tokenize_cache_bytes";
 /// Prompt segments tokenized afresh (not from the segment cache).
@@ -125,6 +131,7 @@ pub fn install() -> PrometheusHandle {
         OVERLOAD_REJECTIONS_TOTAL,
         UPSTREAM_STREAM_ERRORS_TOTAL,
         CLIENT_DISCONNECTS_TOTAL,
+        TOKENIZE_BYTES_TOTAL,
     ] {
         metrics::counter!(counter).increment(0);
     }
@@ -223,6 +230,14 @@ fn describe() {
         "Responses abandoned by the client."
     );
     describe_counter!(TIMEOUTS_TOTAL, "Deadlines that passed, by kind.");
+    describe_counter!(
+        TOKENIZE_BYTES_TOTAL,
+        "Prompt bytes tokenized afresh for routing."
+    );
+    describe_counter!(
+        TOKENIZE_TRUNCATED_TOTAL,
+        "Prompts whose routing tokenization stopped early, by reason."
+    );
     describe_counter!(
         KV_EVENTS_BATCHES_TOTAL,
         "KV-event batches applied to the verified mirror."

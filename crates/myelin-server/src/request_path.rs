@@ -193,6 +193,7 @@ async fn generate(
         Err(error) => return error_response(&tokenize_error(&error)),
     };
     let mut tokenize_time = tokenize_started.elapsed();
+    let mut tokenized_bytes = tokens.stats.tokenized_bytes;
     let mut extent = match (tokens.complete, known_long) {
         (_, true) => "known_long_prefix",
         (true, false) => "whole",
@@ -204,7 +205,12 @@ async fn generate(
     let mut query = core.routing.borrow().query(&tokens.ids);
     let mut answer = core.lookup(&query);
     let prefix_blocks = (tokens.ids.len() / core.config.block_size) as u32;
-    if !tokens.complete && deepest_match(&answer).saturating_add(1) >= prefix_blocks {
+    // Only a prefix-first cut may be extended: a bound on work (a run too long, the budget) would
+    // stop the whole prompt at the same place.
+    if !tokens.complete
+        && tokens.stats.truncation.is_none()
+        && deepest_match(&answer).saturating_add(1) >= prefix_blocks
+    {
         // The match reaches the end of what was tokenized: it may go further.
         let started = Instant::now();
         let whole = {
@@ -219,6 +225,7 @@ async fn generate(
             Err(error) => return error_response(&tokenize_error(&error)),
         };
         tokenize_time += started.elapsed();
+        tokenized_bytes += tokens.stats.tokenized_bytes;
         extent = "prefix_then_whole";
         query = core.routing.borrow().query(&tokens.ids);
         answer = core.lookup(&query);
@@ -231,6 +238,11 @@ async fn generate(
         .increment(tokens.stats.tokenized_segments.into());
     metrics::counter!(names::TOKENIZE_CACHED_PREFIX_BYTES_TOTAL)
         .increment(tokens.stats.cached_prefix_bytes.into());
+    metrics::counter!(names::TOKENIZE_BYTES_TOTAL).increment(tokenized_bytes);
+    if let Some(truncation) = tokens.stats.truncation {
+        metrics::counter!(names::TOKENIZE_TRUNCATED_TOTAL, "reason" => truncation.as_str())
+            .increment(1);
+    }
 
     // Score: lowest expected cost wins.
     let prompt_tokens = tokens.estimated_total;

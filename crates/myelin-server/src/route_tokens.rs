@@ -25,7 +25,16 @@
 //! text before the cut are the same whatever comes after it. The cache is switched on only
 //! when a self-check on a built-in corpus gives, at every checkpoint, exactly the whole text's
 //! ids (on the fast path or on `tokenizers`, whichever this core uses).
-
+//!
+//! **Bounded work.** Routing needs only a prompt's prefix, and a data core must not spend
+//! seconds on one hostile prompt (`"a" * 7_000_000` is one pre-token, and BPE of one piece
+//! costs more per byte the longer it is). So routing's tokenization of a prompt stops at the
+//! first of: [`MAX_ROUTED_BYTES`] of text; the start of the first run of one character class
+//! (letters, digits, whitespace, other) longer than the piece limit (`--tokenize-max-piece-bytes`:
+//! no pre-token can be longer than the run holding it, give or take a leading character); and
+//! the fresh-bytes budget (`--tokenize-max-bytes`: bytes actually tokenized, not those served
+//! from the caches). The ids up to the stop are exact; the stop itself is handled like a
+//! prefix cut (whole blocks kept, minus one). The request is still proxied whole.
 use std::collections::{HashMap, HashSet};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::Path;
@@ -47,6 +56,35 @@ const PREFIX_MEMO_ENTRIES: usize = 32 * 1024;
 pub const CHECKPOINT_SPACING: usize = 256;
 /// Bookkeeping bytes counted per checkpoint of the prefix cache.
 const CHECKPOINT_OVERHEAD_BYTES: usize = 64;
+/// Routing looks at most this much of a prompt (cached or not): checkpoint scans and prefix
+/// hashes are linear in it. 1 MiB is more than any model's context window in text.
+pub const MAX_ROUTED_BYTES: usize = 1024 * 1024;
+/// Default of `--tokenize-max-bytes`: bytes tokenized afresh per prompt for routing.
+pub const DEFAULT_MAX_TOKENIZED_BYTES: usize = 32 * 1024;
+/// Default of `--tokenize-max-piece-bytes`: a longer run of one character class ends routing's
+/// tokenization where it starts.
+pub const DEFAULT_MAX_PIECE_BYTES: usize = 2 * 1024;
+
+/// Why routing's tokenization of a prompt stopped before the end of the text it was given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Truncation {
+    /// [`MAX_ROUTED_BYTES`].
+    Length,
+    /// A run of one character class longer than `--tokenize-max-piece-bytes`.
+    LongPiece,
+    /// `--tokenize-max-bytes` of fresh tokenization.
+    Budget,
+}
+
+impl Truncation {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Truncation::Length => "length",
+            Truncation::LongPiece => "long_piece",
+            Truncation::Budget => "budget",
+        }
+    }
+}
 
 /// Why a prompt could not be turned into token ids.
 #[derive(Debug, thiserror::Error)]
@@ -264,6 +302,11 @@ pub struct TokenizeStats {
     pub tokenized_segments: u32,
     /// Leading bytes whose ids came from the prefix cache.
     pub cached_prefix_bytes: u32,
+    /// Bytes tokenized afresh (not from a cache): the work done.
+    pub tokenized_bytes: u64,
+    /// Why tokenization stopped before the end of the text it was asked for, if it did
+    /// (not counting a prefix-first limit the caller asked for).
+    pub truncation: Option<Truncation>,
 }
 
 /// A prompt ready to tokenize: rendered chat or completion text, or ids given by the client.
@@ -307,6 +350,20 @@ pub struct RouteTokenizer {
     prefixes: Option<PrefixCache>,
     block_size: usize,
     long_prefixes: PrefixMemo,
+    /// `--tokenize-max-bytes` (fresh bytes per prompt).
+    max_tokenized_bytes: usize,
+    /// `--tokenize-max-piece-bytes`.
+    max_piece_bytes: usize,
+}
+
+/// What is left of a prompt's fresh-tokenization budget.
+#[derive(Debug, Clone, Copy)]
+struct Budget {
+    left: usize,
+}
+
+impl Budget {
+    const UNLIMITED: Budget = Budget { left: usize::MAX };
 }
 
 impl RouteTokenizer {
@@ -336,6 +393,8 @@ impl RouteTokenizer {
             prefixes: None,
             block_size: block_size.max(1),
             long_prefixes: PrefixMemo::default(),
+            max_tokenized_bytes: DEFAULT_MAX_TOKENIZED_BYTES,
+            max_piece_bytes: DEFAULT_MAX_PIECE_BYTES,
         };
         if cache_budget_bytes > 0 && routed.added_tokens.is_some() {
             match routed.prefix_cuts_are_exact() {
@@ -344,6 +403,15 @@ impl RouteTokenizer {
             }
         }
         routed
+    }
+
+    /// Sets the bounds of routing's work per prompt (see the module docs): fresh bytes
+    /// tokenized, and the longest run of one character class tokenized; 0 means no bound.
+    pub fn with_limits(mut self, max_tokenized_bytes: usize, max_piece_bytes: usize) -> Self {
+        let unbounded = |limit: usize| if limit == 0 { usize::MAX } else { limit };
+        self.max_tokenized_bytes = unbounded(max_tokenized_bytes);
+        self.max_piece_bytes = unbounded(max_piece_bytes);
+        self
     }
 
     /// Whether the prefix cache is on (its self-check passed).
@@ -376,12 +444,13 @@ impl RouteTokenizer {
             let cuts = checkpoints(&text, &added_tokens, 16);
             let mut whole = Vec::new();
             let mut stats = TokenizeStats::default();
-            self.encode_segments(&text, &mut whole, &mut stats)
+            let mut budget = Budget::UNLIMITED;
+            self.encode_segments(&text, &mut whole, &mut stats, &mut budget)
                 .map_err(|error| error.to_string())?;
             let mut chunked = Vec::new();
             let mut position = 0;
             for &cut in cuts.iter().chain(std::iter::once(&text.len())) {
-                self.encode_segments(&text[position..cut], &mut chunked, &mut stats)
+                self.encode_segments(&text[position..cut], &mut chunked, &mut stats, &mut budget)
                     .map_err(|error| error.to_string())?;
                 position = cut;
             }
@@ -423,6 +492,7 @@ impl RouteTokenizer {
     /// the ids are cut back to whole blocks, minus one block: the text cut can change the last
     /// tokens before it (the tokenizer would have merged across it), never tokens a block
     /// before it unless one pre-token (a run of letters without a space) is longer than a block.
+    /// The bounds on work (see the module docs) may stop it earlier, the same way.
     pub fn tokens(
         &mut self,
         prompt: &RenderedPrompt,
@@ -442,12 +512,38 @@ impl RouteTokenizer {
                 add_special_tokens,
             } => (text.as_str(), *add_special_tokens),
         };
-        let piece = match byte_limit {
-            Some(limit) if text.len() > limit => &text[..text.floor_char_boundary(limit)],
-            _ => text,
+        let asked = byte_limit.unwrap_or(usize::MAX).min(text.len());
+        let mut truncation = None;
+        let mut end = asked;
+        if end > MAX_ROUTED_BYTES {
+            end = MAX_ROUTED_BYTES;
+            truncation = Some(Truncation::Length);
+        }
+        // A run that starts before `end` and is too long shows within `end + limit` bytes.
+        let scan_to = end.saturating_add(self.max_piece_bytes).min(text.len());
+        if let Some(start) = first_long_run(
+            &text[..text.floor_char_boundary(scan_to)],
+            self.max_piece_bytes,
+        ) && start < end
+        {
+            end = start;
+            truncation = Some(Truncation::LongPiece);
+        }
+        let piece = &text[..text.floor_char_boundary(end)];
+        let mut budget = Budget {
+            left: self.max_tokenized_bytes,
         };
-        let (mut ids, stats) = self.encode(piece, add_special_tokens)?;
-        if piece.len() == text.len() {
+        let (mut ids, mut stats, stopped_at) =
+            self.encode(piece, add_special_tokens, &mut budget)?;
+        let covered = match stopped_at {
+            Some(at) => {
+                truncation = Some(Truncation::Budget);
+                at
+            }
+            None => piece.len(),
+        };
+        stats.truncation = truncation;
+        if covered == text.len() {
             let total = ids.len();
             return Ok(PromptTokens {
                 ids,
@@ -457,7 +553,12 @@ impl RouteTokenizer {
             });
         }
         let piece_tokens = ids.len();
-        let estimated_total = (piece_tokens * text.len()).div_ceil(piece.len().max(1));
+        // Extrapolated from what was covered; from too little text, about 4 bytes a token.
+        let estimated_total = if covered >= 1024 {
+            (piece_tokens * text.len()).div_ceil(covered)
+        } else {
+            piece_tokens.max(text.len() / 4)
+        };
         let kept_blocks = piece_tokens.saturating_sub(self.block_size) / self.block_size;
         ids.truncate(kept_blocks * self.block_size);
         Ok(PromptTokens {
@@ -495,12 +596,16 @@ impl RouteTokenizer {
     }
 
     /// Tokenizes `text` segment by segment (special tokens first when asked), starting from
-    /// the deepest checkpoint the prefix cache holds for its leading bytes.
+    /// the deepest checkpoint the prefix cache holds for its leading bytes, within `budget`
+    /// fresh bytes. Returns the ids, the counters, and where in `text` the budget stopped it
+    /// (`None`: it reached the end).
+    #[allow(clippy::type_complexity)]
     fn encode(
         &mut self,
         text: &str,
         add_special_tokens: bool,
-    ) -> Result<(Vec<u32>, TokenizeStats), RouteTokensError> {
+        budget: &mut Budget,
+    ) -> Result<(Vec<u32>, TokenizeStats, Option<usize>), RouteTokensError> {
         let mut stats = TokenizeStats::default();
         let prefix = if add_special_tokens {
             self.completion_prefix.clone()
@@ -509,12 +614,24 @@ impl RouteTokenizer {
         };
         let (Some(added_tokens), Some(prefix)) = (self.added_tokens.clone(), prefix) else {
             stats.tokenized_segments = 1;
-            return Ok((self.tokenizer.encode(text, add_special_tokens)?, stats));
+            let (part, stopped_at) = if text.len() > budget.left {
+                let end = text.floor_char_boundary(budget.left);
+                (&text[..end], Some(end))
+            } else {
+                (text, None)
+            };
+            budget.left -= part.len();
+            stats.tokenized_bytes = part.len() as u64;
+            return Ok((
+                self.tokenizer.encode(part, add_special_tokens)?,
+                stats,
+                stopped_at,
+            ));
         };
         if self.prefixes.is_none() {
             let mut ids = prefix;
-            self.encode_segments(text, &mut ids, &mut stats)?;
-            return Ok((ids, stats));
+            let stopped_at = self.encode_segments(text, &mut ids, &mut stats, budget)?;
+            return Ok((ids, stats, stopped_at));
         }
         let cuts = checkpoints(text, &added_tokens, CHECKPOINT_SPACING);
         let keys = prefix_keys(text.as_bytes(), &cuts, add_special_tokens);
@@ -531,8 +648,13 @@ impl RouteTokenizer {
         };
         let mut position = start_index.checked_sub(1).map_or(0, |index| cuts[index]);
         let mut marks = Vec::with_capacity(cuts.len() - start_index);
+        let mut stopped_at = None;
         for (&cut, &key) in cuts[start_index..].iter().zip(&keys[start_index..]) {
-            self.encode_segments(&text[position..cut], &mut ids, &mut stats)?;
+            let stop = self.encode_segments(&text[position..cut], &mut ids, &mut stats, budget)?;
+            if let Some(offset) = stop {
+                stopped_at = Some(position + offset);
+                break;
+            }
             marks.push((key, cut, ids.len()));
             position = cut;
         }
@@ -541,22 +663,31 @@ impl RouteTokenizer {
         {
             prefixes.insert(&text[..last_cut], &ids[..last_len], &marks);
         }
-        self.encode_segments(&text[position..], &mut ids, &mut stats)?;
-        Ok((ids, stats))
+        if stopped_at.is_none() {
+            stopped_at = self
+                .encode_segments(&text[position..], &mut ids, &mut stats, budget)?
+                .map(|offset| position + offset);
+        }
+        Ok((ids, stats, stopped_at))
     }
 
     /// Appends the ids of `text` (no completion prefix): added tokens split off, plain
-    /// segments from the segment cache or tokenized.
+    /// segments from the segment cache or tokenized, within `budget` fresh bytes. Returns
+    /// where in `text` the budget stopped it (`None`: it reached the end).
     fn encode_segments(
         &mut self,
         text: &str,
         ids: &mut Vec<u32>,
         stats: &mut TokenizeStats,
-    ) -> Result<(), RouteTokensError> {
+        budget: &mut Budget,
+    ) -> Result<Option<usize>, RouteTokensError> {
         let Some(added_tokens) = self.added_tokens.clone() else {
-            ids.extend(self.tokenizer.encode(text, false)?);
+            let end = text.floor_char_boundary(budget.left.min(text.len()));
+            ids.extend(self.tokenizer.encode(&text[..end], false)?);
             stats.tokenized_segments += 1;
-            return Ok(());
+            stats.tokenized_bytes += end as u64;
+            budget.left -= end;
+            return Ok((end < text.len()).then_some(end));
         };
         for segment in added_tokens.split(text) {
             let plain = match segment {
@@ -566,25 +697,33 @@ impl RouteTokenizer {
                 }
                 Segment::Plain(plain) => plain,
             };
-            let cache = self
-                .cache
-                .as_mut()
-                .filter(|_| plain.len() >= MIN_CACHED_SEGMENT_BYTES);
-            if let Some(cache) = cache {
-                if let Some(cached) = cache.get(plain) {
-                    ids.extend_from_slice(&cached);
-                    stats.cached_segments += 1;
-                    continue;
-                }
-                let start = ids.len();
-                encode_plain(&self.tokenizer, self.fast.as_mut(), plain, ids)?;
-                cache.insert(plain, ids[start..].into());
-            } else {
-                encode_plain(&self.tokenizer, self.fast.as_mut(), plain, ids)?;
+            let cacheable = plain.len() >= MIN_CACHED_SEGMENT_BYTES;
+            if cacheable
+                && let Some(cached) = self.cache.as_mut().and_then(|cache| cache.get(plain))
+            {
+                ids.extend_from_slice(&cached);
+                stats.cached_segments += 1;
+                continue;
             }
             stats.tokenized_segments += 1;
+            if plain.len() > budget.left {
+                // Out of budget: tokenize what it allows of this segment and stop there.
+                let end = plain.floor_char_boundary(budget.left);
+                encode_plain(&self.tokenizer, self.fast.as_mut(), &plain[..end], ids)?;
+                stats.tokenized_bytes += end as u64;
+                budget.left -= end;
+                let offset = plain.as_ptr() as usize - text.as_ptr() as usize;
+                return Ok(Some(offset + end));
+            }
+            let start = ids.len();
+            encode_plain(&self.tokenizer, self.fast.as_mut(), plain, ids)?;
+            stats.tokenized_bytes += plain.len() as u64;
+            budget.left -= plain.len();
+            if cacheable && let Some(cache) = self.cache.as_mut() {
+                cache.insert(plain, ids[start..].into());
+            }
         }
-        Ok(())
+        Ok(None)
     }
 }
 
@@ -601,6 +740,53 @@ const PREFIX_SELF_CHECK: &[&str] = &[
      best  # pick the cheapest engine for this prompt\n",
     "I'll say it's 'quoted' and it'S odd: DON'T, They'RE, we've, you'd, I'm here at 10am or 10 am. ",
 ];
+
+/// Class of a character for [`first_long_run`]: whitespace, letters (any script), digits, the
+/// rest. Pre-tokenizers split where these change, so a pre-token is no longer than the run of
+/// one class holding it, give or take a leading character.
+fn char_class(c: char) -> u8 {
+    if c.is_ascii() {
+        let byte = c as u8;
+        if byte.is_ascii_whitespace() {
+            0
+        } else if byte.is_ascii_alphabetic() {
+            1
+        } else if byte.is_ascii_digit() {
+            2
+        } else {
+            3
+        }
+    } else if c.is_whitespace() {
+        0
+    } else if c.is_alphabetic() {
+        1
+    } else if c.is_numeric() {
+        2
+    } else {
+        3
+    }
+}
+
+/// Start of the first run of characters of one class (see [`char_class`]) longer than
+/// `max_run` bytes in `text`, if any.
+fn first_long_run(text: &str, max_run: usize) -> Option<usize> {
+    if text.len() <= max_run {
+        return None;
+    }
+    let mut run_start = 0;
+    let mut run_class = None;
+    for (index, c) in text.char_indices() {
+        let class = char_class(c);
+        if run_class != Some(class) {
+            if index - run_start > max_run {
+                return Some(run_start);
+            }
+            run_start = index;
+            run_class = Some(class);
+        }
+    }
+    (text.len() - run_start > max_run).then_some(run_start)
+}
 
 /// Checkpoints of `text`: for every multiple of `spacing`, the first safe cut at or after it
 /// (see the module docs), strictly increasing, each followed by at least one byte.
@@ -1116,6 +1302,118 @@ mod tests {
                 .deepest(&text, &cuts, &prefix_keys(text.as_bytes(), &cuts, true))
                 .is_none()
         );
+    }
+
+    #[test]
+    fn long_runs_are_found_by_character_class() {
+        assert_eq!(first_long_run("short", 8), None);
+        assert_eq!(first_long_run("ab cd ef gh ij kl", 4), None);
+        assert_eq!(first_long_run("ab aaaaaaaaaa cd", 8), Some(3));
+        assert_eq!(
+            first_long_run("x          y", 8),
+            Some(1),
+            "whitespace runs"
+        );
+        assert_eq!(first_long_run("a1234567890", 8), Some(1), "digit runs");
+        assert_eq!(
+            first_long_run("ok!!!!!!!!!!", 8),
+            Some(2),
+            "punctuation runs"
+        );
+        assert_eq!(
+            first_long_run("漢字テスト漢字", 12),
+            Some(0),
+            "letters of any script"
+        );
+        assert_eq!(
+            first_long_run("漢字，テスト。漢字", 12),
+            None,
+            "split by CJK punctuation"
+        );
+        assert_eq!(
+            first_long_run("tail aaaaaaaaaaaa", 8),
+            Some(5),
+            "a run to the end"
+        );
+    }
+
+    fn chat_prompt(routed: &RouteTokenizer, content: String) -> RenderedPrompt {
+        let messages = json!([{"role": "user", "content": content}]);
+        routed.render(&PromptInput::Chat(messages)).unwrap()
+    }
+
+    /// Finding 4: a 7 MB prompt that is one "word" is routed on what precedes the word; the
+    /// core tokenizes only that (a few bytes), not the 7 MB.
+    #[test]
+    fn a_huge_one_word_prompt_costs_only_what_precedes_the_word() {
+        for fast in [None, Some(fast_path())] {
+            let (routed, _) = chatml_router(fast, 1 << 20);
+            let mut routed = routed.with_limits(32 * 1024, 2048);
+            let prompt = chat_prompt(&routed, "a".repeat(7_000_000));
+            for byte_limit in [Some(2048), None] {
+                let tokens = routed.tokens(&prompt, byte_limit).unwrap();
+                assert!(!tokens.complete);
+                assert_eq!(tokens.stats.truncation, Some(Truncation::LongPiece));
+                // The ChatML header before the word, nothing of the word.
+                assert!(
+                    tokens.stats.tokenized_bytes < 64,
+                    "{}",
+                    tokens.stats.tokenized_bytes
+                );
+                assert!(
+                    tokens.estimated_total >= 1_000_000,
+                    "{}",
+                    tokens.estimated_total
+                );
+            }
+        }
+    }
+
+    /// Honest long prompts: at most `--tokenize-max-bytes` are tokenized per request, the ids
+    /// are an exact prefix of the whole text's, and each request sharing the prompt goes
+    /// deeper, from the prefix cache.
+    #[test]
+    fn the_budget_bounds_fresh_bytes_and_cached_bytes_carry_the_prefix_deeper() {
+        let (routed, _) = chatml_router(Some(fast_path()), 16 << 20);
+        let mut routed = routed.with_limits(8 * 1024, 2048);
+        // No repeats: repeated chunks would come from the segment cache, for free.
+        let content: String = (0..3000)
+            .map(|index| format!("Sentence number {index} is about routers and caches. "))
+            .collect();
+        let prompt = chat_prompt(&routed, content);
+        let RenderedPrompt::Text { text, .. } = &prompt else {
+            panic!("text")
+        };
+        let whole = {
+            let (reference, _) = chatml_router(Some(fast_path()), 0);
+            let mut reference = reference.with_limits(0, 0);
+            reference.tokens(&prompt, None).unwrap()
+        };
+        assert!(whole.complete && text.len() > 64 * 1024);
+        let mut depths = Vec::new();
+        for _ in 0..4 {
+            let tokens = routed.tokens(&prompt, None).unwrap();
+            assert!(!tokens.complete);
+            assert_eq!(tokens.stats.truncation, Some(Truncation::Budget));
+            assert!(tokens.stats.tokenized_bytes <= 8 * 1024);
+            assert_eq!(&whole.ids[..tokens.ids.len()], &tokens.ids[..]);
+            assert_eq!(tokens.ids.len() % 16, 0);
+            depths.push(tokens.ids.len());
+        }
+        assert!(
+            depths.windows(2).all(|pair| pair[0] < pair[1]),
+            "{depths:?}"
+        );
+        // A long run in the middle: exact ids up to it, nothing of it tokenized.
+        let mut routed = routed.with_limits(0, 1024);
+        let content = format!("{} {} and more", PROSE.repeat(3), "z".repeat(5000));
+        let prompt = chat_prompt(&routed, content);
+        let tokens = routed.tokens(&prompt, None).unwrap();
+        assert_eq!(tokens.stats.truncation, Some(Truncation::LongPiece));
+        let (reference, _) = chatml_router(Some(fast_path()), 0);
+        let whole = reference.with_limits(0, 0).tokens(&prompt, None).unwrap();
+        assert!(!tokens.ids.is_empty());
+        assert_eq!(&whole.ids[..tokens.ids.len()], &tokens.ids[..]);
     }
 
     proptest::proptest! {

@@ -191,3 +191,38 @@ fn a_stream_that_goes_silent_ends_with_an_sse_error_and_aborts_the_engine() {
     wait_until("the engine to see the abort", || stalling.cancelled() == 1);
     assert_eq!(timeouts(&router, "stream_idle"), 1.0);
 }
+
+/// Finding 4: a 7 MB prompt that is one "word" is proxied whole, but routing tokenizes only
+/// what precedes the word (bytes counted in `myelin_tokenize_bytes_total`), so the core is not
+/// held for seconds.
+#[test]
+fn a_huge_one_word_prompt_is_proxied_whole_and_tokenized_only_up_to_the_word() {
+    let engine = Engine::start("a", normal());
+    let router = Router::start_with_shards(
+        1,
+        &["--backend", &engine.url(), "--max-body-bytes", "16000000"],
+    );
+    let word = "a".repeat(7_000_000);
+    for _ in 0..2 {
+        let response = router.post_json("/v1/chat/completions", &chat_body(&word, false));
+        assert_eq!(response.status, 200);
+        let seen = engine.record.last_body.lock().unwrap().clone().unwrap();
+        assert_eq!(
+            seen["messages"][1]["content"].as_str().map(str::len),
+            Some(7_000_000)
+        );
+    }
+    let metrics = router.metrics();
+    let tokenized = metric_value(&metrics, &["myelin_tokenize_bytes_total"]);
+    assert!(
+        tokenized > 0.0 && tokenized < 4096.0,
+        "{tokenized} bytes tokenized"
+    );
+    assert_eq!(
+        metric_value(
+            &metrics,
+            &["myelin_tokenize_truncated_total", "reason=\"long_piece\""]
+        ),
+        2.0
+    );
+}
