@@ -104,16 +104,40 @@ impl ReferenceModel {
 }
 
 /// Block size of the scripted trees: small, so scripts build deep, branchy trees quickly.
-const SCRIPT_BLOCK_SIZE: u32 = 2;
-/// Distinct token values in scripts: few, so prefixes are shared and runs split often.
-const SCRIPT_ALPHABET: u8 = 3;
+pub const SCRIPT_BLOCK_SIZE: u32 = 2;
+/// Distinct token values in scripts: few, so prefixes are shared and runs split often, but
+/// enough that a node can have more than 16 children (6 x 6 = 36 distinct 2-token blocks), so
+/// scripts reach the large child index and its shrink back to a vector.
+pub const SCRIPT_ALPHABET: u8 = 6;
 /// Bound of the evicting tree in scripts.
 const SCRIPT_EVICTING_MAX_BLOCKS: usize = 12;
+
+/// What a script exercised in the non-evicting tree.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ScriptCoverage {
+    /// Most nodes with a large child index at once.
+    pub most_large_indexes: usize,
+    /// Steps after which fewer nodes had a large index than before (a shrink back to a
+    /// vector, or a large node freed).
+    pub large_index_drops: usize,
+}
 
 /// Decodes `data` as a sequence of operations, applies them to a non-evicting tree, an evicting
 /// tree and the model, and checks after each step that the non-evicting tree agrees exactly with
 /// the model and the evicting one holds a subset of it within its bound. Any input is valid.
 pub fn check_script(data: &[u8]) -> Result<(), String> {
+    check_script_coverage(data).map(|_| ())
+}
+
+/// [`check_script`], also saying what the script exercised.
+///
+/// Each operation is: an op byte (`% 16`: 0 to 7 insert, 8 to 10 remove the prompt's last block
+/// and below for the backend, 11 removes the backend, 12 to 15 only look up), a backend byte
+/// (`% 4`), a length byte (`% 16` tokens) and that many token bytes (`% SCRIPT_ALPHABET`);
+/// missing bytes read as 0. Inserts dominate so random scripts grow nodes past 16 children
+/// before removals take them back.
+pub fn check_script_coverage(data: &[u8]) -> Result<ScriptCoverage, String> {
+    let mut coverage = ScriptCoverage::default();
     let mut exact = PrefixTree::new(TreeConfig {
         block_size: SCRIPT_BLOCK_SIZE,
         max_blocks: usize::MAX,
@@ -127,6 +151,7 @@ pub fn check_script(data: &[u8]) -> Result<(), String> {
     let mut model = ReferenceModel::new(SCRIPT_BLOCK_SIZE as usize);
     let mut bytes = data.iter().copied();
     let mut now_ms = 0u64;
+    let mut large_before = 0;
     while let Some(op) = bytes.next() {
         let backend = BackendId(u32::from(bytes.next().unwrap_or(0) % 4));
         let length_tokens = usize::from(bytes.next().unwrap_or(0) % 16);
@@ -134,8 +159,8 @@ pub fn check_script(data: &[u8]) -> Result<(), String> {
             .map(|_| u32::from(bytes.next().unwrap_or(0) % SCRIPT_ALPHABET))
             .collect();
         now_ms += 1;
-        match op % 6 {
-            0 | 1 => {
+        match op % 16 {
+            0..=7 => {
                 exact.insert(&tokens, backend, now_ms);
                 evicting.insert(&tokens, backend, now_ms);
                 model.insert(&tokens, backend);
@@ -148,13 +173,13 @@ pub fn check_script(data: &[u8]) -> Result<(), String> {
                     ));
                 }
             }
-            2 => {
+            8..=10 => {
                 let chain = exact.chain(&tokens);
                 exact.remove_block(chain.hashes(), backend);
                 evicting.remove_block(chain.hashes(), backend);
                 model.remove_block(&tokens, backend);
             }
-            3 => {
+            11 => {
                 exact.remove_backend(backend);
                 evicting.remove_backend(backend);
                 model.remove_backend(backend);
@@ -198,6 +223,12 @@ pub fn check_script(data: &[u8]) -> Result<(), String> {
                 evicting.stored_blocks()
             ));
         }
+        let large = exact.large_child_indexes();
+        if large < large_before {
+            coverage.large_index_drops += 1;
+        }
+        coverage.most_large_indexes = coverage.most_large_indexes.max(large);
+        large_before = large;
     }
-    Ok(())
+    Ok(coverage)
 }

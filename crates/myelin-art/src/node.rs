@@ -229,6 +229,11 @@ impl Children {
         }
     }
 
+    /// Whether the index is the large (hash map) form.
+    pub(crate) fn is_large(&self) -> bool {
+        matches!(self, Children::Large(_))
+    }
+
     /// Child ids, in no particular order.
     pub(crate) fn ids(&self) -> Vec<NodeId> {
         match self {

@@ -456,6 +456,16 @@ impl PrefixTree {
         counts
     }
 
+    /// Live nodes whose child index is the large form (a hash map, beyond 16 children); for
+    /// tests and fuzzing, which must reach it and its shrink back to a vector. O(nodes).
+    #[doc(hidden)]
+    pub fn large_child_indexes(&self) -> usize {
+        self.nodes
+            .iter()
+            .filter(|node| node.live && node.children.is_large())
+            .count()
+    }
+
     /// Checks every structural invariant; for tests and fuzzing. O(nodes).
     pub fn check_invariants(&self) -> Result<(), String> {
         let root = &self.nodes[ROOT as usize];

@@ -423,7 +423,7 @@ mod tests {
 
     #[test]
     fn v0_33_block_stored_is_a_map_without_none_defaults() {
-        // The reference layout for 0.24+ from docs/VLLM-KV-EVENTS.md.
+        // The reference layout for 0.24+ from docs/simulator.md ("vLLM's KV-event wire format").
         let mut expected = batch_head();
         expected.push(0x91);
         expected.push(0x8a);

@@ -1,6 +1,7 @@
-//! Decoder tests on real bytes: the literal examples of docs/VLLM-KV-EVENTS.md, and the layouts
-//! of vLLM 0.9.0, 0.10.2, 0.20, 0.26+ written by hand with `rmp` (hashes of every width and sign,
-//! bin digests, map16 headers, unknown fields and tags), plus the errors hostile bytes get.
+//! Decoder tests on real bytes: the literal examples of docs/simulator.md ("vLLM's KV-event wire
+//! format"), and the layouts of vLLM 0.9.0, 0.10.2, 0.20, 0.26+ written by hand with `rmp`
+//! (hashes of every width and sign, bin digests, map16 headers, unknown fields and tags), plus
+//! the errors hostile bytes get.
 
 use myelin_kv_events::decode::{
     DecodeError, DecodedBatch, DecodedEvent, is_mirrored_removed, is_mirrored_stored,

@@ -1,7 +1,8 @@
 //! Cross-check against msgspec, the encoder vLLM itself uses: tests/msgspec_batches.py writes
 //! batches in the struct layouts of vLLM 0.9.0, 0.10.2, 0.22 (bin digests) and 0.33 (maps with
 //! locality, ownership, session and lookahead fields) and says what they hold; every payload
-//! must decode to exactly that. Skipped only when python3 itself is missing.
+//! must decode to exactly that. Needs python3 with msgspec (scripts/setup installs it); fails,
+//! with a message saying so, when either is missing, like the other Python-backed tests.
 
 use std::process::Command;
 
@@ -70,14 +71,15 @@ fn hex_bytes(text: &str) -> Vec<u8> {
 #[test]
 fn msgspec_encoded_batches_of_four_releases_decode_exactly() {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/msgspec_batches.py");
-    let output = match Command::new("python3").arg(script).output() {
-        Ok(output) => output,
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
-            eprintln!("python3 is absent: msgspec cross-check skipped");
-            return;
-        }
-        Err(error) => panic!("cannot run python3: {error}"),
-    };
+    let output = Command::new("python3")
+        .arg(script)
+        .output()
+        .unwrap_or_else(|error| {
+            panic!(
+                "this test needs python3 with msgspec (scripts/setup installs it): cannot run \
+                 python3: {error}"
+            )
+        });
     assert!(
         output.status.success(),
         "msgspec_batches.py failed (needs msgspec: pip install -r scripts/requirements-test.txt): {}",

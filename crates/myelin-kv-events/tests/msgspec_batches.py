@@ -1,6 +1,7 @@
 """Writes KV-event batches with msgspec, the encoder vLLM uses, in the struct layouts of
-several vLLM releases (definitions written from docs/VLLM-KV-EVENTS.md), one JSON line per
-case: {"name", "payload_hex", "expected"}. The Rust test decodes each payload and compares.
+several vLLM releases (definitions written from docs/simulator.md, "vLLM's KV-event wire
+format"), one JSON line per case: {"name", "payload_hex", "expected"}. The Rust test decodes
+each payload and compares.
 """
 
 import hashlib

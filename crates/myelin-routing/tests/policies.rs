@@ -725,15 +725,29 @@ proptest! {
 }
 
 #[test]
-fn backend_match_is_plain_data() {
-    // Compile-time shape check used by the server crate when it copies matches around.
-    let entry = BackendMatch {
-        backend: BackendId(1),
-        matched_blocks: 2,
+fn backend_match_is_plain_data_found_by_backend_id() {
+    // The server copies matches across cores by message: they must be Copy and Send.
+    fn plain<T: Copy + Send + Sync + 'static>() {}
+    plain::<BackendMatch>();
+    let entry = |backend: u32, matched_blocks: u32| BackendMatch {
+        backend: BackendId(backend),
+        matched_blocks,
         last_routed_ms: 3,
         residency_stamp: 4,
         verified_resident_blocks: None,
     };
-    let copy = entry;
-    assert_eq!(copy, entry);
+    // Entries sorted by backend id, as a lookup returns them: found by binary search, absent
+    // backends have no entry and match 0 blocks.
+    let matched = PrefixMatch {
+        block_size: 4,
+        prompt_blocks: 8,
+        looked_up_at_ms: 0,
+        backends: vec![entry(1, 2), entry(3, 5), entry(7, 1)],
+        segments: Vec::new(),
+    };
+    assert_eq!(matched.backend(BackendId(3)), Some(&entry(3, 5)));
+    assert_eq!(matched.matched_blocks_of(BackendId(7)), 1);
+    assert_eq!(matched.backend(BackendId(2)), None);
+    assert_eq!(matched.matched_blocks_of(BackendId(0)), 0);
+    assert_eq!(matched.matched_blocks_of(BackendId(8)), 0);
 }

@@ -114,6 +114,16 @@ mod tests {
             requests.iter().map(|request| &request.tokens).collect();
         // 400 draws over 32 x 16 = 512 distinct prompts must repeat some.
         assert!(distinct.len() < requests.len());
-        assert_eq!(workload.request(3, 7), workload.request(3, 7));
+        // Any user, leg or repeat builds the same request from (seed, user, seq): a second
+        // workload built from the same file (as another leg builds it) agrees, and another
+        // seed does not.
+        let other_leg = SharedPrefixWorkload::new(&config, TokenAlphabet::token_ids());
+        for (user, seq) in [(0, 0), (3, 7), (31, 399)] {
+            assert_eq!(workload.request(user, seq), other_leg.request(user, seq));
+        }
+        let mut reseeded = config.clone();
+        reseeded.seed = 43;
+        let reseeded = SharedPrefixWorkload::new(&reseeded, TokenAlphabet::token_ids());
+        assert_ne!(workload.request(3, 7).tokens, reseeded.request(3, 7).tokens);
     }
 }
