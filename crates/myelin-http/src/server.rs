@@ -23,7 +23,7 @@ use hyper::service::service_fn;
 use hyper::{Request, Response};
 
 use crate::body::Body;
-use crate::io::{GlommioIo, Rewind};
+use crate::io::{ErrorBodies, GlommioIo, Rewind};
 use crate::rt::{GlommioTimer, LocalExec};
 
 /// The HTTP/2 connection preface a prior-knowledge h2c client sends first.
@@ -41,6 +41,9 @@ pub struct ServerConfig {
     pub http2: bool,
     /// How long a graceful shutdown waits for open connections before giving up on them.
     pub drain_timeout: Duration,
+    /// Body of hyper's own answers to unparsable HTTP/1 requests (400, 414, 431), which are
+    /// otherwise empty (see [`crate::io::ErrorBodies`]).
+    pub error_bodies: Option<crate::io::ErrorBodyRenderer>,
 }
 
 impl Default for ServerConfig {
@@ -49,6 +52,7 @@ impl Default for ServerConfig {
             header_read_timeout: Duration::from_secs(30),
             http2: true,
             drain_timeout: Duration::from_secs(30),
+            error_bodies: None,
         }
     }
 }
@@ -323,7 +327,7 @@ where
     let sniffed =
         crate::rt::timeout(config.header_read_timeout, sniff_h2_preface(&mut stream)).await;
     let (is_h2, prefix) = sniffed.ok_or(ConnectionError::HeaderTimeout)??;
-    let io = GlommioIo::new(Rewind::new(prefix, stream));
+    let stream = Rewind::new(prefix, stream);
     let service = service_fn(move |request| {
         let handler = handler.clone();
         async move { Ok::<_, Infallible>(handler(request).await) }
@@ -348,12 +352,23 @@ where
         }};
     }
     if is_h2 && config.http2 {
+        let io = GlommioIo::new(stream);
         drive_until_shutdown!(
             hyper::server::conn::http2::Builder::new(LocalExec)
                 .timer(GlommioTimer)
                 .serve_connection(io, service)
         );
+    } else if let Some(render) = config.error_bodies {
+        let io = GlommioIo::new(ErrorBodies::new(stream, render));
+        drive_until_shutdown!(
+            hyper::server::conn::http1::Builder::new()
+                .timer(GlommioTimer)
+                .header_read_timeout(config.header_read_timeout)
+                .keep_alive(true)
+                .serve_connection(io, service)
+        );
     } else {
+        let io = GlommioIo::new(stream);
         drive_until_shutdown!(
             hyper::server::conn::http1::Builder::new()
                 .timer(GlommioTimer)

@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 use glommio::channels::shared_channel::ConnectedReceiver;
 use glommio::timer::Timer;
 use http::{Method, Request, Response, StatusCode, header};
-use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use metrics_exporter_prometheus::PrometheusHandle;
 use myelin_http::body::{Body, empty, full};
@@ -48,6 +47,8 @@ const ADMIN_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often an admin change not yet confirmed by every data core is sent again to those
 /// that did not confirm it (a full queue drops messages).
 const ADMIN_RESEND_INTERVAL: Duration = Duration::from_millis(100);
+/// Most of a health check's response body read (the rest is not: its connection is dropped).
+const MAX_HEALTH_BODY_BYTES: usize = 64 * 1024;
 /// How long the admin listing waits for the data cores' replica snapshots.
 const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -257,6 +258,7 @@ pub async fn run_control(
                 myelin_http::server::ServerConfig {
                     header_read_timeout: Duration::from_secs(10),
                     drain_timeout: Duration::from_millis(500),
+                    error_bodies: Some(crate::request_path::protocol_error_body),
                     ..Default::default()
                 },
                 shutdown,
@@ -712,8 +714,10 @@ impl Control {
             match self.pool.send(request).await {
                 Ok(response) => {
                     let success = response.status().is_success();
-                    // Read the (small) body so the connection can be reused.
-                    let _ = response.into_body().collect().await;
+                    // Read the (small) body so the connection can be reused; a larger one is
+                    // dropped unread, with its connection.
+                    let limit = MAX_HEALTH_BODY_BYTES;
+                    let _ = crate::proxy::collect_limited(response.into_body(), limit).await;
                     success
                 }
                 Err(_) => false,

@@ -30,6 +30,9 @@ const MAX_WRITES_PER_BATCH: usize = 256;
 const RESYNC_INTERVAL: Duration = Duration::from_secs(1);
 /// How often the server loop looks at the process-wide stop flag.
 const STOP_POLL_INTERVAL: Duration = Duration::from_millis(20);
+/// Time between the drain deadline (streams still running are ended with an SSE error event)
+/// and the server closing the connections left.
+const DRAIN_GRACE: Duration = Duration::from_secs(1);
 
 /// Progress of a data core's startup, reported to the main thread.
 #[derive(Debug)]
@@ -74,6 +77,8 @@ pub struct DataCore {
     pub backends: RefCell<BackendTable>,
     pub metrics: PrometheusHandle,
     pub shutdown: Shutdown,
+    /// Triggered `--drain-timeout-ms` after `shutdown`: relays still running end then.
+    pub drain_expired: Shutdown,
     mesh: Mesh<Message>,
     shard_label: String,
     /// Routing lookups this core served (`myelin_router_lookups_total{shard}`).
@@ -157,6 +162,7 @@ pub async fn run_data_core(setup: DataCoreSetup) -> ServeReport {
         backends: RefCell::new(backends),
         metrics: setup.metrics,
         shutdown: shutdown.clone(),
+        drain_expired: Shutdown::new(),
         mesh,
         shard_label: setup.shard.to_string(),
         lookups: metrics::counter!(names::LOOKUPS_TOTAL, "shard" => setup.shard.to_string()),
@@ -171,11 +177,19 @@ pub async fn run_data_core(setup: DataCoreSetup) -> ServeReport {
         glommio::spawn_local(receive_loop(core.clone(), receiver)).detach();
     }
     glommio::spawn_local(resync_loop(core.clone())).detach();
+    let drain_core = core.clone();
+    glommio::spawn_local(async move {
+        drain_core.shutdown.wait().await;
+        Timer::new(drain_core.config.drain_timeout).await;
+        drain_core.drain_expired.trigger();
+    })
+    .detach();
     let _ = setup.ready.send(CoreReady::Serving);
 
     let handler_core = core.clone();
     let server_config = ServerConfig {
-        drain_timeout: setup.config.drain_timeout,
+        drain_timeout: setup.config.drain_timeout + DRAIN_GRACE,
+        error_bodies: Some(crate::request_path::protocol_error_body),
         ..ServerConfig::default()
     };
     myelin_http::server::serve(

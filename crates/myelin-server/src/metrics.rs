@@ -63,7 +63,8 @@ pub const UPSTREAM_STREAM_ERRORS_TOTAL: &str = "myelin_upstream_stream_errors_to
 /// Deadlines that passed, by `kind`: `body_read` (client body, 408), `upstream_header`
 /// (streaming request's head, retried), `upstream_response` (non-streaming answer, 504),
 /// `stream_idle` (engine body silent, aborted), `models` (a backend's /v1/models),
-/// `health_check` (an active check or breaker probe).
+/// `health_check` (an active check or breaker probe), `drain` (a response still running at the
+/// drain deadline, ended with an SSE error event).
 pub const TIMEOUTS_TOTAL: &str = "myelin_timeouts_total";
 /// Every `kind` of [`TIMEOUTS_TOTAL`] (exported at 0 from the start).
 pub const TIMEOUT_KINDS: &[&str] = &[
@@ -73,6 +74,7 @@ pub const TIMEOUT_KINDS: &[&str] = &[
     "stream_idle",
     "models",
     "health_check",
+    "drain",
 ];
 
 /// Counts one passed deadline of `kind` (one of [`TIMEOUT_KINDS`]).

@@ -140,6 +140,22 @@ pub fn describe_client_error(error: &ClientError) -> String {
     }
 }
 
+/// Reads a body to its end, up to `limit` bytes: `None` past it or on an error (the rest is
+/// dropped with the body, which closes its connection).
+pub async fn collect_limited(mut body: Incoming, limit: usize) -> Option<Bytes> {
+    use http_body_util::BodyExt;
+    let mut collected = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.ok()?.into_data() {
+            if collected.len() + data.len() > limit {
+                return None;
+            }
+            collected.extend_from_slice(&data);
+        }
+    }
+    Some(collected.freeze())
+}
+
 /// True when a response is an SSE stream.
 pub fn is_event_stream(headers: &HeaderMap) -> bool {
     headers

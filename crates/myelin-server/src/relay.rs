@@ -26,6 +26,8 @@ pub enum StreamEnd {
     UpstreamBroken,
     /// The engine sent nothing for the idle timeout; its request was aborted.
     IdleTimeout,
+    /// The router's drain deadline passed; the engine's request was aborted.
+    Drained,
     /// The client stopped reading (disconnect) before the end.
     ClientGone,
 }
@@ -44,6 +46,8 @@ pub struct RelayBody<O: RelayObserver> {
     observer: Option<O>,
     /// The idle timeout and its timer (re-armed on every frame).
     idle: Option<(Duration, Timer)>,
+    /// Resolves when the relay must end now (the drain deadline).
+    cut_off: Option<Pin<Box<dyn Future<Output = ()>>>>,
 }
 
 impl<O: RelayObserver> RelayBody<O> {
@@ -54,6 +58,34 @@ impl<O: RelayObserver> RelayBody<O> {
             saw_first_byte: false,
             observer: Some(observer),
             idle: None,
+            cut_off: None,
+        }
+    }
+
+    /// Ends the relay (SSE error event, engine request aborted) once `cut_off` resolves.
+    pub fn with_cut_off(mut self, cut_off: Pin<Box<dyn Future<Output = ()>>>) -> Self {
+        self.cut_off = Some(cut_off);
+        self
+    }
+
+    /// Drops the engine's body (closing its connection: the engine aborts) and returns the
+    /// relay's last frame: an SSE error event, or an error for other bodies.
+    fn end_early(
+        &mut self,
+        end: StreamEnd,
+        message: &str,
+        code: &str,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.upstream = None;
+        self.idle = None;
+        self.cut_off = None;
+        self.finish(end);
+        if self.is_event_stream {
+            Poll::Ready(Some(Ok(Frame::data(sse_error_event_with_code(
+                message, code,
+            )))))
+        } else {
+            Poll::Ready(Some(Err(message.to_string().into())))
         }
     }
 
@@ -98,6 +130,18 @@ impl<O: RelayObserver + Unpin> HttpBody for RelayBody<O> {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
+        if this.upstream.is_none() {
+            return Poll::Ready(None);
+        }
+        if let Some(cut_off) = this.cut_off.as_mut()
+            && cut_off.as_mut().poll(cx).is_ready()
+        {
+            return this.end_early(
+                StreamEnd::Drained,
+                "the router is shutting down (--drain-timeout-ms passed)",
+                "router_draining",
+            );
+        }
         let Some(upstream) = this.upstream.as_mut() else {
             return Poll::Ready(None);
         };
@@ -109,21 +153,11 @@ impl<O: RelayObserver + Unpin> HttpBody for RelayBody<O> {
                 if Pin::new(timer).poll(cx).is_pending() {
                     return Poll::Pending;
                 }
-                // Dropping the engine's body closes its connection: the engine aborts.
-                let timeout = *timeout;
-                this.upstream = None;
-                this.idle = None;
-                this.finish(StreamEnd::IdleTimeout);
                 let message = format!(
                     "the engine sent nothing for {} ms (--stream-idle-timeout-ms)",
                     timeout.as_millis()
                 );
-                if this.is_event_stream {
-                    let event = sse_error_event_with_code(&message, "upstream_timeout");
-                    Poll::Ready(Some(Ok(Frame::data(event))))
-                } else {
-                    Poll::Ready(Some(Err(message.into())))
-                }
+                this.end_early(StreamEnd::IdleTimeout, &message, "upstream_timeout")
             }
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some((timeout, timer)) = this.idle.as_mut() {

@@ -27,6 +27,8 @@ use crate::routing_glue::deepest_match;
 const DEFAULT_EXPECTED_OUTPUT_TOKENS: u64 = 256;
 /// Time allowed for one backend's `/v1/models` answer.
 const MODELS_TIMEOUT: Duration = Duration::from_secs(2);
+/// Largest `/v1/models` answer read from one backend (larger ones are left out of the union).
+const MAX_MODELS_BODY_BYTES: usize = 1024 * 1024;
 
 /// The endpoints the router serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,7 +90,14 @@ pub async fn handle(core: Rc<DataCore>, request: Request<Incoming>) -> Response<
     let (label, response) = match route_of(request.method(), request.uri().path()) {
         Ok(route) => {
             let response = match route {
-                Route::Generate(endpoint) => generate(&core, endpoint, request, arrived).await,
+                Route::Generate(endpoint) => {
+                    // Dropped before it answers: hyper dropped this future because the client
+                    // went away (the engine attempt in flight is dropped with it: aborted).
+                    let abandoned = AbandonGuard { armed: true };
+                    let response = generate(&core, endpoint, request, arrived).await;
+                    abandoned.disarm();
+                    response
+                }
                 Route::Models => models(&core).await,
                 Route::Health => health(&core),
                 Route::Metrics => metrics_text(&core),
@@ -105,6 +114,26 @@ pub async fn handle(core: Rc<DataCore>, request: Request<Incoming>) -> Response<
     response
 }
 
+/// Counts a request whose client went away before its response head
+/// (`myelin_client_disconnects_total`), unless disarmed.
+struct AbandonGuard {
+    armed: bool,
+}
+
+impl AbandonGuard {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for AbandonGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            metrics::counter!(names::CLIENT_DISCONNECTS_TOTAL).increment(1);
+        }
+    }
+}
+
 /// The OpenAI error JSON as a response.
 pub fn error_response(error: &ApiError) -> Response<Body> {
     let mut response = json_response(error.status, &error.to_json());
@@ -115,6 +144,34 @@ pub fn error_response(error: &ApiError) -> Response<Body> {
         response.headers_mut().insert(header::ALLOW, value);
     }
     response
+}
+
+/// The OpenAI error JSON of hyper's own answer to a request it could not parse (a malformed
+/// head: 400; a URI or head too large: 414, 431), which would otherwise have no body. Counted
+/// like any answer (`route="other"`).
+pub fn protocol_error_body(status: u16) -> Option<Bytes> {
+    let (message, code) = match status {
+        400 => ("The request is not valid HTTP/1.1", "invalid_http_request"),
+        414 => ("The request URI is too long", "uri_too_long"),
+        431 => (
+            "The request header fields are too large",
+            "headers_too_large",
+        ),
+        _ => return None,
+    };
+    metrics::counter!(
+        names::REQUESTS_TOTAL,
+        "route" => "other", "status" => status.to_string()
+    )
+    .increment(1);
+    let error = ApiError {
+        status: StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST),
+        message: message.into(),
+        error_type: "invalid_request_error",
+        param: None,
+        code: Some(code),
+    };
+    Some(Bytes::from(error.to_json().to_string()))
 }
 
 /// A JSON response.
@@ -474,6 +531,7 @@ impl RelayObserver for ResponseObserver {
                 names::timeout("stream_idle");
                 self.core.report_outcome(self.backend, false);
             }
+            StreamEnd::Drained => names::timeout("drain"),
             StreamEnd::ClientGone => {
                 metrics::counter!(names::CLIENT_DISCONNECTS_TOTAL).increment(1);
             }
@@ -503,8 +561,10 @@ fn relay_response(
         load,
         _permit: permit,
     };
+    let drain_expired = core.drain_expired.clone();
     let relayed = RelayBody::new(body, is_event_stream, observer)
-        .with_idle_timeout(core.config.stream_idle_timeout);
+        .with_idle_timeout(core.config.stream_idle_timeout)
+        .with_cut_off(Box::pin(async move { drain_expired.wait().await }));
     let mut client_response = Response::new(Body::new(relayed));
     *client_response.status_mut() = parts.status;
     *client_response.headers_mut() = proxy::end_to_end_headers(&parts.headers);
@@ -586,7 +646,7 @@ async fn fetch_models(core: &DataCore, base_url: &str) -> Option<Vec<Value>> {
     if !response.status().is_success() {
         return None;
     }
-    let body = response.into_body().collect().await.ok()?.to_bytes();
+    let body = proxy::collect_limited(response.into_body(), MAX_MODELS_BODY_BYTES).await?;
     let value: Value = serde_json::from_slice(&body).ok()?;
     value.get("data")?.as_array().cloned()
 }

@@ -226,3 +226,88 @@ fn a_huge_one_word_prompt_is_proxied_whole_and_tokenized_only_up_to_the_word() {
         2.0
     );
 }
+
+/// Finding 8: requests hyper cannot parse get OpenAI error JSON, not empty bodies.
+#[test]
+fn unparsable_requests_get_openai_errors() {
+    let engine = Engine::start("a", normal());
+    let router = Router::start(&["--backend", &engine.url()]);
+    let raw = |bytes: &[u8]| {
+        let mut stream = TcpStream::connect(router.addr).unwrap();
+        stream.set_read_timeout(Some(PATIENCE)).unwrap();
+        let _ = stream.write_all(bytes);
+        read_response(stream)
+    };
+    let long_uri = format!("GET /{} HTTP/1.1\r\nhost: t\r\n\r\n", "a".repeat(100_000));
+    let many_headers = format!(
+        "GET /health HTTP/1.1\r\nhost: t\r\n{}\r\n",
+        (0..200)
+            .map(|index| format!("x-h{index}: v\r\n"))
+            .collect::<String>()
+    );
+    for (request, status, code) in [
+        (
+            &b"GET /health HTTP/1.1\r\nhost: t\r\nbad header line\r\n\r\n"[..],
+            400,
+            "invalid_http_request",
+        ),
+        (
+            &b"GE\x01T / HTTP/1.1\r\n\r\n"[..],
+            400,
+            "invalid_http_request",
+        ),
+        (long_uri.as_bytes(), 414, "uri_too_long"),
+        (many_headers.as_bytes(), 431, "headers_too_large"),
+    ] {
+        let response = raw(request);
+        assert_eq!(response.status, status);
+        assert_eq!(response.header("content-type"), Some("application/json"));
+        assert_openai_error_code(&response.json(), code);
+    }
+    // Still serving.
+    let response = router.post_json("/v1/chat/completions", &chat_body("hi", false));
+    assert_eq!(response.status, 200);
+}
+
+/// Finding 8: a drain that reaches its deadline ends the streams still running with an SSE
+/// error event (and aborts them on the engine) before the process exits 0.
+#[test]
+fn a_drain_past_its_deadline_ends_streams_with_an_sse_error() {
+    let engine = Engine::start("gated", Behavior::Gated { chunks: 5 });
+    let mut router = Router::start(&["--backend", &engine.url(), "--drain-timeout-ms", "300"]);
+    let mut stream = router.post_json("/v1/chat/completions", &chat_body("hi", true));
+    assert_eq!(stream.status, 200);
+    engine.release();
+    assert!(stream.next_chunk().is_some());
+    router.terminate();
+    let rest = String::from_utf8(stream.body()).unwrap();
+    assert!(
+        rest.contains("event: error") && rest.contains("router_draining"),
+        "{rest:?}"
+    );
+    assert!(!rest.contains("[DONE]"));
+    assert_eq!(router.wait_exit().code(), Some(0));
+    wait_until("the engine to see the abort", || engine.cancelled() == 1);
+}
+
+/// Finding 8: a client that gives up on a non-streaming request before its answer is counted
+/// as a disconnect (and the engine's request is dropped).
+#[test]
+fn an_abandoned_non_streaming_request_is_counted_as_a_disconnect() {
+    let hung = Engine::start("hung", Behavior::Hang);
+    let router = Router::start(&["--backend", &hung.url()]);
+    let body = chat_body("hi", false).to_string();
+    let mut stream = TcpStream::connect(router.addr).unwrap();
+    write!(
+        stream,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    wait_until("the engine to get the request", || hung.requests() == 1);
+    drop(stream);
+    wait_until("the disconnect to be counted", || {
+        metric_value(&router.metrics(), &["myelin_client_disconnects_total"]) == 1.0
+    });
+}
