@@ -7,8 +7,7 @@ use std::time::Instant;
 
 pub use myelin_routing::BlockCounts;
 use myelin_routing::{
-    BackendView, BlockChain, Policy, PrefixMatch, Router, RouterConfig, Shard, ShardConfig,
-    WriteOp,
+    BackendView, BlockChain, Policy, PrefixMatch, Router, RouterConfig, Shard, ShardConfig, WriteOp,
 };
 
 use crate::backends::{BackendId, BackendInfo, BackendState, Load};
