@@ -29,6 +29,15 @@ pub struct BackendView {
     pub state: BackendState,
     /// Work waiting on the backend, in tokens: queued prefill plus active decode.
     pub load_tokens: u64,
+    /// KV-cache capacity in tokens the residency estimator works with (the engine's, scraped
+    /// or configured, times the online correction), `None` when unknown.
+    pub capacity_tokens: Option<u64>,
+    /// Monotonic count of tokens admitted to the backend (uncached prompt + expected output,
+    /// as routers sent them, summed over every core): the residency stamps' clock.
+    pub admitted_tokens: u64,
+    /// Uses stamped below this were seen evicted (an engine reported reusing less than the
+    /// history predicted): under LRU, everything older is gone too. 0: nothing known.
+    pub evicted_below_stamp: u64,
 }
 
 impl BackendView {
@@ -38,6 +47,22 @@ impl BackendView {
             id,
             state,
             load_tokens,
+            capacity_tokens: None,
+            admitted_tokens: 0,
+            evicted_below_stamp: 0,
         }
+    }
+
+    /// The residency estimator's inputs (see the fields).
+    pub fn with_cache(
+        mut self,
+        capacity_tokens: Option<u64>,
+        admitted_tokens: u64,
+        evicted_below_stamp: u64,
+    ) -> Self {
+        self.capacity_tokens = capacity_tokens;
+        self.admitted_tokens = admitted_tokens;
+        self.evicted_below_stamp = evicted_below_stamp;
+        self
     }
 }

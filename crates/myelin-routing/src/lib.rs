@@ -70,7 +70,10 @@ pub use myelin_art::{
 pub use policy::Policy;
 pub use replica::{MirrorChange, WriteOp};
 pub use residency::{
-    EstimateInput, PlaceholderEstimator, ResidencyEstimator, ResidencyMode, expected_cached_tokens,
+    CALIBRATION_RATE, CALIBRATION_SCALE_BOUNDS, DEFAULT_MIN_ROOM_FRACTION, DEFAULT_SHARPNESS,
+    EstimateInput, PlaceholderEstimator, PressureEstimator, ResidencyEstimator, ResidencyMode,
+    ReuseObservation, ReuseProbe, RoomCalibration, block_stamps, expected_cached_tokens,
+    observe_reuse,
 };
 pub use router::{DEFAULT_LOAD_BOUND_TOKENS, Decision, Router, RouterConfig};
 pub use shard::{BackendMatch, BlockCounts, PrefixMatch, Shard, ShardConfig};

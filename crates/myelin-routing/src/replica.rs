@@ -45,4 +45,8 @@ pub enum WriteOp {
     },
     /// `backend`'s KV-event mirror became live (in sync) or stopped being followed.
     MirrorLive { backend: BackendId, live: bool },
+    /// `backend` reported reusing less of a prompt than history said it held: the first block
+    /// it did not reuse was last used at residency stamp `stamp`, so (LRU) every use stamped
+    /// below it is gone too. Replicas keep the largest such stamp per backend (commutes).
+    Evicted { backend: BackendId, stamp: u64 },
 }

@@ -6,7 +6,7 @@ use crate::backend::{BackendId, BackendView};
 use crate::error::NoBackend;
 use crate::policy::Policy;
 use crate::residency::{
-    EstimateInput, PlaceholderEstimator, ResidencyEstimator, ResidencyMode, expected_cached_tokens,
+    EstimateInput, PressureEstimator, ResidencyEstimator, ResidencyMode, expected_cached_tokens,
 };
 use crate::shard::{BackendMatch, PrefixMatch};
 
@@ -66,7 +66,7 @@ struct Candidate {
 }
 
 /// Chooses backends. `E` supplies resident probabilities for the `estimate`/`auto` modes.
-pub struct Router<E = PlaceholderEstimator> {
+pub struct Router<E = PressureEstimator> {
     policy: Policy,
     residency: ResidencyMode,
     config: RouterConfig,
@@ -77,10 +77,10 @@ pub struct Router<E = PlaceholderEstimator> {
     probabilities: Vec<f64>,
 }
 
-impl Router<PlaceholderEstimator> {
-    /// A router with the [`PlaceholderEstimator`] (every matched block resident).
+impl Router<PressureEstimator> {
+    /// A router with the default [`PressureEstimator`].
     pub fn new(policy: Policy, residency: ResidencyMode, config: RouterConfig) -> Self {
-        Self::with_estimator(policy, residency, config, PlaceholderEstimator)
+        Self::with_estimator(policy, residency, config, PressureEstimator::default())
     }
 }
 
@@ -112,6 +112,10 @@ impl<E: ResidencyEstimator> Router<E> {
 
     pub fn config(&self) -> RouterConfig {
         self.config
+    }
+
+    pub fn estimator(&self) -> &E {
+        &self.estimator
     }
 
     /// Picks a backend for a prompt of `prompt_tokens` tokens.
@@ -258,6 +262,7 @@ impl<E: ResidencyEstimator> Router<E> {
                         matched: entry,
                         segments: &matched.segments,
                         now_ms: matched.looked_up_at_ms,
+                        block_size,
                     },
                     &mut self.probabilities,
                 );

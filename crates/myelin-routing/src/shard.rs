@@ -85,6 +85,8 @@ impl PrefixMatch {
 pub struct Shard {
     tree: PrefixTree,
     mirror: ResidencyMirror,
+    /// Per backend: uses stamped below this were seen evicted ([`WriteOp::Evicted`]).
+    evicted_below: Vec<(BackendId, u64)>,
 }
 
 /// Blocks per backend held by one shard (see [`Shard::blocks_by_backend`]), or by several
@@ -140,6 +142,7 @@ impl Shard {
         Ok(Self {
             tree,
             mirror: ResidencyMirror::default(),
+            evicted_below: Vec::new(),
         })
     }
 
@@ -252,7 +255,24 @@ impl Shard {
                 }
             }
             WriteOp::MirrorLive { backend, live } => self.set_mirror_live(*backend, *live),
+            WriteOp::Evicted { backend, stamp } => self.mark_evicted_below(*backend, *stamp),
         }
+    }
+
+    /// Records that `backend`'s uses stamped below `stamp` are evicted (keeps the largest).
+    pub fn mark_evicted_below(&mut self, backend: BackendId, stamp: u64) {
+        match self.evicted_below.iter_mut().find(|(id, _)| *id == backend) {
+            Some((_, held)) => *held = (*held).max(stamp),
+            None => self.evicted_below.push((backend, stamp)),
+        }
+    }
+
+    /// Uses of `backend` stamped below this are known evicted (0: none known).
+    pub fn evicted_below(&self, backend: BackendId) -> u64 {
+        self.evicted_below
+            .iter()
+            .find(|(id, _)| *id == backend)
+            .map_or(0, |(_, stamp)| *stamp)
     }
 
     /// Forgets `backend`'s history of the last block of `chain_prefix` (chain hashes from the
@@ -265,6 +285,7 @@ impl Shard {
     pub fn remove_backend(&mut self, backend: BackendId) -> usize {
         self.mirror.clear_backend(backend);
         self.mirror.set_live(backend, false);
+        self.evicted_below.retain(|(id, _)| *id != backend);
         self.tree.remove_backend(backend)
     }
 

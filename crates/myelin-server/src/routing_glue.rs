@@ -155,7 +155,8 @@ impl RoutingShard {
         let backend = match op {
             WriteOp::Learn { backend, .. }
             | WriteOp::Mirror { backend, .. }
-            | WriteOp::MirrorLive { backend, .. } => backend.0,
+            | WriteOp::MirrorLive { backend, .. }
+            | WriteOp::Evicted { backend, .. } => backend.0,
         };
         if self.backends.contains_key(&backend) {
             self.shard.apply(op);
