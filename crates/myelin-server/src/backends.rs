@@ -147,6 +147,37 @@ impl BackendTable {
         }
     }
 
+    /// Makes the table equal to `backends`, the control core's list as of change `version`:
+    /// entries not newer than it are replaced, those missing from it removed. Returns the ids
+    /// changed (upserted) and removed.
+    pub fn sync(
+        &mut self,
+        backends: &[BackendInfo],
+        version: u64,
+    ) -> (Vec<BackendId>, Vec<BackendId>) {
+        let mut changed = Vec::new();
+        for info in backends {
+            let differs = self
+                .entries
+                .get(&info.id)
+                .is_none_or(|entry| entry.info != *info);
+            if self.upsert_versioned(info.clone(), version) && differs {
+                changed.push(info.id);
+            }
+        }
+        let gone: Vec<BackendId> = self
+            .entries
+            .values()
+            .filter(|entry| entry.version <= version)
+            .filter(|entry| !backends.iter().any(|info| info.id == entry.info.id))
+            .map(|entry| entry.info.id)
+            .collect();
+        for &id in &gone {
+            self.remove(id);
+        }
+        (changed, gone)
+    }
+
     pub fn get(&self, id: BackendId) -> Option<&BackendEntry> {
         self.entries.get(&id)
     }
@@ -265,6 +296,26 @@ mod tests {
         assert_eq!(table.get(1).unwrap().info.state, BackendState::Up);
         assert!(table.remove(1).is_some());
         assert_eq!(table.len(), 0);
+    }
+
+    #[test]
+    fn a_sync_heals_dropped_changes_but_not_newer_ones() {
+        let mut table = BackendTable::new(1);
+        table.upsert(info(1));
+        table.upsert(info(2));
+        // Missed: backend 2 removed (v3), backend 3 added (v4), backend 1 down (v5).
+        let mut down = info(1);
+        down.state = BackendState::Down;
+        // A newer add already arrived (v7, after the sync was sent at v5).
+        assert!(table.upsert_versioned(info(4), 7));
+        let (changed, gone) = table.sync(&[down.clone(), info(3)], 5);
+        assert_eq!(changed, vec![1, 3]);
+        assert_eq!(gone, vec![2]);
+        assert_eq!(table.get(1).unwrap().info.state, BackendState::Down);
+        assert!(table.get(4).is_some(), "newer than the sync: kept");
+        assert!(table.get(2).is_none());
+        // The same sync again changes nothing.
+        assert_eq!(table.sync(&[down, info(3), info(4)], 5), (vec![], vec![]));
     }
 
     #[test]

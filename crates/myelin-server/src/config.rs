@@ -296,6 +296,16 @@ pub struct ServeArgs {
     #[arg(long, env = "MYELIN_NO_FAST_TOKENIZER")]
     pub no_fast_tokenizer: bool,
 
+    /// Fault injection for tests: the control core drops every Nth message it sends to a data
+    /// core, as if that core's queue were full. [default: 0, never]
+    #[arg(
+        long,
+        env = "MYELIN_FAULT_DROP_CONTROL_MESSAGES",
+        value_name = "N",
+        hide = true
+    )]
+    pub fault_drop_control_messages: Option<u64>,
+
     /// Prefix policy: load differences up to this many tokens are treated as noise (a
     /// backend's load counts only beyond the least-loaded one's plus this); 0 means pure
     /// expected-cost scoring. [default: 2048]
@@ -411,6 +421,8 @@ pub struct ServeConfig {
     pub tokenize_max_piece_bytes: usize,
     pub fast_tokenizer: bool,
     pub load_bound_tokens: u64,
+    /// `--fault-drop-control-messages` (tests only; 0 = off).
+    pub fault_drop_control_messages: u64,
 }
 
 /// Why the configuration was rejected.
@@ -741,6 +753,7 @@ impl ServeConfig {
                 .load_bound_tokens
                 .or(file.load_bound_tokens)
                 .unwrap_or(Defaults::LOAD_BOUND_TOKENS),
+            fault_drop_control_messages: args.fault_drop_control_messages.unwrap_or(0),
         })
     }
 }

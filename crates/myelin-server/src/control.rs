@@ -24,7 +24,7 @@ use crate::backend_spec::BackendSpec;
 use crate::backends::{BackendId, BackendInfo, BackendState};
 use crate::config::{AdminToken, HealthConfig, ResidencyMode, ServeConfig};
 use crate::health::{BackendHealth, HealthEvent};
-use crate::kv_feed::KvFeed;
+use crate::kv_feed::{KvFeed, MirrorChange};
 use crate::kv_subscriber::{FeedEvent, KvEndpoints, Subscriber};
 use crate::mesh::{Mesh, MeshEnds, OneShot};
 use crate::messages::{Message, ReplicaSnapshot};
@@ -49,6 +49,11 @@ const ADMIN_TIMEOUT: Duration = Duration::from_secs(5);
 const ADMIN_RESEND_INTERVAL: Duration = Duration::from_millis(100);
 /// Most of a health check's response body read (the rest is not: its connection is dropped).
 const MAX_HEALTH_BODY_BYTES: usize = 64 * 1024;
+/// How often the whole backend list goes to every data core (heals dropped changes).
+const BACKEND_SYNC_INTERVAL: Duration = Duration::from_secs(1);
+/// How often data cores that missed a mirror write are looked for (their mirrors are then
+/// rebuilt from the KV-event feeds' snapshots).
+const MIRROR_RESYNC_INTERVAL: Duration = Duration::from_millis(200);
 /// How long the admin listing waits for the data cores' replica snapshots.
 const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -136,6 +141,15 @@ pub(crate) struct Control {
     pool: Pool,
     /// KV-event subscribers by backend; dropping one stops its thread.
     subscribers: RefCell<HashMap<BackendId, Subscriber>>,
+    /// Data cores a mirror write could not be sent to since their last resync.
+    mirror_dirty: RefCell<Vec<bool>>,
+    /// Per data core, the followed backends whose snapshot it still waits for (a resync in
+    /// progress).
+    mirror_awaiting: RefCell<Vec<std::collections::BTreeSet<BackendId>>>,
+    /// Fault injection (`--fault-drop-control-messages`): every Nth message this core sends is
+    /// dropped as if the queue were full (0: never).
+    fault_drop_every: u64,
+    fault_sent: Cell<u64>,
     feed_sender: crossbeam_channel::Sender<FeedEvent>,
     block_size: std::num::NonZeroU32,
     control_cpu: Option<usize>,
@@ -189,6 +203,10 @@ pub async fn run_control(
             max_idle_per_host: 2,
         }),
         subscribers: RefCell::new(HashMap::new()),
+        mirror_dirty: RefCell::new(vec![false; shards]),
+        mirror_awaiting: RefCell::new(vec![Default::default(); shards]),
+        fault_drop_every: config.fault_drop_control_messages,
+        fault_sent: Cell::new(0),
         feed_sender,
         block_size: std::num::NonZeroU32::new(u32::try_from(config.block_size).unwrap_or(16))
             .unwrap_or(std::num::NonZeroU32::MIN),
@@ -207,6 +225,8 @@ pub async fn run_control(
     glommio::spawn_local(health_check_loop(control.clone())).detach();
     glommio::spawn_local(breaker_loop(control.clone())).detach();
     glommio::spawn_local(admin_resend_loop(control.clone())).detach();
+    glommio::spawn_local(backend_sync_loop(control.clone())).detach();
+    glommio::spawn_local(mirror_resync_loop(control.clone())).detach();
     let upkeep_handle = metrics.clone();
     glommio::spawn_local(async move {
         loop {
@@ -328,6 +348,11 @@ async fn feed_loop(control: Rc<Control>, receiver: crossbeam_channel::Receiver<F
                         live,
                     });
                 }
+                FeedEvent::Snapshot {
+                    backend,
+                    changes,
+                    live,
+                } => control.deliver_snapshot(backend, changes, live),
             }
         }
     }
@@ -341,7 +366,11 @@ async fn receive_loop(control: Rc<Control>, receiver: ConnectedReceiver<Message>
                     health.on_request(success, now, config, events)
                 });
             }
-            Message::Applied { shard, version } => control.on_applied(shard, version),
+            Message::Applied {
+                shard,
+                version,
+                cumulative,
+            } => control.on_applied(shard, version, cumulative),
             Message::SnapshotReply {
                 request_id,
                 snapshot,
@@ -389,10 +418,98 @@ impl Control {
             .map(|backend| backend.info.spec.url.clone())
     }
 
-    /// Sends one write to every data core's replica (the payload is shared, not copied).
+    /// Sends one write to every data core's replica (the payload is shared, not copied). A
+    /// core the write could not be sent to (full queue) is marked for a mirror resync: the
+    /// sender sees every drop, so no sequence numbers are needed to detect one.
     fn broadcast_write(&self, op: WriteOp) {
         let batch: Arc<[WriteOp]> = Arc::from(vec![op]);
-        self.broadcast(|| Message::Writes(batch.clone()));
+        for shard in 0..self.shards {
+            if !self.send(shard, Message::Writes(batch.clone())) {
+                self.mark_mirror_dirty(shard);
+            }
+        }
+    }
+
+    fn mark_mirror_dirty(&self, shard: usize) {
+        if let Some(dirty) = self.mirror_dirty.borrow_mut().get_mut(shard) {
+            *dirty = true;
+        }
+    }
+
+    /// Starts a mirror resync of every data core that missed a mirror write: each followed
+    /// backend's subscriber sends its whole mirror, in stream order with its updates.
+    fn start_mirror_resyncs(&self) {
+        let dirty: Vec<usize> = {
+            let mut flags = self.mirror_dirty.borrow_mut();
+            let dirty = flags
+                .iter()
+                .enumerate()
+                .filter(|(_, dirty)| **dirty)
+                .map(|(shard, _)| shard)
+                .collect();
+            flags.iter_mut().for_each(|flag| *flag = false);
+            dirty
+        };
+        if dirty.is_empty() {
+            return;
+        }
+        let subscribers = self.subscribers.borrow();
+        let mut awaiting = self.mirror_awaiting.borrow_mut();
+        for shard in dirty {
+            metrics::counter!(names::STATE_RESYNCS_TOTAL, "kind" => "mirror").increment(1);
+            awaiting[shard].extend(subscribers.keys().copied());
+        }
+        for subscriber in subscribers.values() {
+            subscriber.request_snapshot();
+        }
+    }
+
+    /// Sends a backend's whole mirror to the data cores waiting for it (replacing what their
+    /// replica holds for it, liveness included).
+    fn deliver_snapshot(&self, backend: BackendId, changes: Vec<MirrorChange>, live: bool) {
+        let waiting: Vec<usize> = self
+            .mirror_awaiting
+            .borrow()
+            .iter()
+            .enumerate()
+            .filter(|(_, backends)| backends.contains(&backend))
+            .map(|(shard, _)| shard)
+            .collect();
+        if waiting.is_empty() {
+            return;
+        }
+        let id = myelin_routing::BackendId(backend);
+        let batch: Arc<[WriteOp]> = Arc::from(vec![
+            WriteOp::Mirror {
+                backend: id,
+                changes: changes.into(),
+            },
+            WriteOp::MirrorLive { backend: id, live },
+        ]);
+        for shard in waiting {
+            if self.send(shard, Message::Writes(batch.clone())) {
+                self.mirror_awaiting.borrow_mut()[shard].remove(&backend);
+            } else {
+                self.mark_mirror_dirty(shard);
+            }
+        }
+    }
+
+    /// Sends the whole backend list to every data core (see `Message::BackendSync`).
+    fn sync_backends(&self) {
+        let (version, backends) = {
+            let state = self.state.borrow();
+            let backends: Arc<[BackendInfo]> = state
+                .backends
+                .values()
+                .map(|backend| backend.info.clone())
+                .collect();
+            (state.next_version - 1, backends)
+        };
+        self.broadcast(|| Message::BackendSync {
+            version,
+            backends: backends.clone(),
+        });
     }
 
     fn broadcast(&self, make: impl Fn() -> Message) {
@@ -404,6 +521,14 @@ impl Control {
 
     fn send(&self, to: usize, message: Message) -> bool {
         let kind = message.kind();
+        if self.fault_drop_every > 0 {
+            let sent = self.fault_sent.get() + 1;
+            self.fault_sent.set(sent);
+            if sent.is_multiple_of(self.fault_drop_every) {
+                metrics::counter!(names::CROSS_CORE_DROPPED_TOTAL, "kind" => kind).increment(1);
+                return false;
+            }
+        }
         match self.mesh.try_send(to, message) {
             Ok(()) => {
                 metrics::counter!(names::CROSS_CORE_MESSAGES_TOTAL, "shard" => "control", "kind" => kind)
@@ -645,27 +770,43 @@ impl Control {
         }
         if let Some(id) = unfollow {
             self.subscribers.borrow_mut().remove(&id);
+            for awaiting in self.mirror_awaiting.borrow_mut().iter_mut() {
+                awaiting.remove(&id);
+            }
         }
         (outcome, change)
     }
 
-    /// Data core `shard` has the change `version`: once every core has an admin change, its
-    /// caller gets the outcome.
-    fn on_applied(&self, shard: usize, version: u64) {
-        let finished = {
+    /// Data core `shard` has the change `version` (and every earlier one, when `cumulative`):
+    /// once every core has an admin change, its caller gets the outcome.
+    fn on_applied(&self, shard: usize, version: u64, cumulative: bool) {
+        let finished: Vec<PendingChange> = {
             let mut state = self.state.borrow_mut();
-            let Some(pending) = state.pending.get_mut(&version) else {
-                return;
+            let confirmed: Vec<u64> = if cumulative {
+                state.pending.range(..=version).map(|(&v, _)| v).collect()
+            } else {
+                state
+                    .pending
+                    .get(&version)
+                    .map(|_| version)
+                    .into_iter()
+                    .collect()
             };
-            if let Some(flag) = pending.unconfirmed.get_mut(shard) {
-                *flag = false;
+            let mut done = Vec::new();
+            for change in confirmed {
+                let Some(pending) = state.pending.get_mut(&change) else {
+                    continue;
+                };
+                if let Some(flag) = pending.unconfirmed.get_mut(shard) {
+                    *flag = false;
+                }
+                if !pending.unconfirmed.iter().any(|&flag| flag) {
+                    done.extend(state.pending.remove(&change));
+                }
             }
-            if pending.unconfirmed.iter().any(|&flag| flag) {
-                return;
-            }
-            state.pending.remove(&version)
+            done
         };
-        if let Some(pending) = finished {
+        for pending in finished {
             pending.reply.fill(pending.outcome);
         }
     }
@@ -729,6 +870,22 @@ impl Control {
                 names::timeout("health_check");
                 false
             })
+    }
+}
+
+/// Sends the whole backend list every [`BACKEND_SYNC_INTERVAL`].
+async fn backend_sync_loop(control: Rc<Control>) {
+    loop {
+        Timer::new(BACKEND_SYNC_INTERVAL).await;
+        control.sync_backends();
+    }
+}
+
+/// Starts mirror resyncs of data cores that missed a mirror write.
+async fn mirror_resync_loop(control: Rc<Control>) {
+    loop {
+        Timer::new(MIRROR_RESYNC_INTERVAL).await;
+        control.start_mirror_resyncs();
     }
 }
 

@@ -323,6 +323,32 @@ impl DataCore {
                 }
                 self.acknowledge(version);
             }
+            Message::BackendSync { version, backends } => {
+                let (changed, gone) = self.backends.borrow_mut().sync(&backends, version);
+                if !changed.is_empty() || !gone.is_empty() {
+                    // Only a dropped change makes a sync differ from what this core has.
+                    metrics::counter!(names::STATE_RESYNCS_TOTAL, "kind" => "backends")
+                        .increment(1);
+                }
+                let mut routing = self.routing.borrow_mut();
+                for id in changed {
+                    if let Some(info) = backends.iter().find(|info| info.id == id) {
+                        routing.add_backend(info);
+                    }
+                }
+                for id in gone {
+                    routing.remove_backend(id);
+                }
+                drop(routing);
+                self.send(
+                    self.shards,
+                    Message::Applied {
+                        shard: self.shard,
+                        version,
+                        cumulative: true,
+                    },
+                );
+            }
             Message::Snapshot { request_id } => {
                 let snapshot = self.snapshot();
                 self.send(
@@ -345,6 +371,7 @@ impl DataCore {
             Message::Applied {
                 shard: self.shard,
                 version,
+                cumulative: false,
             },
         );
     }

@@ -79,6 +79,18 @@ impl KvFeed {
         self.blocks.len()
     }
 
+    /// The whole mirror this feed has built, as changes that rebuild it from anything:
+    /// `Cleared`, then one `Stored` per copy of every block (to resync a replica that missed
+    /// some of the feed's changes).
+    pub fn snapshot(&self, out: &mut Vec<MirrorChange>) {
+        out.push(MirrorChange::Cleared);
+        for block in self.blocks.values() {
+            for _ in 0..block.copies {
+                out.push(MirrorChange::Stored(block.chain));
+            }
+        }
+    }
+
     /// Appends the mirror updates `decoded` implies to `out` (none for events about another
     /// cache than the engine's own GPU cache of its full-attention group).
     pub fn apply(&mut self, decoded: &DecodedEvent, out: &mut Vec<MirrorChange>) {

@@ -10,7 +10,10 @@
 //! - at start, with a replay endpoint, everything the engine still buffers is replayed first,
 //!   so blocks cached before the router started are known;
 //! - a gap (the PUB socket dropped batches for a slow subscriber) is filled from the replay
-//!   socket when there is one, else counted and passed over;
+//!   socket when there is one; a gap it cannot fill (no replay socket, or batches the engine no
+//!   longer buffers) leaves the mirror wrong in ways nobody can tell, so the mirror is cleared
+//!   and not live (routing falls back to the estimate for that backend) until it is exact
+//!   again: after the engine's next `AllBlocksCleared` or restart;
 //! - a sequence going back means the engine restarted with an empty cache: the backend's
 //!   mirror is cleared.
 
@@ -50,11 +53,19 @@ pub enum FeedEvent {
     },
     /// The backend's mirror is in sync (`true`) or no longer followed (`false`).
     Live { backend: BackendId, live: bool },
+    /// The whole mirror (`Cleared`, then every block), in stream order with `Updates`, and
+    /// whether it is live: asked for by [`Subscriber::request_snapshot`].
+    Snapshot {
+        backend: BackendId,
+        changes: Vec<MirrorChange>,
+        live: bool,
+    },
 }
 
 /// A running subscriber; stops (without waiting) when dropped.
 pub struct Subscriber {
     stop: Arc<AtomicBool>,
+    snapshot: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -69,6 +80,8 @@ impl Subscriber {
     ) -> std::io::Result<Subscriber> {
         let stop = Arc::new(AtomicBool::new(false));
         let thread_stop = stop.clone();
+        let snapshot = Arc::new(AtomicBool::new(false));
+        let thread_snapshot = snapshot.clone();
         let thread = std::thread::Builder::new()
             .name(format!("myelin-kv-{backend}"))
             .spawn(move || {
@@ -83,6 +96,8 @@ impl Subscriber {
                     last_seq: None,
                     last_live_seq: None,
                     live: false,
+                    unsynced: false,
+                    snapshot: thread_snapshot,
                     reported: FeedCounters::default(),
                 };
                 follower.run(&endpoints, &thread_stop);
@@ -93,8 +108,15 @@ impl Subscriber {
             })?;
         Ok(Subscriber {
             stop,
+            snapshot,
             thread: Some(thread),
         })
+    }
+
+    /// Asks the thread to send its whole mirror ([`FeedEvent::Snapshot`]) within about
+    /// [`RECEIVE_TIMEOUT`].
+    pub fn request_snapshot(&self) {
+        self.snapshot.store(true, Ordering::Release);
     }
 
     /// Stops the thread and waits for it (at most about [`RECEIVE_TIMEOUT`]).
@@ -132,6 +154,10 @@ struct Follower {
     /// Last batch received on the live socket.
     last_live_seq: Option<u64>,
     live: bool,
+    /// A gap could not be filled: the mirror stays not live until it is exact again.
+    unsynced: bool,
+    /// Set by [`Subscriber::request_snapshot`].
+    snapshot: Arc<AtomicBool>,
     reported: FeedCounters,
 }
 
@@ -157,6 +183,15 @@ impl Follower {
             self.set_live(true);
         }
         while !stop.load(Ordering::Acquire) {
+            if self.snapshot.swap(false, Ordering::AcqRel) {
+                let mut changes = Vec::new();
+                self.feed.snapshot(&mut changes);
+                let _ = self.sender.send(FeedEvent::Snapshot {
+                    backend: self.backend,
+                    changes,
+                    live: self.live,
+                });
+            }
             let frames = match subscriber.recv_multipart(0) {
                 Ok(frames) => frames,
                 Err(zmq::Error::EAGAIN) => continue,
@@ -187,11 +222,16 @@ impl Follower {
                     if let Some(replay) = &replay {
                         self.replay_from(replay, last + 1, Some(seq));
                     }
+                    if self.last_seq.is_some_and(|last| last + 1 < seq) {
+                        self.lose_sync();
+                    }
                 }
                 _ => {}
             }
             self.apply(seq, &message.batch);
-            self.set_live(true);
+            if !self.unsynced {
+                self.set_live(true);
+            }
         }
     }
 
@@ -250,6 +290,20 @@ impl Follower {
         let mut updates = Vec::new();
         self.feed.clear(&mut updates);
         self.last_seq = None;
+        // A new engine process starts empty: the mirror is exact again.
+        self.unsynced = false;
+        self.forward(updates);
+    }
+
+    /// A gap that cannot be filled: batches are lost, so the mirror may hold evicted blocks
+    /// and miss stored ones. It is cleared and not live until it is exact again.
+    fn lose_sync(&mut self) {
+        metrics::counter!(names::KV_EVENTS_UNSYNCED_TOTAL, "backend" => self.label.clone())
+            .increment(1);
+        self.set_live(false);
+        let mut updates = Vec::new();
+        self.feed.clear(&mut updates);
+        self.unsynced = true;
         self.forward(updates);
     }
 
@@ -257,6 +311,10 @@ impl Follower {
         let mut updates = Vec::new();
         for event in &batch.events {
             self.feed.apply(event, &mut updates);
+        }
+        // The engine dropped its whole cache: from here on the mirror is exact again.
+        if self.unsynced && updates.contains(&MirrorChange::Cleared) {
+            self.unsynced = false;
         }
         self.last_seq = Some(seq);
         metrics::counter!(names::KV_EVENTS_BATCHES_TOTAL, "backend" => self.label.clone())

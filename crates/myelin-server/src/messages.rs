@@ -46,8 +46,13 @@ pub enum Message {
     /// at once, after any success still pending for that backend.
     Outcome { backend: BackendId, success: bool },
     /// Data core `shard` received the backend change of this `version` (applied, or
-    /// superseded by a newer one it already had).
-    Applied { shard: usize, version: u64 },
+    /// superseded by a newer one it already had); `cumulative` when it came from a
+    /// `BackendSync`, which means every change up to `version` is in.
+    Applied {
+        shard: usize,
+        version: u64,
+        cumulative: bool,
+    },
     /// Answer to `Snapshot`.
     SnapshotReply {
         request_id: u64,
@@ -69,6 +74,12 @@ pub enum Message {
     },
     /// What the receiver's replica holds (admin API); answered by `SnapshotReply`.
     Snapshot { request_id: u64 },
+    /// Every backend as of change `version` (sent every second, so a dropped change heals):
+    /// the receiver makes its table equal to it, then confirms `version` cumulatively.
+    BackendSync {
+        version: u64,
+        backends: Arc<[BackendInfo]>,
+    },
 }
 
 impl Message {
@@ -84,6 +95,7 @@ impl Message {
             Message::BackendRemove { .. } => "backend_remove",
             Message::BackendState { .. } => "backend_state",
             Message::Snapshot { .. } => "snapshot",
+            Message::BackendSync { .. } => "backend_sync",
         }
     }
 }

@@ -95,6 +95,12 @@ pub const KV_EVENTS_DECODE_ERRORS_TOTAL: &str = "myelin_kv_events_decode_errors_
 pub const KV_EVENTS_GAPS_TOTAL: &str = "myelin_kv_events_gaps_total";
 /// Engine restarts seen in the KV-event sequence (the mirror of that backend is cleared).
 pub const KV_EVENTS_RESTARTS_TOTAL: &str = "myelin_kv_events_restarts_total";
+/// Gaps in a backend's KV-event sequence that could not be filled (no replay socket, or batches
+/// no longer buffered): its mirror was cleared and is not live until exact again, by backend.
+pub const KV_EVENTS_UNSYNCED_TOTAL: &str = "myelin_kv_events_unsynced_total";
+/// Cross-core state re-sent after a dropped message, by `kind`: `mirror` (a data core's mirror
+/// rebuilt from the KV-event feeds), `backends` (the backend list, re-sent every second).
+pub const STATE_RESYNCS_TOTAL: &str = "myelin_state_resyncs_total";
 /// 1 while a backend's KV-event mirror is live (in sync), by backend.
 pub const KV_EVENTS_LIVE: &str = "myelin_kv_events_live";
 
@@ -232,6 +238,14 @@ fn describe() {
         "Responses abandoned by the client."
     );
     describe_counter!(TIMEOUTS_TOTAL, "Deadlines that passed, by kind.");
+    describe_counter!(
+        KV_EVENTS_UNSYNCED_TOTAL,
+        "KV-event gaps that could not be filled (mirror cleared, not live until exact)."
+    );
+    describe_counter!(
+        STATE_RESYNCS_TOTAL,
+        "Cross-core state re-sent after a dropped message, by kind."
+    );
     describe_counter!(
         TOKENIZE_BYTES_TOTAL,
         "Prompt bytes tokenized afresh for routing."

@@ -311,3 +311,137 @@ fn an_abandoned_non_streaming_request_is_counted_as_a_disconnect() {
         metric_value(&router.metrics(), &["myelin_client_disconnects_total"]) == 1.0
     });
 }
+
+fn sim_chat(words: usize, seed: usize) -> serde_json::Value {
+    let text: Vec<String> = (0..words)
+        .map(|i| format!("w{}x{}", seed, i % 97))
+        .collect();
+    serde_json::json!({
+        "model": "sim",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": text.join(" ")}],
+    })
+}
+
+fn sim_cluster(engines: usize, faults: myelin_sim::FaultConfig) -> myelin_sim::SimCluster {
+    myelin_sim::SimCluster::start(myelin_sim::ClusterConfig {
+        engines,
+        speedup: 50.0,
+        kv_events: Some(myelin_sim::KvEventsConfig::default()),
+        faults,
+        ..myelin_sim::ClusterConfig::default()
+    })
+    .expect("simulated engines")
+}
+
+/// Finding 6: an engine whose KV-event batches get lost and that has no replay socket. The
+/// gap is detected; the mirror is cleared and not live (residency falls back to the
+/// estimate) until the engine drops its cache (`AllBlocksCleared`), when it is exact again.
+#[test]
+fn a_kv_event_gap_without_replay_takes_the_mirror_out_until_it_is_exact_again() {
+    let cluster = sim_cluster(
+        1,
+        myelin_sim::FaultConfig {
+            kv_drop_every: Some(3),
+            ..myelin_sim::FaultConfig::default()
+        },
+    );
+    let url = cluster.engine_urls()[0].clone();
+    let publish = cluster.kv_event_endpoints()[0]
+        .as_ref()
+        .expect("events")
+        .publish
+        .clone();
+    // No kv-replay: the gap cannot be filled.
+    let backend = format!("{url},kv-events={publish}");
+    let router = Router::start(&["--backend", &backend, "--residency", "auto"]);
+    let residency = || {
+        router.backends()[0]["residency"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let mut seed = 0;
+    wait_until("a gap to take the mirror out", || {
+        seed += 1;
+        let response = router.post_json("/v1/chat/completions", &sim_chat(40, seed));
+        assert_eq!(response.status, 200);
+        metric_value(&router.metrics(), &["myelin_kv_events_unsynced_total"]) >= 1.0
+            && residency() == "estimate"
+    });
+    assert_eq!(router.backends()[0]["resident_blocks_source"], "routes");
+    // The engine drops its cache: the mirror is exact (empty) again. (The reset's batch may
+    // itself be one the fault drops: then the next reset's comes through.)
+    wait_until("the mirror to be live again", || {
+        cluster.reset_prefix_cache(0);
+        std::thread::sleep(Duration::from_millis(50));
+        residency() == "verified"
+    });
+    drop(router);
+    cluster.shutdown();
+}
+
+/// A mesh queue overflowing: the control core drops every third message it sends to a data
+/// core. Dropped mirror writes are seen by the sender and healed by resending the whole
+/// mirror of every followed engine to that core; dropped backend changes by the periodic
+/// backend sync and the admin API's re-sends. Every replica ends up agreeing.
+#[test]
+fn dropped_control_messages_are_healed() {
+    let cluster = sim_cluster(2, myelin_sim::FaultConfig::default());
+    let mut args = Vec::new();
+    for (url, endpoints) in cluster
+        .engine_urls()
+        .iter()
+        .zip(cluster.kv_event_endpoints())
+    {
+        let endpoints = endpoints.as_ref().expect("events");
+        args.push("--backend".to_string());
+        args.push(format!(
+            "{url},kv-events={},kv-replay={}",
+            endpoints.publish, endpoints.replay
+        ));
+    }
+    args.extend(
+        [
+            "--fault-drop-control-messages",
+            "3",
+            "--routing",
+            "round-robin",
+        ]
+        .map(String::from),
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let router = Router::start(&args);
+    for seed in 0..12 {
+        let response = router.post_json("/v1/chat/completions", &sim_chat(60, seed));
+        assert_eq!(response.status, 200);
+    }
+    wait_until("the replicas to agree on verified mirrors", || {
+        let listing = router.admin("GET", "/admin/backends", None).json();
+        let backends = listing["backends"].as_array().cloned().unwrap_or_default();
+        listing["replicas_agree"] == true
+            && listing["shards_answered"] == 2
+            && backends.iter().all(|backend| {
+                backend["residency"] == "verified"
+                    && backend["resident_blocks"].as_u64().unwrap_or(0) > 0
+            })
+    });
+    let metrics = router.metrics();
+    assert!(
+        metric_value(&metrics, &["myelin_cross_core_dropped_messages_total"]) >= 1.0,
+        "{metrics}"
+    );
+    assert!(
+        metric_value(&metrics, &["myelin_state_resyncs_total", "kind=\"mirror\""]) >= 1.0,
+        "{metrics}"
+    );
+    // Admin changes still complete (re-sent until every core confirms).
+    let drained = router.admin("POST", "/admin/backends/1/drain", None);
+    assert_eq!(drained.status, 200);
+    for seed in 100..104 {
+        let response = router.post_json("/v1/chat/completions", &sim_chat(10, seed));
+        assert_eq!(response.header("x-myelin-backend"), Some("0"));
+    }
+    drop(router);
+    cluster.shutdown();
+}
