@@ -16,6 +16,10 @@
 //!
 //! Throughput is in block events: blocks stored plus blocks removed. Every iteration replays
 //! the whole measured stream from the warm state (setup, cloning and drops are not timed).
+//! Group `kv_feed` measures the benchmark thread's CPU time (`Melem/cpu-s`: per second of CPU
+//! the thread got, so neighbours on a shared machine do not count; see
+//! `kv_workload/cpu_time.rs`); group `kv_feed_wall` repeats `control_core_path/mixed` in wall
+//! time.
 //!
 //! `cargo bench -p myelin-server --bench kv_feed`
 
@@ -27,7 +31,9 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use std::time::Duration;
 
-use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::measurement::Measurement;
+use criterion::{BatchSize, BenchmarkGroup, Criterion, Throughput};
+use kv_workload::cpu_time::ThreadCpuTime;
 use kv_workload::{
     ENGINES, Message, Workload, WriteBatch, control_side, data_core_queues, replica_side,
     subscriber_side,
@@ -54,7 +60,7 @@ fn layouts() -> [(&'static str, Layout); 3] {
     [
         ("v0.22", |_| WireVersion::V0_22),
         ("v0.33", |_| WireVersion::V0_33),
-        ("mixed", mixed),
+        ("mixed", mixed as Layout),
     ]
 }
 
@@ -81,10 +87,47 @@ fn updates_of(workload: &Workload, messages: &[Message]) -> Vec<(u32, Vec<Mirror
         .collect()
 }
 
-fn benches(criterion: &mut Criterion) {
-    let workload = Workload::generate(STEPS, 42);
+/// The whole control-core side on one thread: decode + translate, the `FeedEvent` through a
+/// crossbeam channel (subscriber -> control core), wrap + fan-out.
+fn control_core_path<M: Measurement>(
+    group: &mut BenchmarkGroup<'_, M>,
+    name: &str,
+    workload: &Workload,
+    messages: &[Message],
+) {
+    group.bench_function(format!("control_core_path/{name}"), |bencher| {
+        bencher.iter_batched(
+            || {
+                let (senders, receivers) = data_core_queues();
+                (workload.warm_feeds.clone(), senders, receivers)
+            },
+            |(mut feeds, senders, receivers)| {
+                // The subscriber -> control core hop (bounded, as `KV_FEED_QUEUE`).
+                let (feed_sender, feed_receiver) = crossbeam_channel::bounded(16 * 1024);
+                for message in messages {
+                    if let Some(event) = subscriber_side(&mut feeds, message) {
+                        let _ = feed_sender.send(event);
+                    }
+                    for event in feed_receiver.try_iter() {
+                        control_side(event, &senders);
+                    }
+                }
+                (feeds, senders, receivers)
+            },
+            BatchSize::PerIteration,
+        )
+    });
+}
+
+/// Every bench (`all`), or only the control-core path.
+fn benches<M: Measurement>(
+    criterion: &mut Criterion<M>,
+    name: &str,
+    workload: &Workload,
+    all: bool,
+) {
     let elements = Throughput::Elements(workload.block_events);
-    let mut group = criterion.benchmark_group("kv_feed");
+    let mut group = criterion.benchmark_group(name);
     group
         .sample_size(10)
         .warm_up_time(Duration::from_secs(1))
@@ -93,7 +136,13 @@ fn benches(criterion: &mut Criterion) {
 
     for (name, layout) in layouts() {
         let messages = workload.messages(layout);
-        describe(name, &workload, &messages);
+        if !all {
+            if name == "mixed" {
+                control_core_path(&mut group, name, workload, &messages);
+            }
+            continue;
+        }
+        describe(name, workload, &messages);
         group.bench_function(format!("decode_translate/{name}"), |bencher| {
             bencher.iter_batched(
                 || workload.warm_feeds.clone(),
@@ -119,32 +168,15 @@ fn benches(criterion: &mut Criterion) {
                 BatchSize::PerIteration,
             )
         });
-        group.bench_function(format!("control_core_path/{name}"), |bencher| {
-            bencher.iter_batched(
-                || {
-                    let (senders, receivers) = data_core_queues();
-                    (workload.warm_feeds.clone(), senders, receivers)
-                },
-                |(mut feeds, senders, receivers)| {
-                    // The subscriber -> control core hop (bounded, as `KV_FEED_QUEUE`).
-                    let (feed_sender, feed_receiver) = crossbeam_channel::bounded(16 * 1024);
-                    for message in &messages {
-                        if let Some(event) = subscriber_side(&mut feeds, message) {
-                            let _ = feed_sender.send(event);
-                        }
-                        for event in feed_receiver.try_iter() {
-                            control_side(event, &senders);
-                        }
-                    }
-                    (feeds, senders, receivers)
-                },
-                BatchSize::PerIteration,
-            )
-        });
+        control_core_path(&mut group, name, workload, &messages);
+    }
+    if !all {
+        group.finish();
+        return;
     }
 
     let messages = workload.messages(mixed);
-    let updates = updates_of(&workload, &messages);
+    let updates = updates_of(workload, &messages);
     group.bench_function("control_fanout/mixed", |bencher| {
         bencher.iter_batched(
             || {
@@ -218,5 +250,15 @@ fn benches(criterion: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(kv_feed, benches);
-criterion_main!(kv_feed);
+fn main() {
+    let workload = Workload::generate(STEPS, 42);
+    // CPU time of the benchmark thread for every bench (robust to neighbours on a shared
+    // machine), then wall time for the headline.
+    let mut cpu = Criterion::default()
+        .with_measurement(ThreadCpuTime)
+        .configure_from_args();
+    benches(&mut cpu, "kv_feed", &workload, true);
+    let mut wall = Criterion::default().configure_from_args();
+    benches(&mut wall, "kv_feed_wall", &workload, false);
+    Criterion::default().configure_from_args().final_summary();
+}

@@ -17,6 +17,8 @@
 
 #![allow(dead_code)]
 
+pub mod cpu_time;
+
 use std::num::NonZeroU32;
 use std::sync::Arc;
 
