@@ -114,6 +114,13 @@ pub struct BenchArgs {
     /// No progress bars.
     #[arg(long)]
     pub no_progress: bool,
+
+    /// Also the regression gates CI runs: prefix+off's TTFT P99 below round-robin's,
+    /// prefix+auto's not above prefix+off's beyond the measured spread, prefix+auto
+    /// downgrades, and the harness's loop lag below 10% of every leg's P99 (its failure alone
+    /// exits 3, "machine too busy"). Needs legs round-robin, prefix+off and prefix+auto.
+    #[arg(long)]
+    pub ci_gates: bool,
 }
 
 /// The benchmarks `myelin bench` runs besides the churn harness.

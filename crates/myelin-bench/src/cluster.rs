@@ -129,6 +129,7 @@ impl CacheOracle for SimOracle {
                 // plus output tokens still to generate.
                 queued_tokens: (probe.load.pending_prefill_tokens
                     + probe.load.pending_decode_tokens) as u64,
+                requests_received: Some(probe.requests_received),
             })
             .collect()
     }

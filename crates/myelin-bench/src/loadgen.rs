@@ -261,7 +261,7 @@ async fn exchange(shared: &Shared, user: u32, seq: u64, request: PlannedRequest)
             let engine = shared
                 .oracle
                 .borrow_mut()
-                .choose(probe_tokens.len(), &truths)
+                .choose(probe_tokens.len(), request.output_tokens, &truths)
                 .unwrap_or(0)
                 .min(engine_urls.len().saturating_sub(1));
             shared

@@ -1,7 +1,10 @@
 //! The oracle: the router's own decision code (`myelin_routing::Router`, prefix policy, its
 //! default load bound) fed the truth instead of what a router can know: every engine's actual
-//! cache contents as its verified mirror, and every engine's actual queue as its load. Pure;
-//! the probe of the simulator is behind a trait.
+//! cache contents as its verified mirror, and every engine's actual queue as its load, plus,
+//! as a router counts its own requests at once, what the oracle sent that the engine has not
+//! received yet. Pure; the probe of the simulator is behind a trait.
+
+use std::collections::VecDeque;
 
 use myelin_routing::{
     BackendId, BackendMatch, BackendState, BackendView, Policy, PrefixMatch, ResidencyMode, Router,
@@ -16,6 +19,9 @@ pub struct EngineTruth {
     /// Tokens of work waiting or running on the engine: prefill still to do (net of what its
     /// cache serves) plus output still to generate.
     pub queued_tokens: u64,
+    /// Requests the engine has accepted since it started (`None`: unknown, so requests in
+    /// transit are not counted).
+    pub requests_received: Option<u64>,
 }
 
 /// Reads the simulated engines' true state. Implemented over the embedded simulator.
@@ -24,11 +30,18 @@ pub trait CacheOracle: Send + Sync {
     fn probe(&self, prompt_tokens: &[u32]) -> Vec<EngineTruth>;
 }
 
+/// Requests in transit counted per engine at most (more would be a stalled engine).
+const MAX_IN_TRANSIT: usize = 256;
+
 /// The router's decision with true inputs. Holds the router's tie-break cursor (ties go to the
-/// first tied engine after the last one chosen, as in `myelin serve`), so keep one per leg.
+/// first tied engine after the last one chosen, as in `myelin serve`) and what it sent each
+/// engine, so keep one per leg and cluster.
 pub struct Oracle {
     router: Router,
     block_size: u32,
+    /// Per engine: requests sent, and the load (uncached prompt plus output tokens) of the most
+    /// recent ones, newest last.
+    sent: Vec<(u64, VecDeque<u64>)>,
 }
 
 impl Oracle {
@@ -43,14 +56,31 @@ impl Oracle {
                 RouterConfig::default(),
             ),
             block_size: block_size.max(1),
+            sent: Vec::new(),
         }
     }
 
-    /// The engine the router picks for a prompt of `prompt_len` tokens when every engine's
-    /// verified resident blocks are its true cached blocks and its load is its true queue:
-    /// lowest `(prompt − cached) + max(load − load_bound, min_load)`. `None` when there are no
-    /// engines.
-    pub fn choose(&mut self, prompt_len: usize, truths: &[EngineTruth]) -> Option<usize> {
+    /// Load of the requests sent to `engine` that it has not received yet: the newest
+    /// `sent - received` of them.
+    fn in_transit_tokens(&self, engine: usize, received: Option<u64>) -> u64 {
+        let (Some(received), Some((sent, recent))) = (received, self.sent.get(engine)) else {
+            return 0;
+        };
+        let in_transit = (sent.saturating_sub(received) as usize).min(recent.len());
+        recent.iter().rev().take(in_transit).sum()
+    }
+
+    /// The engine the router picks for a prompt of `prompt_len` tokens asking for
+    /// `output_tokens`, when every engine's verified resident blocks are its true cached blocks
+    /// and its load is its true queue plus what this oracle sent it that it has not received
+    /// yet: lowest `(prompt − cached) + max(load − load_bound, min_load)`. Records the request
+    /// as sent to the chosen engine. `None` when there are no engines.
+    pub fn choose(
+        &mut self,
+        prompt_len: usize,
+        output_tokens: u32,
+        truths: &[EngineTruth],
+    ) -> Option<usize> {
         let block_size = u64::from(self.block_size);
         let backends = truths
             .iter()
@@ -80,14 +110,26 @@ impl Oracle {
                 BackendView::new(
                     BackendId(engine as u32),
                     BackendState::Up,
-                    truth.queued_tokens,
+                    truth.queued_tokens + self.in_transit_tokens(engine, truth.requests_received),
                 )
             })
             .collect();
-        self.router
+        let decision = self
+            .router
             .decide(prompt_len as u64, &matched, &views)
-            .ok()
-            .map(|decision| decision.backend.0 as usize)
+            .ok()?;
+        let engine = decision.backend.0 as usize;
+        if self.sent.len() < truths.len() {
+            self.sent.resize_with(truths.len(), Default::default);
+        }
+        let (sent, recent) = &mut self.sent[engine];
+        *sent += 1;
+        let uncached = (prompt_len as f64 - decision.expected_cached_tokens).max(0.0) as u64;
+        recent.push_back(uncached + u64::from(output_tokens));
+        if recent.len() > MAX_IN_TRANSIT {
+            recent.pop_front();
+        }
+        Some(engine)
     }
 }
 
@@ -101,6 +143,7 @@ mod tests {
         EngineTruth {
             cached_tokens,
             queued_tokens,
+            requests_received: None,
         }
     }
 
@@ -108,9 +151,9 @@ mod tests {
     fn prefers_the_cached_engine_unless_its_queue_costs_more() {
         let mut oracle = Oracle::new(16);
         let truths = [truth(0, 0), truth(4000, 1000), truth(0, 100)];
-        assert_eq!(oracle.choose(5000, &truths), Some(1));
+        assert_eq!(oracle.choose(5000, 10, &truths), Some(1));
         let busy = [truth(0, 0), truth(4000, 9000)];
-        assert_eq!(oracle.choose(5000, &busy), Some(0));
+        assert_eq!(oracle.choose(5000, 10, &busy), Some(0));
     }
 
     #[test]
@@ -121,28 +164,60 @@ mod tests {
         // beyond the least-loaded engine's plus the bound, so engine 1 wins.
         const { assert!(3000 - 1600 < DEFAULT_LOAD_BOUND_TOKENS) };
         let truths = [truth(0, 0), truth(1600, 3000)];
-        assert_eq!(oracle.choose(5000, &truths), Some(1));
+        assert_eq!(oracle.choose(5000, 10, &truths), Some(1));
         // Beyond the bound the load counts in full.
         let truths = [truth(0, 0), truth(1600, 3000 + DEFAULT_LOAD_BOUND_TOKENS)];
-        assert_eq!(oracle.choose(5000, &truths), Some(0));
+        assert_eq!(oracle.choose(5000, 10, &truths), Some(0));
     }
 
     #[test]
     fn cached_tokens_count_in_whole_blocks() {
         let mut oracle = Oracle::new(16);
         // 31 cached tokens are one whole block (16): the same as 16, a tie broken by rotation.
-        let first = oracle.choose(64, &[truth(31, 0), truth(16, 0)]);
-        let second = oracle.choose(64, &[truth(31, 0), truth(16, 0)]);
+        let first = oracle.choose(64, 1, &[truth(31, 0), truth(16, 0)]);
+        let second = oracle.choose(64, 1, &[truth(31, 0), truth(16, 0)]);
         assert_ne!(first, second, "ties rotate as in the router");
-        assert_eq!(oracle.choose(64, &[truth(31, 0), truth(32, 0)]), Some(1));
+        assert_eq!(oracle.choose(64, 1, &[truth(31, 0), truth(32, 0)]), Some(1));
     }
 
     #[test]
     fn ties_rotate_and_no_engines_is_none() {
         let mut oracle = Oracle::new(16);
         let empty = [truth(0, 0); 3];
-        let picks: Vec<Option<usize>> = (0..4).map(|_| oracle.choose(100, &empty)).collect();
+        let picks: Vec<Option<usize>> = (0..4).map(|_| oracle.choose(100, 1, &empty)).collect();
         assert_eq!(picks, [Some(0), Some(1), Some(2), Some(0)]);
-        assert_eq!(oracle.choose(100, &[]), None);
+        assert_eq!(oracle.choose(100, 1, &[]), None);
+    }
+
+    #[test]
+    fn requests_sent_but_not_yet_received_count_as_load() {
+        let received = |count: u64, cached_tokens: u64| EngineTruth {
+            cached_tokens,
+            queued_tokens: 0,
+            requests_received: Some(count),
+        };
+        let mut oracle = Oracle::new(16);
+        // A burst of requests for a prefix engine 0 holds (4,000 of 4,100 tokens): the
+        // engines have received none of them yet. The first goes to engine 0; each one still
+        // in transit adds its 100 uncached + 400 output tokens to engine 0's load, and once
+        // that load is beyond the bound by more than the cache saves, the next goes elsewhere.
+        let mut picks = Vec::new();
+        for _ in 0..20 {
+            picks.push(
+                oracle
+                    .choose(4100, 400, &[received(0, 4000), received(0, 0)])
+                    .unwrap(),
+            );
+        }
+        assert_eq!(picks[0], 0);
+        let first_elsewhere = picks.iter().position(|&engine| engine == 1).unwrap();
+        // (n x 500 - 2,048) > 4,000 from n = 13 in transit.
+        assert_eq!(first_elsewhere, 13, "{picks:?}");
+        // Once engine 0 has received them, their load is its true queue's business: with an
+        // empty queue reported, engine 0 wins again.
+        assert_eq!(
+            oracle.choose(4100, 400, &[received(13 + 7, 4000), received(1, 0)]),
+            Some(0)
+        );
     }
 }

@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-use crate::gates::Gate;
+use crate::gates::{Gate, Verdict};
 use crate::stats::{LegSummary, Overlap, Spread};
 use crate::workload::WorkloadConfig;
 use crate::workload::trace::SkippedOverContext;
@@ -407,14 +407,23 @@ fn harness_warnings(legs: &[LegSummary], speedup: f64) -> Vec<String> {
         .collect()
 }
 
+fn gate_kind(gate: &Gate) -> &'static str {
+    match gate.kind {
+        crate::gates::GateKind::Validity => "validity",
+        crate::gates::GateKind::Routing => "routing",
+        crate::gates::GateKind::Machine => "machine",
+    }
+}
+
 fn gates_lines(gates: &[Gate]) -> String {
     gates
         .iter()
         .map(|gate| {
             format!(
-                "[{}] {}: {}\n",
+                "[{}] {} ({}): {}\n",
                 if gate.passed { "PASS" } else { "FAIL" },
                 gate.name,
+                gate_kind(gate),
                 gate.detail
             )
         })
@@ -422,18 +431,23 @@ fn gates_lines(gates: &[Gate]) -> String {
 }
 
 fn verdict(gates: &[Gate]) -> String {
-    if gates.iter().all(|gate| gate.passed) {
-        "VALID: every gate passed.".into()
-    } else {
-        let failed: Vec<&str> = gates
-            .iter()
-            .filter(|gate| !gate.passed)
-            .map(|gate| gate.name)
-            .collect();
-        format!(
+    let failed: Vec<&str> = gates
+        .iter()
+        .filter(|gate| !gate.passed)
+        .map(|gate| gate.name)
+        .collect();
+    match crate::gates::verdict(gates) {
+        Verdict::Valid => "VALID: every gate passed.".into(),
+        Verdict::Invalid => format!(
             "INVALID: gate(s) failed: {}. Do not compare these legs.",
             failed.join(", ")
-        )
+        ),
+        Verdict::MachineTooBusy => format!(
+            "MACHINE TOO BUSY: gate(s) failed: {}. The harness lagged behind the engines, so \
+             these figures say nothing about routing (not a routing failure): rerun on a quieter \
+             machine or with a lower --speedup.",
+            failed.join(", ")
+        ),
     }
 }
 
@@ -554,9 +568,10 @@ pub fn render_markdown(report: &Report<'_>, plots: &[(&str, &str)]) -> String {
     out.push_str("\n## Gates\n\n");
     for gate in report.gates {
         out.push_str(&format!(
-            "- {} **{}**: {}\n",
+            "- {} **{}** ({}): {}\n",
             if gate.passed { "PASS" } else { "FAIL" },
             gate.name,
+            gate_kind(gate),
             gate.detail
         ));
     }

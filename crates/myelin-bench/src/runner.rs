@@ -82,6 +82,7 @@ struct RunContext {
     router_exe: PathBuf,
     request_timeout: Duration,
     show_progress: bool,
+    ci_gates: bool,
     command_line: String,
     workload: Arc<Workload>,
     alphabet: Arc<TokenAlphabet>,
@@ -155,6 +156,7 @@ fn prepare(args: &BenchArgs) -> Result<RunContext, BenchError> {
         router_exe,
         request_timeout: Duration::from_secs(args.request_timeout.max(1)),
         show_progress: !args.no_progress,
+        ci_gates: args.ci_gates,
         command_line: std::env::args().collect::<Vec<_>>().join(" "),
         workload: Arc::new(workload),
         alphabet: Arc::new(alphabet),
@@ -414,8 +416,12 @@ fn finish(context: &RunContext, runs: &[LegRun]) -> Result<ExitCode, BenchError>
         .map(|leg| leg.name.as_str())
         .collect();
     let overlaps = stats::overlaps(&summaries);
-    let gates = gates::evaluate(&summaries, &residency_legs);
-    let passed = gates::all_passed(&gates);
+    let mut gates = gates::evaluate(&summaries, &residency_legs);
+    if context.ci_gates {
+        gates.extend(gates::ci_gates(&summaries, config.cluster.speedup));
+    }
+    let verdict = gates::verdict(&gates);
+    let passed = verdict == gates::Verdict::Valid;
     let report = Report {
         schema_version: REPORT_SCHEMA_VERSION,
         myelin_version: env!("CARGO_PKG_VERSION"),
@@ -523,12 +529,16 @@ fn finish(context: &RunContext, runs: &[LegRun]) -> Result<ExitCode, BenchError>
         out.join("ttft_cdf.png").display(),
         out.join("ttft_over_time.png").display()
     );
-    if passed {
-        Ok(ExitCode::SUCCESS)
-    } else {
-        eprintln!(
-            "myelin bench: the run is INVALID (a validity gate failed; see above); exiting with status 1"
-        );
-        Ok(ExitCode::FAILURE)
+    match verdict {
+        gates::Verdict::Valid => {}
+        gates::Verdict::Invalid => eprintln!(
+            "myelin bench: the run is INVALID (a validity or routing gate failed; see above); \
+             exiting with status 1"
+        ),
+        gates::Verdict::MachineTooBusy => eprintln!(
+            "myelin bench: the machine was too busy to judge routing (the harness's loop lag \
+             gate failed; see above); exiting with status 3"
+        ),
     }
+    Ok(ExitCode::from(verdict.exit_status()))
 }

@@ -209,6 +209,7 @@ impl CacheOracle for SecondEngineHoldsAll {
             EngineTruth {
                 cached_tokens: prompt_tokens.len() as u64,
                 queued_tokens: 0,
+                requests_received: None,
             },
         ]
     }

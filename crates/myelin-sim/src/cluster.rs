@@ -159,6 +159,8 @@ pub struct EngineProbe {
     pub prompt_hit_tokens: usize,
     /// Queued work and cache usage.
     pub load: EngineLoad,
+    /// Requests the engine has accepted since it started.
+    pub requests_received: u64,
 }
 
 /// N simulated engines running in this process. Dropping it stops them.
@@ -412,6 +414,7 @@ impl SimCluster {
                     cached_prefix_tokens,
                     prompt_hit_tokens: cached_prefix_tokens.min(cap),
                     load: model.load(),
+                    requests_received: model.requests_received(),
                 }
             })
             .collect()

@@ -291,6 +291,8 @@ pub struct EngineModel {
     waiting: VecDeque<RequestId>,
     running: Vec<RequestId>,
     counters: EngineCounters,
+    /// Requests accepted by `add_request` since the engine started.
+    received: u64,
 }
 
 /// Output length at which a request without `ignore_eos` ends: between 64 and 256 tokens,
@@ -328,6 +330,7 @@ impl EngineModel {
             waiting: VecDeque::new(),
             running: Vec::new(),
             counters: EngineCounters::default(),
+            received: 0,
         }
     }
 
@@ -410,7 +413,14 @@ impl EngineModel {
         };
         self.requests.insert(id, request);
         self.waiting.push_back(id);
+        self.received += 1;
         Ok(())
+    }
+
+    /// Requests accepted since the engine started (a client that counts what it sent can tell
+    /// how many are still on their way).
+    pub fn requests_received(&self) -> u64 {
+        self.received
     }
 
     /// Aborts a request (client gone): frees its blocks. False if it was not known.
