@@ -83,6 +83,9 @@ pub struct Pool {
     config: PoolConfig,
     idle: RefCell<HashMap<Authority, Vec<SendRequest<Body>>>>,
     resolved: RefCell<HashMap<Authority, (SocketAddr, Instant)>>,
+    /// With [`Pool::with_provided_addresses`]: host names are never resolved here, only
+    /// looked up in this table (host, port) -> address, filled by [`Pool::set_address`].
+    provided: Option<RefCell<HashMap<(String, u16), SocketAddr>>>,
 }
 
 impl Pool {
@@ -92,7 +95,27 @@ impl Pool {
             config,
             idle: RefCell::new(HashMap::new()),
             resolved: RefCell::new(HashMap::new()),
+            provided: None,
         }
+    }
+
+    /// This pool never resolves host names (the system resolver blocks the executor): it
+    /// connects to IP literals as they are and to host names only at the addresses given to
+    /// [`Pool::set_address`] (an unknown name fails like a resolver error).
+    pub fn with_provided_addresses(mut self) -> Self {
+        self.provided = Some(RefCell::new(HashMap::new()));
+        self
+    }
+
+    /// The address of `host:port` (port 80 when absent), for a pool with provided addresses.
+    /// Returns false when `authority` is not a valid authority or the pool resolves itself.
+    pub fn set_address(&self, authority: &str, addr: SocketAddr) -> bool {
+        let (Some(provided), Ok(authority)) = (&self.provided, authority.parse::<Authority>())
+        else {
+            return false;
+        };
+        provided.borrow_mut().insert(host_port(&authority), addr);
+        true
     }
 
     /// Sends `request` (absolute `http://` URI) and returns the response head with a streaming
@@ -160,8 +183,28 @@ impl Pool {
         Ok(addr)
     }
 
+    /// Where to connect for `authority`: an IP literal as it is, else the provided address or
+    /// (without provided addresses) the cached system resolver's answer.
+    fn address(&self, authority: &Authority) -> Result<SocketAddr, ClientError> {
+        let (host, port) = host_port(authority);
+        if let Ok(ip) = host.parse::<std::net::IpAddr>() {
+            return Ok(SocketAddr::new(ip, port));
+        }
+        match &self.provided {
+            Some(provided) => provided
+                .borrow()
+                .get(&(host, port))
+                .copied()
+                .ok_or_else(|| ClientError::Resolve {
+                    authority: authority.to_string(),
+                    source: io::Error::new(io::ErrorKind::NotFound, "not resolved yet"),
+                }),
+            None => self.resolve_cached(authority),
+        }
+    }
+
     async fn connect(&self, authority: &Authority) -> Result<SendRequest<Body>, ClientError> {
-        let addr = self.resolve_cached(authority)?;
+        let addr = self.address(authority)?;
         let timeout = self.config.connect_timeout;
         let connected = crate::rt::timeout(timeout, TcpStream::connect(addr)).await;
         let stream = connected
@@ -186,6 +229,29 @@ impl Pool {
         .detach();
         Ok(sender)
     }
+}
+
+/// `(host, port)` of an authority: host lower-cased and without IPv6 brackets, port 80 when
+/// absent.
+fn host_port(authority: &Authority) -> (String, u16) {
+    let host = authority
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_ascii_lowercase();
+    (host, authority.port_u16().unwrap_or(80))
+}
+
+/// Resolves `host:port` (port 80 when absent) with the system resolver, which blocks: for a
+/// helper thread, not an executor.
+pub fn resolve_authority(authority: &str) -> io::Result<SocketAddr> {
+    let parsed = authority
+        .parse::<Authority>()
+        .map_err(|error| io::Error::new(io::ErrorKind::InvalidInput, error.to_string()))?;
+    resolve(&parsed).map_err(|error| match error {
+        ClientError::Resolve { source, .. } => source,
+        other => io::Error::other(other.to_string()),
+    })
 }
 
 fn resolve(authority: &Authority) -> Result<SocketAddr, ClientError> {
@@ -240,6 +306,37 @@ mod tests {
         assert_eq!(authority.as_str(), "127.0.0.1:9000");
         assert_eq!(request.uri().to_string(), "/v1/completions?x=1");
         assert_eq!(request.headers()[header::HOST], "127.0.0.1:9000");
+    }
+
+    #[test]
+    fn provided_addresses_replace_the_resolver() {
+        let pool = Pool::new(PoolConfig::default()).with_provided_addresses();
+        let literal: Authority = "127.0.0.1:9000".parse().unwrap();
+        assert_eq!(
+            pool.address(&literal).unwrap(),
+            "127.0.0.1:9000".parse().unwrap()
+        );
+        let v6: Authority = "[::1]:9000".parse().unwrap();
+        assert_eq!(pool.address(&v6).unwrap(), "[::1]:9000".parse().unwrap());
+        let name: Authority = "engine.invalid:8000".parse().unwrap();
+        assert!(matches!(
+            pool.address(&name),
+            Err(ClientError::Resolve { .. })
+        ));
+        assert!(pool.set_address("Engine.invalid:8000", "10.0.0.7:8000".parse().unwrap()));
+        assert_eq!(
+            pool.address(&name).unwrap(),
+            "10.0.0.7:8000".parse().unwrap()
+        );
+        assert!(pool.set_address("other.invalid", "10.0.0.8:80".parse().unwrap()));
+        let default_port: Authority = "other.invalid".parse().unwrap();
+        assert_eq!(
+            pool.address(&default_port).unwrap(),
+            "10.0.0.8:80".parse().unwrap()
+        );
+        assert!(
+            !Pool::new(PoolConfig::default()).set_address("h:1", "10.0.0.1:1".parse().unwrap())
+        );
     }
 
     #[test]

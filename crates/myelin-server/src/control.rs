@@ -49,6 +49,8 @@ const ADMIN_TIMEOUT: Duration = Duration::from_secs(5);
 const ADMIN_RESEND_INTERVAL: Duration = Duration::from_millis(100);
 /// Most of a health check's response body read (the rest is not: its connection is dropped).
 const MAX_HEALTH_BODY_BYTES: usize = 64 * 1024;
+/// How often the resolver thread's answers are looked at.
+const DNS_POLL_INTERVAL: Duration = Duration::from_millis(50);
 /// How often the whole backend list goes to every data core (heals dropped changes).
 const BACKEND_SYNC_INTERVAL: Duration = Duration::from_secs(1);
 /// How often data cores that missed a mirror write are looked for (their mirrors are then
@@ -146,6 +148,9 @@ pub(crate) struct Control {
     /// Per data core, the followed backends whose snapshot it still waits for (a resync in
     /// progress).
     mirror_awaiting: RefCell<Vec<std::collections::BTreeSet<BackendId>>>,
+    /// The `myelin-dns` thread (host names of the engines) and the last good address of each.
+    resolver: Option<crate::dns::Resolver>,
+    addresses: RefCell<BTreeMap<String, std::net::SocketAddr>>,
     /// Fault injection (`--fault-drop-control-messages`): every Nth message this core sends is
     /// dropped as if the queue were full (0: never).
     fault_drop_every: u64,
@@ -201,10 +206,21 @@ pub async fn run_control(
         pool: Pool::new(PoolConfig {
             connect_timeout: config.health.timeout,
             max_idle_per_host: 2,
-        }),
+        })
+        .with_provided_addresses(),
         subscribers: RefCell::new(HashMap::new()),
         mirror_dirty: RefCell::new(vec![false; shards]),
         mirror_awaiting: RefCell::new(vec![Default::default(); shards]),
+        resolver: match crate::dns::Resolver::start(config.layout.control_cpu) {
+            Ok(resolver) => Some(resolver),
+            Err(error) => {
+                eprintln!(
+                    "myelin: no resolver thread ({error}): host names stay as resolved at startup"
+                );
+                None
+            }
+        },
+        addresses: RefCell::new(BTreeMap::new()),
         fault_drop_every: config.fault_drop_control_messages,
         fault_sent: Cell::new(0),
         feed_sender,
@@ -212,6 +228,16 @@ pub async fn run_control(
             .unwrap_or(std::num::NonZeroU32::MIN),
         control_cpu: config.layout.control_cpu,
     });
+    // Startup resolves on this thread (nothing is served yet); later the resolver thread does.
+    let authorities = control.authorities();
+    for (authority, addr) in crate::dns::resolve_now(&authorities) {
+        control.pool.set_address(&authority, addr);
+        control.addresses.borrow_mut().insert(authority, addr);
+    }
+    if let Some(resolver) = &control.resolver {
+        resolver.follow(authorities);
+    }
+    glommio::spawn_local(dns_loop(control.clone())).detach();
     let initial_specs = control.check_targets();
     for (id, spec) in initial_specs {
         control.follow_kv_events(id, &spec);
@@ -495,8 +521,61 @@ impl Control {
         }
     }
 
+    /// Every backend's `host:port`.
+    fn authorities(&self) -> Vec<String> {
+        self.state
+            .borrow()
+            .backends
+            .values()
+            .map(|backend| backend.info.spec.authority.clone())
+            .collect()
+    }
+
+    /// Takes the resolver thread's answers: a new or changed address goes to this core's pool
+    /// and every data core's; a failure keeps the last good one.
+    fn take_resolutions(&self) {
+        let Some(resolver) = &self.resolver else {
+            return;
+        };
+        let mut changed = false;
+        for (authority, resolved) in resolver.results.try_iter() {
+            match resolved {
+                Ok(addr) => {
+                    metrics::counter!(names::DNS_RESOLUTIONS_TOTAL, "result" => "ok").increment(1);
+                    if self.addresses.borrow().get(&authority) != Some(&addr) {
+                        self.pool.set_address(&authority, addr);
+                        self.addresses.borrow_mut().insert(authority, addr);
+                        changed = true;
+                    }
+                }
+                Err(error) => {
+                    metrics::counter!(names::DNS_RESOLUTIONS_TOTAL, "result" => "error")
+                        .increment(1);
+                    eprintln!("myelin: resolving {authority}: {error} (last address kept)");
+                }
+            }
+        }
+        if changed {
+            self.broadcast_addresses();
+        }
+    }
+
+    /// Sends every engine address to every data core.
+    fn broadcast_addresses(&self) {
+        let addresses: Arc<[(String, std::net::SocketAddr)]> = self
+            .addresses
+            .borrow()
+            .iter()
+            .map(|(authority, addr)| (authority.clone(), *addr))
+            .collect();
+        if !addresses.is_empty() {
+            self.broadcast(|| Message::Addresses(addresses.clone()));
+        }
+    }
+
     /// Sends the whole backend list to every data core (see `Message::BackendSync`).
     fn sync_backends(&self) {
+        self.broadcast_addresses();
         let (version, backends) = {
             let state = self.state.borrow();
             let backends: Arc<[BackendInfo]> = state
@@ -765,8 +844,12 @@ impl Control {
             }
         };
         drop(state);
+        let backends_changed = follow.is_some() || unfollow.is_some();
         if let Some((id, spec)) = follow {
             self.follow_kv_events(id, &spec);
+        }
+        if backends_changed && let Some(resolver) = &self.resolver {
+            resolver.follow(self.authorities());
         }
         if let Some(id) = unfollow {
             self.subscribers.borrow_mut().remove(&id);
@@ -870,6 +953,14 @@ impl Control {
                 names::timeout("health_check");
                 false
             })
+    }
+}
+
+/// Takes the resolver thread's answers every [`DNS_POLL_INTERVAL`].
+async fn dns_loop(control: Rc<Control>) {
+    loop {
+        Timer::new(DNS_POLL_INTERVAL).await;
+        control.take_resolutions();
     }
 }
 

@@ -53,6 +53,8 @@ pub struct DataCoreSetup {
     pub listen: SocketAddr,
     pub mesh_ends: MeshEnds<Message>,
     pub initial_backends: Vec<BackendInfo>,
+    /// Engine host names resolved at startup (`dns.rs`).
+    pub initial_addresses: Vec<(String, SocketAddr)>,
     pub tokenizer: Tokenizer,
     /// The verified fast tokenizer path (each core gets its own clone: own word cache).
     pub fast_tokenizer: Option<FastBpe>,
@@ -153,10 +155,18 @@ pub async fn run_data_core(setup: DataCoreSetup) -> ServeReport {
     let core = Rc::new(DataCore {
         shard: setup.shard,
         shards: setup.shards,
-        pool: Pool::new(PoolConfig {
-            connect_timeout: setup.config.connect_timeout,
-            ..PoolConfig::default()
-        }),
+        pool: {
+            // Host names only at the addresses the control core resolves (never here).
+            let pool = Pool::new(PoolConfig {
+                connect_timeout: setup.config.connect_timeout,
+                ..PoolConfig::default()
+            })
+            .with_provided_addresses();
+            for (authority, addr) in &setup.initial_addresses {
+                pool.set_address(authority, *addr);
+            }
+            pool
+        },
         tokenizer: RefCell::new(tokenizer),
         routing: RefCell::new(routing),
         backends: RefCell::new(backends),
@@ -348,6 +358,11 @@ impl DataCore {
                         cumulative: true,
                     },
                 );
+            }
+            Message::Addresses(addresses) => {
+                for (authority, addr) in addresses.iter() {
+                    self.pool.set_address(authority, *addr);
+                }
             }
             Message::Snapshot { request_id } => {
                 let snapshot = self.snapshot();

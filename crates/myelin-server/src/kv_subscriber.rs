@@ -134,7 +134,7 @@ impl Drop for Subscriber {
     }
 }
 
-fn pin_to(cpu: usize) {
+pub(crate) fn pin_to(cpu: usize) {
     // SAFETY: `cpu_set_t` is plain data, zeroed is its empty set; CPU_SET writes inside it
     // and sched_setaffinity only reads it. A failure leaves the thread unpinned.
     unsafe {

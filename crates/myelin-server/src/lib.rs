@@ -12,6 +12,7 @@ pub mod config;
 mod control;
 pub mod cores;
 mod data_core;
+mod dns;
 pub mod health;
 pub mod kv_feed;
 pub mod kv_subscriber;
@@ -195,6 +196,14 @@ pub fn start(config: ServeConfig, stop: Arc<AtomicBool>) -> Result<Server, Serve
             state: BackendState::Up,
         })
         .collect();
+    // Engine host names, resolved here (before any core serves) and then by the control core's
+    // resolver thread: data cores never call the blocking system resolver.
+    let authorities: Vec<String> = config
+        .backends
+        .iter()
+        .map(|spec| spec.authority.clone())
+        .collect();
+    let initial_addresses = dns::resolve_now(&authorities);
     let mut mesh_ends = build_mesh(shards + 1).into_iter();
     let control_stop = Arc::new(AtomicBool::new(false));
     let (ready_sender, ready) = mpsc::channel();
@@ -219,6 +228,7 @@ pub fn start(config: ServeConfig, stop: Arc<AtomicBool>) -> Result<Server, Serve
             listen,
             mesh_ends: ends,
             initial_backends: initial_backends.clone(),
+            initial_addresses: initial_addresses.clone(),
             tokenizer: tokenizer.clone(),
             fast_tokenizer: fast_tokenizer.clone(),
             template: template.clone(),

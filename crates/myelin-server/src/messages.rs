@@ -74,6 +74,9 @@ pub enum Message {
     },
     /// What the receiver's replica holds (admin API); answered by `SnapshotReply`.
     Snapshot { request_id: u64 },
+    /// Engine host names and their addresses, resolved on the control core's resolver thread
+    /// (the whole table, re-sent every second).
+    Addresses(Arc<[(String, std::net::SocketAddr)]>),
     /// Every backend as of change `version` (sent every second, so a dropped change heals):
     /// the receiver makes its table equal to it, then confirms `version` cumulatively.
     BackendSync {
@@ -96,6 +99,7 @@ impl Message {
             Message::BackendState { .. } => "backend_state",
             Message::Snapshot { .. } => "snapshot",
             Message::BackendSync { .. } => "backend_sync",
+            Message::Addresses(_) => "addresses",
         }
     }
 }

@@ -101,6 +101,9 @@ pub const KV_EVENTS_UNSYNCED_TOTAL: &str = "myelin_kv_events_unsynced_total";
 /// Cross-core state re-sent after a dropped message, by `kind`: `mirror` (a data core's mirror
 /// rebuilt from the KV-event feeds), `backends` (the backend list, re-sent every second).
 pub const STATE_RESYNCS_TOTAL: &str = "myelin_state_resyncs_total";
+/// Engine host-name resolutions on the resolver thread, by `result` (`ok`, `error`: the last
+/// good address is kept).
+pub const DNS_RESOLUTIONS_TOTAL: &str = "myelin_dns_resolutions_total";
 /// 1 while a backend's KV-event mirror is live (in sync), by backend.
 pub const KV_EVENTS_LIVE: &str = "myelin_kv_events_live";
 
@@ -241,6 +244,10 @@ fn describe() {
     describe_counter!(
         KV_EVENTS_UNSYNCED_TOTAL,
         "KV-event gaps that could not be filled (mirror cleared, not live until exact)."
+    );
+    describe_counter!(
+        DNS_RESOLUTIONS_TOTAL,
+        "Engine host-name resolutions off the executors, by result."
     );
     describe_counter!(
         STATE_RESYNCS_TOTAL,

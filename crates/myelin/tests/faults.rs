@@ -445,3 +445,38 @@ fn dropped_control_messages_are_healed() {
     drop(router);
     cluster.shutdown();
 }
+
+/// Finding 7: engine host names are resolved off the data cores (at startup, then by the
+/// control core's resolver thread) and handed to them; requests to a named engine work.
+#[test]
+fn engines_named_by_host_name_are_resolved_off_the_data_cores() {
+    use std::net::ToSocketAddrs;
+    let engine = Engine::start("named", normal());
+    let named = format!("localhost:{}", engine.addr.port());
+    let first = named
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut addrs| addrs.next());
+    if first.map(|addr| addr.ip()) != Some(engine.addr.ip()) {
+        eprintln!(
+            "skipped: localhost does not resolve to {} first here",
+            engine.addr.ip()
+        );
+        return;
+    }
+    let router = Router::start(&["--backend", &format!("http://{named}")]);
+    for turn in 0..3 {
+        let response = router.post_json(
+            "/v1/chat/completions",
+            &chat_body(&format!("turn {turn}"), false),
+        );
+        assert_eq!(response.status, 200);
+    }
+    // The resolver thread answered too (at once for a name it had not seen).
+    wait_until("the resolver thread's answer", || {
+        metric_value(
+            &router.metrics(),
+            &["myelin_dns_resolutions_total", "result=\"ok\""],
+        ) >= 1.0
+    });
+}
