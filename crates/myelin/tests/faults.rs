@@ -480,3 +480,72 @@ fn engines_named_by_host_name_are_resolved_off_the_data_cores() {
         ) >= 1.0
     });
 }
+
+/// An engine's KV publisher restarts (its sequence goes back to 0, as after an engine
+/// restart): the mirror is cleared, counted, and live again from the new stream.
+#[test]
+fn a_kv_publisher_restart_clears_the_mirror_and_follows_the_new_stream() {
+    let cluster = sim_cluster(1, myelin_sim::FaultConfig::default());
+    let url = cluster.engine_urls()[0].clone();
+    let endpoints = cluster.kv_event_endpoints()[0].clone().expect("events");
+    let backend = format!(
+        "{url},kv-events={},kv-replay={}",
+        endpoints.publish, endpoints.replay
+    );
+    let router = Router::start(&["--backend", &backend]);
+    let resident = || {
+        router.backends()[0]["resident_blocks"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    let response = router.post_json("/v1/chat/completions", &sim_chat(80, 1));
+    assert_eq!(response.status, 200);
+    wait_until("blocks in the mirror", || resident() > 0);
+    assert!(cluster.restart_kv_publisher(0));
+    // The next batches carry small sequence numbers again: a restart.
+    let mut seed = 10;
+    wait_until("the restart to be seen", || {
+        seed += 1;
+        let response = router.post_json("/v1/chat/completions", &sim_chat(20, seed));
+        assert_eq!(response.status, 200);
+        metric_value(&router.metrics(), &["myelin_kv_events_restarts_total"]) >= 1.0
+    });
+    wait_until("the mirror to be live on the new stream", || {
+        router.backends()[0]["residency"] == "verified" && resident() > 0
+    });
+    drop(router);
+    cluster.shutdown();
+}
+
+/// An engine that answers 500: passed through to the client as it is (only 502/503 and
+/// failures before a head are retried), and counted as a failure for its breaker.
+#[test]
+fn an_engine_500_is_passed_through_and_counted_by_the_breaker() {
+    let failing = Engine::start("failing", Behavior::Status(500));
+    let router = Router::start(&[
+        "--backend",
+        &failing.url(),
+        "--breaker-failures",
+        "2",
+        "--breaker-open-ms",
+        "60000",
+    ]);
+    for _ in 0..2 {
+        let response = router.post_json("/v1/chat/completions", &chat_body("hi", false));
+        assert_eq!(response.status, 500);
+        assert!(response.json()["error"]["message"].is_string());
+    }
+    wait_until("the breaker to open", || {
+        metric_value(
+            &router.metrics(),
+            &["myelin_circuit_breaker_transitions_total", "to=\"open\""],
+        ) >= 1.0
+    });
+    wait_until("requests to be refused while it is open", || {
+        router
+            .post_json("/v1/chat/completions", &chat_body("hi", false))
+            .status
+            == 503
+    });
+    assert_eq!(failing.requests(), 2);
+}

@@ -13,6 +13,9 @@ use std::time::{Duration, Instant};
 
 /// Upper bound for any single wait in these tests (they normally take milliseconds).
 pub const PATIENCE: Duration = Duration::from_secs(10);
+/// Upper bound for a router's startup (the tokenizer's self-checks take seconds on a busy
+/// shared machine; normally well under one).
+pub const STARTUP_PATIENCE: Duration = Duration::from_secs(60);
 
 /// A running `myelin serve`; killed when dropped.
 pub struct Router {
@@ -69,7 +72,7 @@ impl Router {
                 }
             }
         });
-        let deadline = Instant::now() + PATIENCE;
+        let deadline = Instant::now() + STARTUP_PATIENCE;
         let (addr, admin) = loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
             let line = match stdout_lines.recv_timeout(remaining) {
