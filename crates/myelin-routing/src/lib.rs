@@ -71,9 +71,9 @@ pub use policy::Policy;
 pub use replica::{MirrorChange, WriteOp};
 pub use residency::{
     CALIBRATION_RATE, CALIBRATION_SCALE_BOUNDS, DEFAULT_MIN_ROOM_FRACTION, DEFAULT_SHARPNESS,
-    EstimateInput, PlaceholderEstimator, PressureEstimator, ResidencyEstimator, ResidencyMode,
-    ReuseObservation, ReuseProbe, RoomCalibration, block_stamps, expected_cached_tokens,
-    observe_reuse,
+    EstimateInput, MISS_MIN_ROOM_FRACTION, PlaceholderEstimator, PressureEstimator,
+    ResidencyEstimator, ResidencyMode, ReuseObservation, ReuseProbe, RoomCalibration, block_stamps,
+    expected_cached_tokens, observe_reuse,
 };
 pub use router::{DEFAULT_LOAD_BOUND_TOKENS, Decision, Router, RouterConfig};
 pub use shard::{BackendMatch, BlockCounts, PrefixMatch, Shard, ShardConfig};

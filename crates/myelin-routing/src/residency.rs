@@ -269,11 +269,23 @@ pub struct ReuseProbe {
     pub load_tokens: u64,
     /// Cached tokens the router expected.
     pub predicted_cached_tokens: f64,
+    /// The estimator's room for the backend at decision time (`None`: capacity unknown).
+    pub room_tokens: Option<f64>,
 }
+
+/// A block missing under less pressure than this fraction of the room is not taken for LRU
+/// eviction (see [`observe_reuse`]).
+pub const MISS_MIN_ROOM_FRACTION: f64 = 0.25;
 
 /// Sets a reuse report against the probe: reported blocks k vs matched m. Blocks are counted
 /// whole (engines reuse whole blocks; vLLM recomputes a fully cached prompt's last token, so a
 /// report one token short of a block boundary still counts that block).
+///
+/// A missing block k counts as evicted (an upper bound on the room, and its stamp the
+/// backend's eviction watermark) only when the pressure since its use is at least
+/// [`MISS_MIN_ROOM_FRACTION`] of the room and twice the matched tokens: a block missing sooner
+/// was not pushed out by LRU pressure (its first prefill still in flight when a sibling
+/// arrived, a preemption, a restart) and says nothing about the room.
 pub fn observe_reuse(probe: &ReuseProbe, reported_cached_tokens: u64) -> ReuseObservation {
     let block = u64::from(probe.block_size.max(1));
     let matched_blocks = u32::try_from(probe.stamps.len()).unwrap_or(u32::MAX);
@@ -290,7 +302,9 @@ pub fn observe_reuse(probe: &ReuseProbe, reported_cached_tokens: u64) -> ReuseOb
     if reused > 0 && pressure(reused - 1) > 0 {
         observation.room_at_least = Some(edge(reused - 1));
     }
-    if reused < matched_blocks as usize {
+    let min_pressure = (probe.room_tokens.unwrap_or(0.0) * MISS_MIN_ROOM_FRACTION)
+        .max(2.0 * f64::from(matched_blocks) * block as f64);
+    if reused < matched_blocks as usize && pressure(reused) as f64 >= min_pressure {
         observation.room_below = Some(edge(reused));
         observation.evicted_stamp = Some(probe.stamps[reused]);
     }

@@ -183,7 +183,24 @@ fn make_probe(stamps: Vec<u64>, admitted: u64) -> ReuseProbe {
         admitted_tokens: admitted,
         load_tokens: 0,
         predicted_cached_tokens: 0.0,
+        room_tokens: None,
     }
+}
+
+#[test]
+fn a_miss_soon_after_the_use_is_not_eviction() {
+    // Block 2 missing with 100 tokens of pressure since its use (a sibling's prefill still in
+    // flight): no bound, no watermark.
+    let mut probe = make_probe(vec![9_950, 9_950, 9_900, 9_900], 10_000);
+    let observation = observe_reuse(&probe, 32);
+    assert_eq!(observation.room_below, None);
+    assert_eq!(observation.evicted_stamp, None);
+    // Pressure above twice the matched tokens but under a quarter of the room: still none.
+    probe.stamps = vec![9_000, 9_000, 8_000, 8_000];
+    probe.room_tokens = Some(20_000.0);
+    assert_eq!(observe_reuse(&probe, 32).evicted_stamp, None);
+    probe.room_tokens = Some(6_000.0);
+    assert_eq!(observe_reuse(&probe, 32).evicted_stamp, Some(8_000));
 }
 
 #[test]

@@ -146,6 +146,8 @@ struct AddBackend {
     kv_events: Option<String>,
     #[serde(default, alias = "kv-replay")]
     kv_replay: Option<String>,
+    #[serde(default, alias = "capacity-tokens")]
+    capacity_tokens: Option<u64>,
 }
 
 /// A backend's identity and state as the control core knows it.
@@ -155,6 +157,7 @@ fn info_json(info: &BackendInfo) -> Value {
         "url": info.spec.url,
         "kv_events": info.spec.kv_events,
         "kv_replay": info.spec.kv_replay,
+        "capacity_tokens_configured": info.spec.capacity_tokens,
         "state": info.state.as_str(),
     })
 }
@@ -181,12 +184,23 @@ async fn list(control: &Rc<Control>) -> Response<Body> {
         .iter()
         .map(|info| {
             let mut load = Load::default();
+            // The residency estimate's figures, per answering core (each corrects its own).
+            let mut corrections = Vec::new();
             for snapshot in &snapshots {
                 if let Some(entry) = snapshot.backends.iter().find(|entry| entry.id == info.id) {
                     load.requests += entry.local.requests;
                     load.tokens += entry.local.tokens;
+                    load.admitted_tokens += entry.local.admitted_tokens;
+                    corrections.push(json!({
+                        "effective_capacity_tokens": entry.cache.effective_capacity_tokens,
+                        "correction": entry.cache.correction,
+                        "learned": entry.cache.learned,
+                        "reuse_reports": entry.cache.reports,
+                        "corrections": entry.cache.corrections,
+                    }));
                 }
             }
+            let engine_cache = control.engine_cache(info.id);
             let residency = reference
                 .and_then(|first| first.backends.iter().find(|entry| entry.id == info.id))
                 .map_or(fallback_residency, |entry| entry.residency);
@@ -209,6 +223,10 @@ async fn list(control: &Rc<Control>) -> Response<Body> {
             json["routed_blocks"] = json!(routed);
             json["resident_blocks"] = json!(resident);
             json["resident_blocks_source"] = json!(source);
+            json["kv_capacity_tokens_reported"] = json!(engine_cache.capacity_tokens);
+            json["kv_utilization"] = json!(engine_cache.utilization);
+            json["admitted_tokens"] = json!(load.admitted_tokens);
+            json["residency_estimate"] = json!(corrections);
             json
         })
         .collect();
@@ -243,7 +261,19 @@ async fn add(control: &Rc<Control>, request: Request<Incoming>) -> Response<Body
             ));
         }
     };
-    let spec = match BackendSpec::from_parts(&add.url, &add.url, add.kv_events, add.kv_replay) {
+    let capacity = match add.capacity_tokens {
+        Some(tokens) => {
+            crate::backend_spec::parse_capacity(&add.url, &tokens.to_string()).map(Some)
+        }
+        None => Ok(None),
+    };
+    let spec = BackendSpec::from_parts(&add.url, &add.url, add.kv_events, add.kv_replay).and_then(
+        |mut spec| {
+            spec.capacity_tokens = capacity?;
+            Ok(spec)
+        },
+    );
+    let spec = match spec {
         Ok(spec) => spec,
         Err(error) => {
             return error_response(&ApiError::invalid_request(

@@ -14,6 +14,9 @@ pub struct BackendSpec {
     pub kv_events: Option<String>,
     /// The engine's KV-event replay endpoint (vLLM `replay_endpoint`), when it has one.
     pub kv_replay: Option<String>,
+    /// The engine's KV-cache capacity in tokens (`capacity-tokens=N`), for the residency
+    /// estimate when its metrics do not report one.
+    pub capacity_tokens: Option<u64>,
 }
 
 /// Why a backend specification was rejected.
@@ -39,7 +42,7 @@ pub enum BackendSpecError {
     #[error("backend `{spec}`: URL must not have a path, query or fragment past `/`")]
     UnexpectedPath { spec: String },
     #[error(
-        "backend `{spec}`: unknown option `{option}` (known: kv-events=ENDPOINT, kv-replay=ENDPOINT)"
+        "backend `{spec}`: unknown option `{option}` (known: kv-events=ENDPOINT, kv-replay=ENDPOINT, capacity-tokens=N)"
     )]
     UnknownOption { spec: String, option: String },
     #[error("backend `{spec}`: kv-events endpoint must start with tcp://, ipc:// or inproc://")]
@@ -48,6 +51,19 @@ pub enum BackendSpecError {
     BadKvReplayEndpoint { spec: String },
     #[error("backend `{spec}`: kv-replay needs kv-events")]
     ReplayWithoutEvents { spec: String },
+    #[error("backend `{spec}`: capacity-tokens must be a positive whole number of tokens")]
+    BadCapacity { spec: String },
+}
+
+/// A `capacity-tokens` value: a positive whole number.
+pub fn parse_capacity(spec: &str, tokens: &str) -> Result<u64, BackendSpecError> {
+    let tokens = tokens.trim();
+    match tokens.parse::<u64>() {
+        Ok(value) if value > 0 && tokens.bytes().all(|byte| byte.is_ascii_digit()) => Ok(value),
+        _ => Err(BackendSpecError::BadCapacity {
+            spec: redact_credentials(spec),
+        }),
+    }
 }
 
 impl BackendSpec {
@@ -55,11 +71,14 @@ impl BackendSpec {
     pub fn parse(spec: &str) -> Result<BackendSpec, BackendSpecError> {
         let mut parts = spec.split(',').map(str::trim);
         let url = parts.next().unwrap_or_default();
-        let (mut kv_events, mut kv_replay) = (None, None);
+        let (mut kv_events, mut kv_replay, mut capacity) = (None, None, None);
         for option in parts.filter(|option| !option.is_empty()) {
             match option.split_once('=') {
                 Some(("kv-events", endpoint)) => kv_events = Some(endpoint.trim().to_string()),
                 Some(("kv-replay", endpoint)) => kv_replay = Some(endpoint.trim().to_string()),
+                Some(("capacity-tokens", tokens)) => {
+                    capacity = Some(parse_capacity(spec, tokens)?);
+                }
                 _ => {
                     return Err(BackendSpecError::UnknownOption {
                         spec: spec.into(),
@@ -68,7 +87,9 @@ impl BackendSpec {
                 }
             }
         }
-        Self::from_parts(spec, url, kv_events, kv_replay)
+        let mut parsed = Self::from_parts(spec, url, kv_events, kv_replay)?;
+        parsed.capacity_tokens = capacity;
+        Ok(parsed)
     }
 
     /// Builds a spec from a URL and optional KV-event endpoints (config-file table form).
@@ -137,6 +158,7 @@ impl BackendSpec {
             authority: format!("{host}:{port}"),
             kv_events,
             kv_replay,
+            capacity_tokens: None,
         })
     }
 }
@@ -218,6 +240,9 @@ impl fmt::Display for BackendSpec {
         if let Some(endpoint) = &self.kv_replay {
             write!(f, ",kv-replay={endpoint}")?;
         }
+        if let Some(tokens) = self.capacity_tokens {
+            write!(f, ",capacity-tokens={tokens}")?;
+        }
         Ok(())
     }
 }
@@ -225,6 +250,23 @@ impl fmt::Display for BackendSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn capacity_tokens() {
+        let spec = BackendSpec::parse("http://h:1,capacity-tokens=262144").unwrap();
+        assert_eq!(spec.capacity_tokens, Some(262_144));
+        assert_eq!(spec.to_string(), "http://h:1,capacity-tokens=262144");
+        assert_eq!(
+            BackendSpec::parse("http://h:1").unwrap().capacity_tokens,
+            None
+        );
+        for bad in ["0", "-5", "1e6", "+3", ""] {
+            assert!(matches!(
+                BackendSpec::parse(&format!("http://h:1,capacity-tokens={bad}")),
+                Err(BackendSpecError::BadCapacity { .. })
+            ));
+        }
+    }
 
     #[test]
     fn plain_url() {

@@ -43,11 +43,14 @@ pub struct BackendInfo {
 
 /// Load on a backend from one core: requests in flight and the work they still queue there, in
 /// tokens (uncached prompt tokens until the first output token arrives, then only the expected
-/// output), as used by the load part of routing scores.
+/// output), as used by the load part of routing scores. `admitted_tokens` only grows: every
+/// token this core ever sent the backend (uncached prompt + expected output), the residency
+/// estimate's clock (summed over cores, see `routing_glue`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Load {
     pub requests: u32,
     pub tokens: u64,
+    pub admitted_tokens: u64,
 }
 
 /// One data core's view of one backend.
@@ -70,6 +73,7 @@ impl BackendEntry {
         for peer in &self.peers {
             total.requests += peer.requests;
             total.tokens += peer.tokens;
+            total.admitted_tokens += peer.admitted_tokens;
         }
         total
     }
@@ -235,6 +239,7 @@ mod tests {
         table.get_mut(7).unwrap().local = Load {
             requests: 1,
             tokens: 100,
+            ..Load::default()
         };
         table.apply_peer_load(
             1,
@@ -242,6 +247,7 @@ mod tests {
             Load {
                 requests: 2,
                 tokens: 50,
+                ..Load::default()
             },
         );
         table.apply_peer_load(
@@ -250,6 +256,7 @@ mod tests {
             Load {
                 requests: 1,
                 tokens: 10,
+                ..Load::default()
             },
         );
         table.apply_peer_load(
@@ -258,13 +265,15 @@ mod tests {
             Load {
                 requests: 0,
                 tokens: 0,
+                ..Load::default()
             },
         );
         assert_eq!(
             table.get(7).unwrap().total_load(),
             Load {
                 requests: 2,
-                tokens: 110
+                tokens: 110,
+                ..Load::default()
             }
         );
         table.apply_peer_load(
@@ -273,6 +282,7 @@ mod tests {
             Load {
                 requests: 5,
                 tokens: 5,
+                ..Load::default()
             },
         );
         table.apply_peer_load(
@@ -281,6 +291,7 @@ mod tests {
             Load {
                 requests: 5,
                 tokens: 5,
+                ..Load::default()
             },
         );
         assert_eq!(table.get(7).unwrap().total_load().requests, 2);

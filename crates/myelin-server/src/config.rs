@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::backend_spec::{BackendSpec, BackendSpecError};
+use crate::backend_spec::{BackendSpec, BackendSpecError, parse_capacity};
 use crate::cores::{CoreLayout, CoreLayoutError, decide_layout, online_cpus};
 
 /// Built-in defaults (documented in `--help` and docs/server.md).
@@ -371,6 +371,9 @@ pub enum FileBackend {
         kv_events: Option<String>,
         #[serde(default, rename = "kv-replay", alias = "kv_replay")]
         kv_replay: Option<String>,
+        /// KV-cache capacity in tokens (residency estimate), when the engine's metrics lack it.
+        #[serde(default, rename = "capacity-tokens", alias = "capacity_tokens")]
+        capacity_tokens: Option<u64>,
     },
 }
 
@@ -546,7 +549,15 @@ impl ServeConfig {
                         url,
                         kv_events,
                         kv_replay,
-                    } => BackendSpec::from_parts(url, url, kv_events.clone(), kv_replay.clone()),
+                        capacity_tokens,
+                    } => BackendSpec::from_parts(url, url, kv_events.clone(), kv_replay.clone())
+                        .and_then(|mut spec| {
+                            spec.capacity_tokens = match *capacity_tokens {
+                                Some(tokens) => Some(parse_capacity(url, &tokens.to_string())?),
+                                None => None,
+                            };
+                            Ok(spec)
+                        }),
                 })
                 .collect::<Result<Vec<_>, _>>()?
         } else {

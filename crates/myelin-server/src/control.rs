@@ -143,6 +143,8 @@ pub(crate) struct Control {
     pool: Pool,
     /// KV-event subscribers by backend; dropping one stops its thread.
     subscribers: RefCell<HashMap<BackendId, Subscriber>>,
+    /// Each backend's KV-cache figures from its last metrics scrape (residency estimate).
+    engine_caches: RefCell<HashMap<BackendId, crate::engine_metrics::EngineCache>>,
     /// Data cores a mirror write could not be sent to since their last resync.
     mirror_dirty: RefCell<Vec<bool>>,
     /// Per data core, the followed backends whose snapshot it still waits for (a resync in
@@ -209,6 +211,7 @@ pub async fn run_control(
         })
         .with_provided_addresses(),
         subscribers: RefCell::new(HashMap::new()),
+        engine_caches: RefCell::new(HashMap::new()),
         mirror_dirty: RefCell::new(vec![false; shards]),
         mirror_awaiting: RefCell::new(vec![Default::default(); shards]),
         resolver: match crate::dns::Resolver::start(config.layout.control_cpu) {
@@ -253,6 +256,7 @@ pub async fn run_control(
     glommio::spawn_local(admin_resend_loop(control.clone())).detach();
     glommio::spawn_local(backend_sync_loop(control.clone())).detach();
     glommio::spawn_local(mirror_resync_loop(control.clone())).detach();
+    glommio::spawn_local(engine_metrics_loop(control.clone())).detach();
     let upkeep_handle = metrics.clone();
     glommio::spawn_local(async move {
         loop {
@@ -692,6 +696,15 @@ impl Control {
 
     /// Every backend as the control core knows it (its state is the truth the data cores
     /// follow).
+    /// A backend's KV-cache figures from its last metrics scrape (default: none yet).
+    pub(crate) fn engine_cache(&self, id: BackendId) -> crate::engine_metrics::EngineCache {
+        self.engine_caches
+            .borrow()
+            .get(&id)
+            .copied()
+            .unwrap_or_default()
+    }
+
     pub(crate) fn backend_infos(&self) -> Vec<BackendInfo> {
         self.state
             .borrow()
@@ -953,6 +966,49 @@ impl Control {
                 names::timeout("health_check");
                 false
             })
+    }
+}
+
+/// Scrapes every backend's metrics endpoint every [`crate::engine_metrics::SCRAPE_INTERVAL`]
+/// and sends each data core the KV capacity found (every time: a dropped message heals with
+/// the next scrape). A failed scrape keeps the last figures.
+async fn engine_metrics_loop(control: Rc<Control>) {
+    loop {
+        let targets = control.check_targets();
+        let scrapes: Vec<_> = targets
+            .into_iter()
+            .map(|(id, spec)| {
+                let control = control.clone();
+                glommio::spawn_local(async move {
+                    let scraped = crate::engine_metrics::scrape(&control.pool, &spec.url).await;
+                    let cache = {
+                        let mut caches = control.engine_caches.borrow_mut();
+                        let cache = caches.entry(id).or_default();
+                        if let Some(scraped) = scraped {
+                            *cache = scraped;
+                        }
+                        *cache
+                    };
+                    if let Some(utilization) = cache.utilization {
+                        metrics::gauge!(names::BACKEND_KV_UTILIZATION, "backend" => spec.url.clone())
+                            .set(utilization);
+                    }
+                    control.broadcast(|| Message::BackendCache {
+                        id,
+                        capacity_tokens: cache.capacity_tokens,
+                    });
+                })
+            })
+            .collect();
+        let interval = Timer::new(crate::engine_metrics::SCRAPE_INTERVAL);
+        for scrape in scrapes {
+            scrape.await;
+        }
+        control
+            .engine_caches
+            .borrow_mut()
+            .retain(|id, _| control.state.borrow().backends.contains_key(id));
+        interval.await;
     }
 }
 

@@ -262,11 +262,31 @@ pub struct LoadGuard {
     prefill_tokens: u64,
     decode_tokens: u64,
     label: String,
+    /// What the residency estimate saw of the backend when it was chosen, until the engine
+    /// reports its reuse (`None`: not estimated).
+    probe: Option<myelin_routing::ReuseProbe>,
 }
 
 impl LoadGuard {
     pub fn backend(&self) -> BackendId {
         self.backend
+    }
+
+    /// Keeps the estimate's view of the request for its reuse report.
+    pub fn set_probe(&mut self, probe: Option<myelin_routing::ReuseProbe>) {
+        self.probe = probe;
+    }
+
+    pub fn has_probe(&self) -> bool {
+        self.probe.is_some()
+    }
+
+    /// The engine reported serving `cached_tokens` of the prompt from its cache: corrects the
+    /// estimate (once per request).
+    pub fn reuse_reported(&mut self, cached_tokens: u64) {
+        if let Some(probe) = self.probe.take() {
+            self.core.observe_reuse(self.backend, &probe, cached_tokens);
+        }
     }
 
     /// The engine produced its first output token, so the prompt is prefilled: from now on the
@@ -359,6 +379,14 @@ impl DataCore {
                     },
                 );
             }
+            Message::BackendCache {
+                id,
+                capacity_tokens,
+            } => {
+                self.routing
+                    .borrow_mut()
+                    .set_scraped_capacity(id, capacity_tokens);
+            }
             Message::Addresses(addresses) => {
                 for (authority, addr) in addresses.iter() {
                     self.pool.set_address(authority, *addr);
@@ -402,6 +430,7 @@ impl DataCore {
                 id: entry.info.id,
                 local: entry.local,
                 residency: routing.residency_of(entry.info.id),
+                cache: routing.cache_figures(entry.info.id),
             })
             .collect();
         ReplicaSnapshot {
@@ -567,6 +596,7 @@ impl DataCore {
         self.change_load(backend, |load| {
             load.requests += 1;
             load.tokens += prefill_tokens + decode_tokens;
+            load.admitted_tokens += prefill_tokens + decode_tokens;
         });
         metrics::gauge!(names::BACKEND_IN_FLIGHT, "backend" => label.clone()).increment(1.0);
         LoadGuard {
@@ -575,6 +605,45 @@ impl DataCore {
             prefill_tokens,
             decode_tokens,
             label,
+            probe: None,
+        }
+    }
+
+    /// Sets an engine's reuse report against the estimate's view of the request: this core's
+    /// capacity correction moves, and an eviction it reveals goes to every replica.
+    fn observe_reuse(
+        self: &Rc<Self>,
+        backend: BackendId,
+        probe: &myelin_routing::ReuseProbe,
+        cached_tokens: u64,
+    ) {
+        let (observation, write) =
+            self.routing
+                .borrow_mut()
+                .observe_reuse(backend, probe, cached_tokens);
+        metrics::histogram!(names::RESIDENCY_PREDICTED_VS_REPORTED_TOKENS)
+            .record(cached_tokens as f64 - probe.predicted_cached_tokens);
+        let outcome = if observation.reported_blocks >= observation.matched_blocks {
+            "as_history"
+        } else {
+            "short"
+        };
+        metrics::counter!(names::RESIDENCY_REUSE_REPORTS_TOTAL, "outcome" => outcome).increment(1);
+        let Some(write) = write else {
+            return;
+        };
+        if self.shards <= 1 {
+            return;
+        }
+        let full = {
+            let mut outbox = self.outbox.borrow_mut();
+            outbox.push(write);
+            outbox.len() >= MAX_WRITES_PER_BATCH
+        };
+        if full {
+            self.flush();
+        } else {
+            self.schedule_flush();
         }
     }
 

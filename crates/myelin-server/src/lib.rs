@@ -13,6 +13,7 @@ mod control;
 pub mod cores;
 mod data_core;
 mod dns;
+mod engine_metrics;
 pub mod health;
 pub mod kv_feed;
 pub mod kv_subscriber;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use myelin_routing::WriteOp;
 
-use crate::routing_glue::BlockCounts;
+use crate::routing_glue::{BlockCounts, CacheFigures};
 
 /// What a data core's replica holds, for the admin API's listing (answer to `Snapshot`).
 #[derive(Debug, Clone, Default)]
@@ -24,6 +24,8 @@ pub struct ReplicaBackend {
     pub local: Load,
     /// `verified` or `estimate` (or the configured mode when it is not `auto`).
     pub residency: &'static str,
+    /// This core's residency-estimate figures for it (capacity, correction, admitted tokens).
+    pub cache: CacheFigures,
 }
 
 /// Every message between cores.
@@ -74,6 +76,12 @@ pub enum Message {
     },
     /// What the receiver's replica holds (admin API); answered by `SnapshotReply`.
     Snapshot { request_id: u64 },
+    /// The KV capacity a backend's engine reports on its metrics endpoint (`None`: it reports
+    /// none, the configured `capacity-tokens` applies), for the residency estimate.
+    BackendCache {
+        id: BackendId,
+        capacity_tokens: Option<u64>,
+    },
     /// Engine host names and their addresses, resolved on the control core's resolver thread
     /// (the whole table, re-sent every second).
     Addresses(Arc<[(String, std::net::SocketAddr)]>),
@@ -98,6 +106,7 @@ impl Message {
             Message::BackendRemove { .. } => "backend_remove",
             Message::BackendState { .. } => "backend_state",
             Message::Snapshot { .. } => "snapshot",
+            Message::BackendCache { .. } => "backend_cache",
             Message::BackendSync { .. } => "backend_sync",
             Message::Addresses(_) => "addresses",
         }

@@ -106,6 +106,15 @@ pub const STATE_RESYNCS_TOTAL: &str = "myelin_state_resyncs_total";
 pub const DNS_RESOLUTIONS_TOTAL: &str = "myelin_dns_resolutions_total";
 /// 1 while a backend's KV-event mirror is live (in sync), by backend.
 pub const KV_EVENTS_LIVE: &str = "myelin_kv_events_live";
+/// Fraction of a backend's KV cache in use, as its metrics endpoint reports it, by backend.
+pub const BACKEND_KV_UTILIZATION: &str = "myelin_backend_kv_utilization";
+/// Reported minus predicted cached prompt tokens of each estimated request whose engine
+/// reported its reuse (`usage.prompt_tokens_details.cached_tokens`).
+pub const RESIDENCY_PREDICTED_VS_REPORTED_TOKENS: &str =
+    "myelin_residency_predicted_vs_reported_tokens";
+/// Reuse reports of estimated requests, by `outcome`: `as_history` (the engine reused at least
+/// what history said), `short` (less: an eviction the estimate learns from).
+pub const RESIDENCY_REUSE_REPORTS_TOTAL: &str = "myelin_residency_reuse_reports_total";
 
 /// Histogram buckets for `_seconds` metrics: 10 µs to 60 s.
 const SECONDS_BUCKETS: &[f64] = &[
@@ -118,6 +127,12 @@ const BLOCK_BUCKETS: &[f64] = &[
     0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0,
 ];
 
+/// Histogram buckets for signed token differences (reported minus predicted cached tokens).
+const SIGNED_TOKEN_BUCKETS: &[f64] = &[
+    -65536.0, -16384.0, -4096.0, -1024.0, -256.0, -64.0, -16.0, -1.0, 0.0, 1.0, 16.0, 64.0, 256.0,
+    1024.0, 4096.0, 16384.0, 65536.0,
+];
+
 /// Installs the process-wide recorder and returns the handle that renders it. Called once;
 /// a second call (tests running several servers in one process) keeps the first recorder.
 pub fn install() -> PrometheusHandle {
@@ -125,6 +140,12 @@ pub fn install() -> PrometheusHandle {
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
         .and_then(|builder| {
             builder.set_buckets_for_metric(Matcher::Full(PREFIX_MATCH_BLOCKS.into()), BLOCK_BUCKETS)
+        })
+        .and_then(|builder| {
+            builder.set_buckets_for_metric(
+                Matcher::Full(RESIDENCY_PREDICTED_VS_REPORTED_TOKENS.into()),
+                SIGNED_TOKEN_BUCKETS,
+            )
         });
     let recorder = match builder {
         Ok(builder) => builder.build_recorder(),
@@ -195,6 +216,18 @@ fn describe() {
         "Bytes held by each data core's tokenizer caches, by cache and shard."
     );
     describe_gauge!(BACKEND_IN_FLIGHT, "Requests in flight per backend.");
+    describe_gauge!(
+        BACKEND_KV_UTILIZATION,
+        "Fraction of the backend's KV cache in use (its metrics endpoint)."
+    );
+    describe_histogram!(
+        RESIDENCY_PREDICTED_VS_REPORTED_TOKENS,
+        "Reported minus predicted cached prompt tokens of estimated requests."
+    );
+    describe_counter!(
+        RESIDENCY_REUSE_REPORTS_TOTAL,
+        "Engines' reuse reports of estimated requests, by outcome."
+    );
     describe_counter!(BACKEND_SELECTED_TOTAL, "Times each backend was chosen.");
     describe_gauge!(BACKEND_UP, "1 when the backend may receive requests.");
     describe_counter!(

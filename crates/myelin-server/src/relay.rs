@@ -36,6 +36,65 @@ pub enum StreamEnd {
 pub trait RelayObserver {
     fn first_byte(&mut self);
     fn finished(&mut self, end: StreamEnd);
+    /// Whether to look for the response's `usage` (keeps the body's last bytes).
+    fn wants_usage(&self) -> bool {
+        false
+    }
+    /// The response's `usage`, when `wants_usage` and the body completed with one; called
+    /// just before `finished(Complete)`.
+    fn usage(&mut self, _usage: Usage) {}
+}
+
+/// The `usage` object of an OpenAI response (non-streaming body, or the final chunk of a
+/// stream with `stream_options.include_usage`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: Option<u64>,
+    /// `usage.prompt_tokens_details.cached_tokens`: prompt tokens the engine served from its
+    /// prefix cache (vLLM with `--enable-prompt-tokens-details`, SGLang, the simulator).
+    pub cached_tokens: Option<u64>,
+}
+
+/// Bytes of the body's end kept to find its `usage` (it comes last: the last JSON fields of a
+/// completion, or the last chunk of a stream).
+const USAGE_TAIL_BYTES: usize = 8 * 1024;
+
+impl Usage {
+    /// The last `"usage": {...}` object in `tail`, if any.
+    pub fn find(tail: &[u8]) -> Option<Usage> {
+        const KEY: &[u8] = b"\"usage\"";
+        let mut end = tail.len();
+        while let Some(at) = tail[..end]
+            .windows(KEY.len())
+            .rposition(|window| window == KEY)
+        {
+            end = at;
+            let rest = &tail[at + KEY.len()..];
+            let rest = rest.trim_ascii_start();
+            let Some(rest) = rest.strip_prefix(b":") else {
+                continue;
+            };
+            let rest = rest.trim_ascii_start();
+            if !rest.starts_with(b"{") {
+                continue;
+            }
+            let mut values =
+                serde_json::Deserializer::from_slice(rest).into_iter::<serde_json::Value>();
+            let Some(Ok(value)) = values.next() else {
+                continue;
+            };
+            return Some(Usage {
+                prompt_tokens: value
+                    .get("prompt_tokens")
+                    .and_then(serde_json::Value::as_u64),
+                cached_tokens: value
+                    .get("prompt_tokens_details")
+                    .and_then(|details| details.get("cached_tokens"))
+                    .and_then(serde_json::Value::as_u64),
+            });
+        }
+        None
+    }
 }
 
 /// The relaying body.
@@ -48,10 +107,13 @@ pub struct RelayBody<O: RelayObserver> {
     idle: Option<(Duration, Timer)>,
     /// Resolves when the relay must end now (the drain deadline).
     cut_off: Option<Pin<Box<dyn Future<Output = ()>>>>,
+    /// The body's last bytes, when the observer wants the `usage`.
+    tail: Option<Vec<u8>>,
 }
 
 impl<O: RelayObserver> RelayBody<O> {
     pub fn new(upstream: Incoming, is_event_stream: bool, observer: O) -> Self {
+        let tail = observer.wants_usage().then(Vec::new);
         RelayBody {
             upstream: Some(upstream),
             is_event_stream,
@@ -59,7 +121,29 @@ impl<O: RelayObserver> RelayBody<O> {
             observer: Some(observer),
             idle: None,
             cut_off: None,
+            tail,
         }
+    }
+
+    /// Keeps the last [`USAGE_TAIL_BYTES`] (at most twice that between trims).
+    fn keep_tail(&mut self, data: &[u8]) {
+        if let Some(tail) = self.tail.as_mut() {
+            tail.extend_from_slice(data);
+            if tail.len() > 2 * USAGE_TAIL_BYTES {
+                tail.drain(..tail.len() - USAGE_TAIL_BYTES);
+            }
+        }
+    }
+
+    /// The body completed: hands the observer its `usage`, then finishes.
+    fn complete(&mut self) {
+        if let Some(tail) = self.tail.take()
+            && let Some(usage) = Usage::find(&tail)
+            && let Some(observer) = self.observer.as_mut()
+        {
+            observer.usage(usage);
+        }
+        self.finish(StreamEnd::Complete);
     }
 
     /// Ends the relay (SSE error event, engine request aborted) once `cut_off` resolves.
@@ -163,6 +247,9 @@ impl<O: RelayObserver + Unpin> HttpBody for RelayBody<O> {
                 if let Some((timeout, timer)) = this.idle.as_mut() {
                     timer.reset(*timeout);
                 }
+                if let Some(data) = frame.data_ref() {
+                    this.keep_tail(data);
+                }
                 if !this.saw_first_byte && frame.data_ref().is_some_and(|data| !data.is_empty()) {
                     this.saw_first_byte = true;
                     if let Some(observer) = this.observer.as_mut() {
@@ -173,13 +260,13 @@ impl<O: RelayObserver + Unpin> HttpBody for RelayBody<O> {
                 // poll again, so finish now.
                 if this.upstream.as_ref().is_some_and(HttpBody::is_end_stream) {
                     this.upstream = None;
-                    this.finish(StreamEnd::Complete);
+                    this.complete();
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(None) => {
                 this.upstream = None;
-                this.finish(StreamEnd::Complete);
+                this.complete();
                 Poll::Ready(None)
             }
             Poll::Ready(Some(Err(error))) => {
@@ -213,5 +300,35 @@ impl<O: RelayObserver> Drop for RelayBody<O> {
         if self.upstream.take().is_some() {
             self.finish(StreamEnd::ClientGone);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Usage;
+
+    #[test]
+    fn usage_of_a_completion_and_of_a_stream() {
+        let body = br#"{"id":"x","choices":[{"text":"usage"}],"usage":{"prompt_tokens":40,"completion_tokens":3,"total_tokens":43,"prompt_tokens_details":{"cached_tokens":32}}}"#;
+        assert_eq!(
+            Usage::find(body),
+            Some(Usage {
+                prompt_tokens: Some(40),
+                cached_tokens: Some(32)
+            })
+        );
+        let stream = b"data: {\"choices\":[{\"text\":\"a\"}],\"usage\":null}\n\n\
+            data: {\"choices\":[],\"usage\": {\"prompt_tokens\":7,\"completion_tokens\":1}}\n\n\
+            data: [DONE]\n\n";
+        assert_eq!(
+            Usage::find(stream),
+            Some(Usage {
+                prompt_tokens: Some(7),
+                cached_tokens: None
+            })
+        );
+        assert_eq!(Usage::find(b"data: {\"usage\":null}\n\n"), None);
+        assert_eq!(Usage::find(b"{\"usage\":{\"prompt_tok"), None);
+        assert_eq!(Usage::find(b""), None);
     }
 }

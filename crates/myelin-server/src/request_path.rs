@@ -20,7 +20,7 @@ use crate::data_core::{DataCore, InFlightPermit, LoadGuard};
 use crate::metrics as names;
 use crate::openai::{ApiError, Endpoint, GenerationRequest, parse_generation_request};
 use crate::proxy::{self, Attempt, BACKEND_HEADER, FailedAttempt, UpstreamRequest};
-use crate::relay::{RelayBody, RelayObserver, StreamEnd};
+use crate::relay::{RelayBody, RelayObserver, StreamEnd, Usage};
 use crate::routing_glue::deepest_match;
 
 /// Output tokens assumed for load accounting when a request sets no `max_tokens`.
@@ -345,7 +345,9 @@ async fn generate(
             return with_retry_after(error_response(&ApiError::no_backend()), 1);
         };
         let prefill_tokens = (prompt_tokens as u64).saturating_sub(chosen.expected_cached_tokens);
-        let load = core.start_load(chosen.backend, prefill_tokens, decode_tokens);
+        let probe = core.routing.borrow().probe(&answer, &chosen);
+        let mut load = core.start_load(chosen.backend, prefill_tokens, decode_tokens);
+        load.set_probe(probe);
         // A streaming answer's head comes before the first token; a non-streaming one's comes
         // with the whole completion, so it gets the longer deadline.
         let head_timeout = if generation.stream {
@@ -516,6 +518,16 @@ impl RelayObserver for ResponseObserver {
         self.load.prefill_done();
         metrics::histogram!(names::TTFT_SECONDS, "route" => self.route)
             .record(self.arrived.elapsed().as_secs_f64());
+    }
+
+    fn wants_usage(&self) -> bool {
+        self.load.has_probe()
+    }
+
+    fn usage(&mut self, usage: Usage) {
+        if let Some(cached_tokens) = usage.cached_tokens {
+            self.load.reuse_reported(cached_tokens);
+        }
     }
 
     fn finished(&mut self, end: StreamEnd) {

@@ -7,7 +7,8 @@ use std::time::Instant;
 
 pub use myelin_routing::BlockCounts;
 use myelin_routing::{
-    BackendView, BlockChain, Policy, PrefixMatch, Router, RouterConfig, Shard, ShardConfig, WriteOp,
+    BackendView, BlockChain, Policy, PrefixMatch, ReuseObservation, ReuseProbe, RoomCalibration,
+    Router, RouterConfig, Shard, ShardConfig, WriteOp,
 };
 
 use crate::backends::{BackendId, BackendInfo, BackendState, Load};
@@ -49,6 +50,28 @@ pub struct RouteChoice {
 struct ShardBackend {
     state: BackendState,
     load_by_core: Vec<Load>,
+    /// KV capacity from the backend spec (`capacity-tokens=`).
+    configured_capacity: Option<u64>,
+    /// KV capacity the engine's metrics report (control core's scrape), which wins.
+    scraped_capacity: Option<u64>,
+    /// This core's correction of the capacity from the engine's reuse reports.
+    calibration: RoomCalibration,
+}
+
+/// A backend's residency-estimate figures on one core (admin API).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CacheFigures {
+    /// Capacity the estimator uses (after correction), tokens; `None`: unknown.
+    pub effective_capacity_tokens: Option<u64>,
+    /// The correction factor (1.0: none).
+    pub correction: f64,
+    /// Whether the capacity was learned from reuse reports.
+    pub learned: bool,
+    /// Reuse reports seen and those that moved the correction.
+    pub reports: u64,
+    pub corrections: u64,
+    /// Tokens admitted to the backend, summed over cores as this core last heard.
+    pub admitted_tokens: u64,
 }
 
 /// One data core's routing state: its replica of the prefix tree and mirror, its router
@@ -138,12 +161,14 @@ impl RoutingShard {
 
     /// Records here that a prompt was routed to `backend`; returns the write for the other
     /// cores' replicas.
+    /// The use is stamped with the backend's admitted-tokens counter (over every core, this
+    /// request included): the residency estimate measures age as tokens admitted since.
     pub fn learn(&mut self, query: &LookupQuery, backend: BackendId) -> WriteOp {
         let op = WriteOp::Learn {
             chain: query.chain.clone(),
             backend: myelin_routing::BackendId(backend),
             at_ms: self.now_ms(),
-            residency_stamp: 0,
+            residency_stamp: self.admitted_tokens(backend),
         };
         self.apply(&op);
         op
@@ -171,8 +196,123 @@ impl RoutingShard {
             .or_insert_with(|| ShardBackend {
                 state: info.state,
                 load_by_core: vec![Load::default(); shards],
+                configured_capacity: None,
+                scraped_capacity: None,
+                calibration: RoomCalibration::default(),
             });
         entry.state = info.state;
+        entry.configured_capacity = info.spec.capacity_tokens;
+        entry
+            .calibration
+            .set_capacity(entry.scraped_capacity.or(entry.configured_capacity));
+    }
+
+    /// The KV capacity the engine's metrics report (`None`: no figure, the configured one
+    /// applies).
+    pub fn set_scraped_capacity(&mut self, id: BackendId, capacity: Option<u64>) {
+        if let Some(entry) = self.backends.get_mut(&id) {
+            entry.scraped_capacity = capacity;
+            entry
+                .calibration
+                .set_capacity(capacity.or(entry.configured_capacity));
+        }
+    }
+
+    /// Tokens admitted to `id` over every core, as this core last heard (the stamps' clock).
+    fn admitted_tokens(&self, id: BackendId) -> u64 {
+        self.backends.get(&id).map_or(0, |entry| {
+            entry
+                .load_by_core
+                .iter()
+                .map(|load| load.admitted_tokens)
+                .sum()
+        })
+    }
+
+    /// Whether scoring `id` uses the estimator (residency `estimate`, or `auto` without a
+    /// live KV-event mirror).
+    fn estimates(&self, id: BackendId) -> bool {
+        match self.residency {
+            ResidencyMode::Estimate => true,
+            ResidencyMode::Auto => !self.shard.mirror_live(myelin_routing::BackendId(id)),
+            ResidencyMode::Off | ResidencyMode::Verified => false,
+        }
+    }
+
+    /// What the estimator saw of `choice`'s backend, kept until the engine reports its reuse
+    /// (`None` when that backend is not estimated).
+    pub fn probe(&self, answer: &LookupAnswer, choice: &RouteChoice) -> Option<ReuseProbe> {
+        let id = choice.backend;
+        if !self.estimates(id) {
+            return None;
+        }
+        let entry = self.backends.get(&id)?;
+        let load_tokens = entry.load_by_core.iter().map(|load| load.tokens).sum();
+        let view = BackendView::new(
+            myelin_routing::BackendId(id),
+            myelin_routing::BackendState::Up,
+            load_tokens,
+        )
+        .with_cache(entry.calibration.effective_capacity(), 0, 0);
+        let block_size = answer.block_size.max(1);
+        let room_tokens = self.router.estimator().room_tokens(&view, block_size);
+        let mut stamps = Vec::new();
+        if let Some(matched) = answer.backend(myelin_routing::BackendId(id)) {
+            myelin_routing::block_stamps(matched, &answer.segments, &mut stamps);
+        }
+        Some(ReuseProbe {
+            block_size,
+            stamps,
+            admitted_tokens: self.admitted_tokens(id),
+            load_tokens,
+            predicted_cached_tokens: choice.expected_cached_tokens as f64,
+            room_tokens,
+        })
+    }
+
+    /// The engine reported reusing `reported_cached_tokens` of a prompt routed with `probe`:
+    /// corrects this core's capacity estimate, and returns the eviction write for every
+    /// replica (applied here) when the engine held less than history said.
+    pub fn observe_reuse(
+        &mut self,
+        id: BackendId,
+        probe: &ReuseProbe,
+        reported_cached_tokens: u64,
+    ) -> (ReuseObservation, Option<WriteOp>) {
+        let observation = myelin_routing::observe_reuse(probe, reported_cached_tokens);
+        let estimator = *self.router.estimator();
+        if let Some(entry) = self.backends.get_mut(&id) {
+            entry.calibration.observe(
+                &estimator,
+                &observation,
+                probe.load_tokens,
+                probe.block_size,
+            );
+        }
+        let write = observation.evicted_stamp.map(|stamp| WriteOp::Evicted {
+            backend: myelin_routing::BackendId(id),
+            stamp,
+        });
+        if let Some(write) = &write {
+            self.apply(write);
+        }
+        (observation, write)
+    }
+
+    /// A backend's residency-estimate figures on this core.
+    pub fn cache_figures(&self, id: BackendId) -> CacheFigures {
+        let Some(entry) = self.backends.get(&id) else {
+            return CacheFigures::default();
+        };
+        let (reports, corrections) = entry.calibration.counts();
+        CacheFigures {
+            effective_capacity_tokens: entry.calibration.effective_capacity(),
+            correction: entry.calibration.scale(),
+            learned: entry.calibration.learned(),
+            reports,
+            corrections,
+            admitted_tokens: self.admitted_tokens(id),
+        }
     }
 
     pub fn remove_backend(&mut self, id: BackendId) {
@@ -221,6 +361,7 @@ impl RoutingShard {
     ) -> Option<RouteChoice> {
         let mut views = std::mem::take(&mut self.views);
         views.clear();
+        let shard = &self.shard;
         views.extend(self.backends.iter().map(|(&id, backend)| {
             let state = if excluded.contains(&id) {
                 BackendState::Down
@@ -228,7 +369,17 @@ impl RoutingShard {
                 backend.state
             };
             let load_tokens = backend.load_by_core.iter().map(|load| load.tokens).sum();
-            BackendView::new(myelin_routing::BackendId(id), state_of(state), load_tokens)
+            let admitted_tokens = backend
+                .load_by_core
+                .iter()
+                .map(|load| load.admitted_tokens)
+                .sum();
+            let id = myelin_routing::BackendId(id);
+            BackendView::new(id, state_of(state), load_tokens).with_cache(
+                backend.calibration.effective_capacity(),
+                admitted_tokens,
+                shard.evicted_below(id),
+            )
         }));
         let decision = self.router.decide(prompt_tokens as u64, answer, &views);
         self.views = views;
@@ -292,6 +443,86 @@ mod tests {
     }
 
     #[test]
+    fn estimate_stamps_learns_with_the_admitted_counter_and_learns_from_reuse_reports() {
+        let args = ServeArgs {
+            backends: vec!["http://a:1".into()],
+            residency: Some(ResidencyMode::Estimate),
+            ..ServeArgs::default()
+        };
+        let config = ServeConfig::merge(args, FileConfig::default(), &[0]).unwrap();
+        let mut shard = RoutingShard::new(&config, 2, Instant::now()).unwrap();
+        for id in 0..2 {
+            shard.add_backend(&BackendInfo {
+                id,
+                spec: BackendSpec::parse(&format!("http://b{id}:1,capacity-tokens=10000")).unwrap(),
+                state: BackendState::Up,
+            });
+        }
+        let admitted = |tokens| Load {
+            admitted_tokens: tokens,
+            ..Load::default()
+        };
+        // Backend 0 has taken 1_000 tokens from core 0 and 500 from core 1.
+        shard.set_load(0, 0, admitted(1_000));
+        shard.set_load(0, 1, admitted(500));
+        let prompt: Vec<u32> = (0..160).collect();
+        let query = shard.query(&prompt);
+        let write = shard.learn(&query, 0);
+        assert!(matches!(
+            write,
+            WriteOp::Learn {
+                residency_stamp: 1_500,
+                ..
+            }
+        ));
+        // Little pressure since: backend 0 keeps it.
+        shard.set_load(0, 0, admitted(2_000));
+        let answer = shard.lookup(&query);
+        let choice = shard.decide(&answer, prompt.len(), &[]).unwrap();
+        assert_eq!(choice.backend, 0);
+        assert_eq!(choice.expected_cached_tokens, 160);
+        // 40_000 tokens later (4x the cache) the estimate no longer counts it cached.
+        shard.set_load(0, 0, admitted(41_500));
+        let answer = shard.lookup(&query);
+        let choice = shard.decide(&answer, prompt.len(), &[1]).unwrap();
+        assert!(choice.expected_cached_tokens < 5, "{choice:?}");
+        let probe = shard.probe(&answer, &choice).unwrap();
+        assert_eq!(probe.stamps, vec![1_500; 10]);
+        assert_eq!(probe.admitted_tokens, 42_000);
+        // The engine reports 2 blocks reused: an eviction every replica hears of.
+        let (observation, write) = shard.observe_reuse(0, &probe, 32);
+        assert_eq!(observation.reported_blocks, 2);
+        assert_eq!(
+            write,
+            Some(WriteOp::Evicted {
+                backend: myelin_routing::BackendId(0),
+                stamp: 1_500
+            })
+        );
+        let figures = shard.cache_figures(0);
+        assert_eq!(figures.reports, 1);
+        assert_eq!(figures.admitted_tokens, 42_000);
+        // Its first two blocks survived 40_500 tokens of pressure: the cache is larger than
+        // configured, and the correction moves it up.
+        assert!(
+            figures.effective_capacity_tokens.unwrap() > 10_000,
+            "{figures:?}"
+        );
+        assert!(figures.correction > 1.0);
+        // A scraped capacity replaces the configured one.
+        shard.set_scraped_capacity(0, Some(24_000));
+        assert_eq!(
+            shard.cache_figures(0).effective_capacity_tokens,
+            Some(24_000)
+        );
+        shard.set_scraped_capacity(0, None);
+        assert_eq!(
+            shard.cache_figures(0).effective_capacity_tokens,
+            Some(10_000)
+        );
+    }
+
+    #[test]
     fn down_and_draining_backends_are_not_chosen() {
         let mut shard = shard(RoutingPolicy::RoundRobin, 1);
         shard.set_state(0, BackendState::Down);
@@ -311,6 +542,7 @@ mod tests {
             Load {
                 requests: 1,
                 tokens: 500,
+                ..Load::default()
             },
         );
         shard.set_load(
@@ -319,6 +551,7 @@ mod tests {
             Load {
                 requests: 1,
                 tokens: 100,
+                ..Load::default()
             },
         );
         shard.set_load(
@@ -327,6 +560,7 @@ mod tests {
             Load {
                 requests: 1,
                 tokens: 50,
+                ..Load::default()
             },
         );
         shard.set_load(
@@ -335,6 +569,7 @@ mod tests {
             Load {
                 requests: 1,
                 tokens: 60,
+                ..Load::default()
             },
         );
         let choice = shard.decide(&LookupAnswer::default(), 10, &[]).unwrap();

@@ -1,0 +1,186 @@
+//! The engines' KV-cache figures from their Prometheus endpoint (`GET {url}/metrics`), scraped
+//! by the control core for the residency estimate: capacity in tokens and utilization.
+//!
+//! - vLLM: `vllm:cache_config_info` (an info gauge whose labels carry `num_gpu_blocks` and
+//!   `block_size`: capacity = their product), `vllm:kv_cache_usage_perc` (or the older
+//!   `vllm:gpu_cache_usage_perc`), a fraction 0..1.
+//! - SGLang: `sglang:max_total_num_tokens` (capacity), `sglang:token_usage` (fraction).
+//!
+//! Engines without these (TensorRT-LLM, Ollama, LM Studio) give nothing: the configured
+//! `capacity-tokens=` applies, else the estimate learns one from reuse reports.
+
+use std::time::Duration;
+
+use hyper::{Method, Request};
+use myelin_http::client::Pool;
+
+/// How often the control core scrapes every backend.
+pub const SCRAPE_INTERVAL: Duration = Duration::from_secs(5);
+/// A scrape that has not answered within this is abandoned.
+pub const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Largest metrics page read (vLLM's is ~50-200 KiB with histograms); a larger one is dropped.
+pub const MAX_METRICS_BODY_BYTES: usize = 4 * 1024 * 1024;
+
+/// What an engine's metrics say about its KV cache.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EngineCache {
+    /// KV-cache capacity in tokens.
+    pub capacity_tokens: Option<u64>,
+    /// Fraction of the cache in use, 0..1.
+    pub utilization: Option<f64>,
+}
+
+/// Parses Prometheus exposition text. Several series of a metric (engines, data-parallel
+/// ranks) add up for capacity; utilization is their mean.
+pub fn parse(text: &str) -> EngineCache {
+    let mut capacity: Option<u64> = None;
+    let mut usage_sum = 0.0;
+    let mut usage_count = 0u32;
+    let mut add_capacity = |tokens: u64| {
+        capacity = Some(capacity.unwrap_or(0).saturating_add(tokens));
+    };
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let (name, labels, value) = split_sample(line);
+        match name {
+            "vllm:cache_config_info" => {
+                let blocks = label(labels, "num_gpu_blocks").and_then(|v| v.parse::<u64>().ok());
+                let size = label(labels, "block_size").and_then(|v| v.parse::<u64>().ok());
+                if let (Some(blocks), Some(size)) = (blocks, size) {
+                    add_capacity(blocks.saturating_mul(size));
+                }
+            }
+            "sglang:max_total_num_tokens" => {
+                if let Some(tokens) = value.filter(|v| v.is_finite() && *v > 0.0) {
+                    add_capacity(tokens as u64);
+                }
+            }
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" | "sglang:token_usage" => {
+                if let Some(fraction) = value.filter(|v| v.is_finite()) {
+                    usage_sum += fraction.clamp(0.0, 1.0);
+                    usage_count += 1;
+                }
+            }
+            _ => {}
+        }
+    }
+    EngineCache {
+        capacity_tokens: capacity.filter(|&tokens| tokens > 0),
+        utilization: (usage_count > 0).then(|| usage_sum / f64::from(usage_count)),
+    }
+}
+
+/// `name{labels} value [timestamp]` → (name, labels without braces, value).
+fn split_sample(line: &str) -> (&str, &str, Option<f64>) {
+    let (name, labels, rest) = match line.find('{') {
+        Some(open) => match line[open..].find('}') {
+            Some(close) => (
+                &line[..open],
+                &line[open + 1..open + close],
+                &line[open + close + 1..],
+            ),
+            None => return (&line[..open], "", None),
+        },
+        None => match line.split_once(char::is_whitespace) {
+            Some((name, rest)) => (name, "", rest),
+            None => return (line, "", None),
+        },
+    };
+    let value = rest
+        .split_whitespace()
+        .next()
+        .and_then(|v| v.parse::<f64>().ok());
+    (name.trim(), labels, value)
+}
+
+/// The value of `key` in a label set (`a="1",b="2"`); label values here never hold quotes.
+fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
+    labels.split(',').find_map(|pair| {
+        let (name, value) = pair.split_once('=')?;
+        (name.trim() == key).then(|| value.trim().trim_matches('"'))
+    })
+}
+
+/// GET `{base_url}/metrics`, bounded in time and size. `None`: no answer, not 2xx, too large.
+pub async fn scrape(pool: &Pool, base_url: &str) -> Option<EngineCache> {
+    let request = Request::builder()
+        .method(Method::GET)
+        .uri(format!("{base_url}/metrics"))
+        .body(myelin_http::body::empty())
+        .ok()?;
+    let attempt = async {
+        let response = pool.send(request).await.ok()?;
+        if !response.status().is_success() {
+            return None;
+        }
+        let body =
+            crate::proxy::collect_limited(response.into_body(), MAX_METRICS_BODY_BYTES).await?;
+        Some(parse(&String::from_utf8_lossy(&body)))
+    };
+    myelin_http::rt::timeout(SCRAPE_TIMEOUT, attempt)
+        .await
+        .flatten()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vllm_page() {
+        let text = "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
+            # TYPE vllm:cache_config_info gauge\n\
+            vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",engine=\"0\",num_gpu_blocks=\"1500\"} 1.0\n\
+            vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n\
+            vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 4.0\n";
+        assert_eq!(
+            parse(text),
+            EngineCache {
+                capacity_tokens: Some(24_000),
+                utilization: Some(0.25)
+            }
+        );
+    }
+
+    #[test]
+    fn older_vllm_and_sglang_pages_and_nothing() {
+        let old = "vllm:gpu_cache_usage_perc{model_name=\"m\"} 0.5\n";
+        assert_eq!(parse(old).utilization, Some(0.5));
+        assert_eq!(parse(old).capacity_tokens, None);
+        let sglang = "sglang:max_total_num_tokens{model_name=\"m\"} 500000.0\n\
+            sglang:token_usage{model_name=\"m\"} 0.1\n";
+        assert_eq!(
+            parse(sglang),
+            EngineCache {
+                capacity_tokens: Some(500_000),
+                utilization: Some(0.1)
+            }
+        );
+        assert_eq!(parse("garbage {{{\nfoo 1\n"), EngineCache::default());
+        // Two data-parallel ranks: capacities add up, utilization averages.
+        let two = "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"10\"} 1\n\
+            vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"20\"} 1\n\
+            vllm:kv_cache_usage_perc 0.2\nvllm:kv_cache_usage_perc 0.4\n";
+        let parsed = parse(two);
+        assert_eq!(parsed.capacity_tokens, Some(480));
+        assert!((parsed.utilization.unwrap() - 0.3).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_simulators_page_parses() {
+        let text = myelin_sim::metrics::render(&myelin_sim::metrics::MetricsSnapshot {
+            model_name: "m",
+            engine: 0,
+            block_size: 16,
+            num_gpu_blocks: 1500,
+            counters: Default::default(),
+            load: Default::default(),
+        });
+        let parsed = parse(&text);
+        assert_eq!(parsed.capacity_tokens, Some(24_000));
+        assert_eq!(parsed.utilization, Some(0.0));
+    }
+}
