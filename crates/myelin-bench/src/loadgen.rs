@@ -180,7 +180,7 @@ async fn drive(plan: LoadPlan, target: Target) -> LoadOutcome {
                             .plan
                             .workload
                             .closed_loop_request(user, seq, elapsed_s);
-                        let record = exchange(&shared, user, seq, request).await;
+                        let record = exchange(&shared, user, seq, request, None).await;
                         shared.records.borrow_mut().push(record);
                         seq += 1;
                     }
@@ -196,7 +196,7 @@ async fn drive(plan: LoadPlan, target: Target) -> LoadOutcome {
                 sleep_until(shared.wall_at_sim_s(send_at_s)).await;
                 let shared = shared.clone();
                 tasks.push(glommio::spawn_local(async move {
-                    let record = exchange(&shared, 0, index as u64, request).await;
+                    let record = exchange(&shared, 0, index as u64, request, Some(send_at_s)).await;
                     shared.records.borrow_mut().push(record);
                 }));
                 index += 1;
@@ -232,8 +232,15 @@ async fn sleep_until(deadline: Instant) {
     }
 }
 
-/// Sends one request, streams the answer, and records it.
-async fn exchange(shared: &Shared, user: u32, seq: u64, request: PlannedRequest) -> RequestRecord {
+/// Sends one request, streams the answer, and records it (`planned_send_s`: open loop, when
+/// the schedule said to send it).
+async fn exchange(
+    shared: &Shared,
+    user: u32,
+    seq: u64,
+    request: PlannedRequest,
+    planned_send_s: Option<f64>,
+) -> RequestRecord {
     let plan = &shared.plan;
     let path = endpoint_path(plan.api);
     // The clock starts before the oracle's probe and decision: a router's TTFT includes its
@@ -277,6 +284,7 @@ async fn exchange(shared: &Shared, user: u32, seq: u64, request: PlannedRequest)
         seq,
         label: request.label,
         sent_at_us,
+        planned_send_s,
         ttft_us: None,
         e2e_us: None,
         prompt_tokens: request.tokens.len() as u32,

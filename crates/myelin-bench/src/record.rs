@@ -44,6 +44,9 @@ pub struct RequestRecord {
     pub label: u64,
     /// When the request was sent, wall microseconds since the leg started.
     pub sent_at_us: u64,
+    /// Open loop: when the schedule said to send it, simulated seconds since the leg started
+    /// (the same on every leg, so the warm-up cut is too; the timer sends a little later).
+    pub planned_send_s: Option<f64>,
     /// Send to the first content token, wall microseconds.
     pub ttft_us: Option<u64>,
     /// Send to the end of the stream, wall microseconds.
@@ -97,7 +100,7 @@ pub fn write_csv(mut out: impl Write, legs: &[LegRecords<'_>]) -> std::io::Resul
                     .map_or(String::new(), |cached| cached.to_string()),
                 csv_field(record.backend.as_deref().unwrap_or("")),
                 csv_field(&record.outcome.describe()),
-                send_s < leg.warmup_s,
+                record.planned_send_s.unwrap_or(send_s) < leg.warmup_s,
                 record.ttft_us.map_or(String::new(), |us| us.to_string()),
             )?;
         }
@@ -125,6 +128,7 @@ mod tests {
             seq: 9,
             label: 17,
             sent_at_us: 2_000_000,
+            planned_send_s: None,
             ttft_us: Some(12_500),
             e2e_us: Some(400_000),
             prompt_tokens: 5000,

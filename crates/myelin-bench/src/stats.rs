@@ -112,9 +112,11 @@ pub struct LegRun {
 }
 
 impl LegRun {
-    /// Whether a record is in the measured window (sent after warm-up).
+    /// Whether a record is in the measured window: sent after warm-up (open loop: planned
+    /// after it, so every leg measures the same requests).
     pub fn is_measured(&self, record: &RequestRecord) -> bool {
-        record.sent_at_us as f64 * self.speedup / 1e6 >= self.warmup_s
+        let sent_s = record.sent_at_us as f64 * self.speedup / 1e6;
+        record.planned_send_s.unwrap_or(sent_s) >= self.warmup_s
     }
 }
 
@@ -492,6 +494,7 @@ pub(crate) mod tests {
             seq: 0,
             label: 0,
             sent_at_us,
+            planned_send_s: None,
             ttft_us: Some(ttft_us),
             e2e_us: Some(ttft_us * 10),
             prompt_tokens: 1000,
