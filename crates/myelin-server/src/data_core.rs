@@ -580,10 +580,14 @@ impl DataCore {
     }
 
     /// Adds a request's load to a backend: `prefill_tokens` until [`LoadGuard::prefill_done`],
-    /// `decode_tokens` until the guard drops.
+    /// `decode_tokens` until the guard drops. The backend's admitted-tokens counter grows by
+    /// `admitted_prefill_tokens + decode_tokens` (the prompt's uncached part as history has it:
+    /// an estimate that discounted a prefix still resident must not count its tokens as new
+    /// pressure; the engine's reuse report adds what history missed).
     pub fn start_load(
         self: &Rc<Self>,
         backend: BackendId,
+        admitted_prefill_tokens: u64,
         prefill_tokens: u64,
         decode_tokens: u64,
     ) -> LoadGuard {
@@ -596,7 +600,7 @@ impl DataCore {
         self.change_load(backend, |load| {
             load.requests += 1;
             load.tokens += prefill_tokens + decode_tokens;
-            load.admitted_tokens += prefill_tokens + decode_tokens;
+            load.admitted_tokens += admitted_prefill_tokens + decode_tokens;
         });
         metrics::gauge!(names::BACKEND_IN_FLIGHT, "backend" => label.clone()).increment(1.0);
         LoadGuard {
@@ -629,6 +633,14 @@ impl DataCore {
             "short"
         };
         metrics::counter!(names::RESIDENCY_REUSE_REPORTS_TOTAL, "outcome" => outcome).increment(1);
+        // The prompt's uncached part was counted as history had it; what the engine had to
+        // prefill beyond that is pressure too.
+        let history_cached = (probe.stamps.len() as u64 * u64::from(probe.block_size))
+            .max(probe.predicted_cached_tokens as u64);
+        let shortfall = history_cached.saturating_sub(cached_tokens);
+        if shortfall > 0 {
+            self.change_load(backend, |load| load.admitted_tokens += shortfall);
+        }
         let Some(write) = write else {
             return;
         };

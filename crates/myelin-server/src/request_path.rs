@@ -346,7 +346,15 @@ async fn generate(
         };
         let prefill_tokens = (prompt_tokens as u64).saturating_sub(chosen.expected_cached_tokens);
         let probe = core.routing.borrow().probe(&answer, &chosen);
-        let mut load = core.start_load(chosen.backend, prefill_tokens, decode_tokens);
+        let history_cached = u64::from(chosen.matched_blocks) * core.config.block_size as u64;
+        let admitted_prefill = (prompt_tokens as u64)
+            .saturating_sub(history_cached.max(chosen.expected_cached_tokens));
+        let mut load = core.start_load(
+            chosen.backend,
+            admitted_prefill,
+            prefill_tokens,
+            decode_tokens,
+        );
         load.set_probe(probe);
         // A streaming answer's head comes before the first token; a non-streaming one's comes
         // with the whole completion, so it gets the longer deadline.
