@@ -271,6 +271,24 @@ pub struct ReuseProbe {
     pub predicted_cached_tokens: f64,
     /// The estimator's room for the backend at decision time (`None`: capacity unknown).
     pub room_tokens: Option<f64>,
+    /// The prompt's length in tokens (0: unknown). An engine computes at least a prompt's last
+    /// token, so it never reports the last block of a block-aligned prompt as reused (vLLM
+    /// looks for hits in the first `prompt − 1` tokens).
+    pub prompt_tokens: u64,
+}
+
+impl ReuseProbe {
+    /// Matched blocks an engine could have reported reused: history's, capped at the blocks
+    /// within the prompt's first `prompt − 1` tokens.
+    pub fn reusable_blocks(&self) -> u32 {
+        let matched = u32::try_from(self.stamps.len()).unwrap_or(u32::MAX);
+        if self.prompt_tokens == 0 {
+            return matched;
+        }
+        let block = u64::from(self.block_size.max(1));
+        let within = (self.prompt_tokens - 1) / block;
+        matched.min(u32::try_from(within).unwrap_or(u32::MAX))
+    }
 }
 
 /// A block missing under less pressure than this fraction of the room is not taken for LRU
@@ -288,7 +306,7 @@ pub const MISS_MIN_ROOM_FRACTION: f64 = 0.25;
 /// arrived, a preemption, a restart) and says nothing about the room.
 pub fn observe_reuse(probe: &ReuseProbe, reported_cached_tokens: u64) -> ReuseObservation {
     let block = u64::from(probe.block_size.max(1));
-    let matched_blocks = u32::try_from(probe.stamps.len()).unwrap_or(u32::MAX);
+    let matched_blocks = probe.reusable_blocks();
     let reported_blocks =
         u32::try_from(reported_cached_tokens.saturating_add(1) / block).unwrap_or(u32::MAX);
     let mut observation = ReuseObservation {

@@ -184,7 +184,25 @@ fn make_probe(stamps: Vec<u64>, admitted: u64) -> ReuseProbe {
         load_tokens: 0,
         predicted_cached_tokens: 0.0,
         room_tokens: None,
+        prompt_tokens: 0,
     }
+}
+
+#[test]
+fn the_last_block_of_an_aligned_prompt_is_never_reported_reused() {
+    // 4 blocks of history, a 64-token prompt: the engine recomputes token 63, so it reports
+    // at most 3 blocks (48 tokens). That is a full hit, not an eviction.
+    let mut probe = make_probe(vec![1_000; 4], 100_000);
+    probe.prompt_tokens = 64;
+    assert_eq!(probe.reusable_blocks(), 3);
+    let observation = observe_reuse(&probe, 48);
+    assert_eq!(observation.matched_blocks, 3);
+    assert_eq!(observation.evicted_stamp, None);
+    assert_eq!(observation.room_below, None);
+    // A 65-token prompt can reuse all 4.
+    probe.prompt_tokens = 65;
+    assert_eq!(probe.reusable_blocks(), 4);
+    assert_eq!(observe_reuse(&probe, 48).evicted_stamp, Some(1_000));
 }
 
 #[test]

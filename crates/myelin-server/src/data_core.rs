@@ -635,7 +635,7 @@ impl DataCore {
         metrics::counter!(names::RESIDENCY_REUSE_REPORTS_TOTAL, "outcome" => outcome).increment(1);
         // The prompt's uncached part was counted as history had it; what the engine had to
         // prefill beyond that is pressure too.
-        let history_cached = (probe.stamps.len() as u64 * u64::from(probe.block_size))
+        let history_cached = (u64::from(probe.reusable_blocks()) * u64::from(probe.block_size))
             .max(probe.predicted_cached_tokens as u64);
         let shortfall = history_cached.saturating_sub(cached_tokens);
         if shortfall > 0 {

@@ -345,7 +345,10 @@ async fn generate(
             return with_retry_after(error_response(&ApiError::no_backend()), 1);
         };
         let prefill_tokens = (prompt_tokens as u64).saturating_sub(chosen.expected_cached_tokens);
-        let probe = core.routing.borrow().probe(&answer, &chosen);
+        let probe = core
+            .routing
+            .borrow()
+            .probe(&answer, &chosen, prompt_tokens as u64);
         let history_cached = u64::from(chosen.matched_blocks) * core.config.block_size as u64;
         let admitted_prefill = (prompt_tokens as u64)
             .saturating_sub(history_cached.max(chosen.expected_cached_tokens));

@@ -241,7 +241,12 @@ impl RoutingShard {
 
     /// What the estimator saw of `choice`'s backend, kept until the engine reports its reuse
     /// (`None` when that backend is not estimated).
-    pub fn probe(&self, answer: &LookupAnswer, choice: &RouteChoice) -> Option<ReuseProbe> {
+    pub fn probe(
+        &self,
+        answer: &LookupAnswer,
+        choice: &RouteChoice,
+        prompt_tokens: u64,
+    ) -> Option<ReuseProbe> {
         let id = choice.backend;
         if !self.estimates(id) {
             return None;
@@ -267,6 +272,7 @@ impl RoutingShard {
             load_tokens,
             predicted_cached_tokens: choice.expected_cached_tokens as f64,
             room_tokens,
+            prompt_tokens,
         })
     }
 
@@ -486,7 +492,7 @@ mod tests {
         let answer = shard.lookup(&query);
         let choice = shard.decide(&answer, prompt.len(), &[1]).unwrap();
         assert!(choice.expected_cached_tokens < 5, "{choice:?}");
-        let probe = shard.probe(&answer, &choice).unwrap();
+        let probe = shard.probe(&answer, &choice, 170).unwrap();
         assert_eq!(probe.stamps, vec![1_500; 10]);
         assert_eq!(probe.admitted_tokens, 42_000);
         // The engine reports 2 blocks reused: an eviction every replica hears of.
