@@ -227,6 +227,13 @@ async fn list(control: &Rc<Control>) -> Response<Body> {
             json["kv_utilization"] = json!(engine_cache.utilization);
             json["admitted_tokens"] = json!(load.admitted_tokens);
             json["residency_estimate"] = json!(corrections);
+            // Tokenization parity: answers whose usage.prompt_tokens differed from the router's
+            // count, and the last one (with both counts and the likely cause).
+            let parity = crate::token_parity::of(&info.spec.url);
+            json["tokenization"] = json!({
+                "mismatches": parity.mismatches,
+                "last_mismatch": parity.last.as_ref().map(crate::token_parity::Mismatch::to_json),
+            });
             json
         })
         .collect();

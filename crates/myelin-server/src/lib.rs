@@ -27,6 +27,7 @@ mod request_path;
 pub mod route_tokens;
 mod routing_glue;
 mod sim;
+mod token_parity;
 
 use std::net::SocketAddr;
 use std::process::ExitCode;

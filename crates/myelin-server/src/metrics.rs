@@ -115,6 +115,9 @@ pub const RESIDENCY_PREDICTED_VS_REPORTED_TOKENS: &str =
 /// Reuse reports of estimated requests, by `outcome`: `as_history` (the engine reused at least
 /// what history said), `short` (less: an eviction the estimate learns from).
 pub const RESIDENCY_REUSE_REPORTS_TOTAL: &str = "myelin_residency_reuse_reports_total";
+/// Counter: answers whose `usage.prompt_tokens` differs from the router's own token count for
+/// the request, by backend (`token_parity`).
+pub const TOKENIZATION_MISMATCH_TOTAL: &str = "myelin_tokenization_mismatch_total";
 
 /// Histogram buckets for `_seconds` metrics: 10 µs to 60 s.
 const SECONDS_BUCKETS: &[f64] = &[
@@ -176,6 +179,11 @@ pub fn install() -> PrometheusHandle {
 fn describe() {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
     describe_counter!(REQUESTS_TOTAL, "Requests answered, by route and status.");
+    describe_counter!(
+        TOKENIZATION_MISMATCH_TOTAL,
+        "Answers whose usage.prompt_tokens differs from the router's own token count of the \
+         prompt (a different chat template or tokenizer than the engine's), by backend."
+    );
     describe_histogram!(
         TTFT_SECONDS,
         Unit::Seconds,

@@ -43,6 +43,11 @@ pub struct GenerationRequest {
     pub prompt: PromptInput,
     /// `max_tokens` / `max_completion_tokens`, when given (used to estimate decode load).
     pub max_tokens: Option<u64>,
+    /// A completion request with several prompts (`prompt` is only the first; the engine's
+    /// `usage.prompt_tokens` counts them all).
+    pub batch: bool,
+    /// The answer carries `usage`: not streaming, or `stream_options.include_usage`.
+    pub usage_expected: bool,
 }
 
 /// An error returned to the client in OpenAI's shape:
@@ -224,12 +229,22 @@ pub fn parse_generation_request(
         Endpoint::ChatCompletions => PromptInput::Chat(parse_messages(&mut object)?),
         Endpoint::Completions => parse_prompt(&object)?,
     };
+    let batch = endpoint == Endpoint::Completions
+        && matches!(object.get("prompt"), Some(Value::Array(items))
+            if items.len() > 1 && !items[0].is_number());
+    let include_usage = object
+        .get("stream_options")
+        .and_then(|options| options.get("include_usage"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
     Ok(GenerationRequest {
         endpoint,
         model,
         stream,
         prompt,
         max_tokens,
+        batch,
+        usage_expected: !stream || include_usage,
     })
 }
 

@@ -22,6 +22,7 @@ use crate::openai::{ApiError, Endpoint, GenerationRequest, parse_generation_requ
 use crate::proxy::{self, Attempt, BACKEND_HEADER, FailedAttempt, UpstreamRequest};
 use crate::relay::{RelayBody, RelayObserver, StreamEnd, Usage};
 use crate::routing_glue::deepest_match;
+use crate::token_parity::{self, PromptKind};
 
 /// Output tokens assumed for load accounting when a request sets no `max_tokens`.
 const DEFAULT_EXPECTED_OUTPUT_TOKENS: u64 = 256;
@@ -331,6 +332,15 @@ async fn generate(
     let decode_tokens = generation
         .max_tokens
         .unwrap_or(DEFAULT_EXPECTED_OUTPUT_TOKENS);
+    // Tokenization parity: the engine's usage.prompt_tokens against the router's own count,
+    // when the router tokenized the whole (single) prompt and the answer carries usage.
+    let parity = (tokens.complete && !generation.batch && generation.usage_expected).then(|| {
+        let kind = match generation.endpoint {
+            Endpoint::ChatCompletions => PromptKind::Chat,
+            Endpoint::Completions => PromptKind::Completion,
+        };
+        (tokens.ids.len() as u64, kind)
+    });
     let mut backoff = core.config.retry_backoff;
     loop {
         let Some(chosen) = choice.take() else {
@@ -402,6 +412,7 @@ async fn generate(
                     load,
                     permit,
                     core,
+                    parity,
                 );
             }
         };
@@ -430,6 +441,7 @@ async fn generate(
                     load,
                     permit,
                     core,
+                    None,
                 ),
                 // Named by id: clients never learn the engines' addresses.
                 FailedAttempt::Timeout(limit) => error_response(&ApiError {
@@ -522,6 +534,9 @@ struct ResponseObserver {
     arrived: Instant,
     load: LoadGuard,
     _permit: InFlightPermit,
+    /// The router's token count of the prompt and its kind, to compare with the engine's
+    /// `usage.prompt_tokens` (`None`: not comparable).
+    parity: Option<(u64, PromptKind)>,
 }
 
 impl RelayObserver for ResponseObserver {
@@ -532,12 +547,26 @@ impl RelayObserver for ResponseObserver {
     }
 
     fn wants_usage(&self) -> bool {
-        self.load.has_probe()
+        self.load.has_probe() || self.parity.is_some()
     }
 
     fn usage(&mut self, usage: Usage) {
         if let Some(cached_tokens) = usage.cached_tokens {
             self.load.reuse_reported(cached_tokens);
+        }
+        if let (Some((router_tokens, kind)), Some(engine_tokens)) =
+            (self.parity, usage.prompt_tokens)
+            && router_tokens != engine_tokens
+        {
+            let url = self
+                .core
+                .backends
+                .borrow()
+                .get(self.backend)
+                .map(|entry| entry.info.spec.url.clone());
+            if let Some(url) = url {
+                token_parity::check(&url, router_tokens, engine_tokens, kind);
+            }
         }
     }
 
@@ -565,6 +594,7 @@ impl RelayObserver for ResponseObserver {
 /// The client's response: the engine's status and end-to-end headers, `x-myelin-backend`
 /// (the backend's id, as the admin API lists it: never its address), and the body relayed
 /// frame by frame.
+#[allow(clippy::too_many_arguments)]
 fn relay_response(
     response: Response<Incoming>,
     backend: BackendId,
@@ -573,6 +603,7 @@ fn relay_response(
     load: LoadGuard,
     permit: InFlightPermit,
     core: &Rc<DataCore>,
+    parity: Option<(u64, PromptKind)>,
 ) -> Response<Body> {
     let (parts, body) = response.into_parts();
     let is_event_stream = proxy::is_event_stream(&parts.headers);
@@ -583,6 +614,7 @@ fn relay_response(
         arrived,
         load,
         _permit: permit,
+        parity,
     };
     let drain_expired = core.drain_expired.clone();
     let relayed = RelayBody::new(body, is_event_stream, observer)

@@ -1,0 +1,176 @@
+//! Tokenization parity: the router routes by its own token ids, which are only worth anything
+//! if they are the engine's. Each engine answer's `usage.prompt_tokens` says how many tokens the
+//! engine saw; when it differs from the router's count for the same request, the router's
+//! prefixes do not line up with the engine's blocks (a wrong chat template or tokenizer
+//! silently gives zero overlap). Mismatches are counted per backend
+//! (`myelin_tokenization_mismatch_total{backend}`), the last one is kept for
+//! `GET /admin/backends`, and the first one per backend is logged with both counts and the
+//! likely cause.
+//!
+//! The record is process-wide behind a mutex: it is touched only when counts differ (never on
+//! a healthy request path) and when the admin API lists backends.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde_json::{Value, json};
+
+/// Which endpoint the request went to: chats are rendered through a template first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptKind {
+    Chat,
+    Completion,
+}
+
+/// One request whose token counts differ.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mismatch {
+    /// Tokens the router counted for the prompt.
+    pub router_tokens: u64,
+    /// `usage.prompt_tokens` from the engine.
+    pub engine_tokens: u64,
+    pub kind: PromptKind,
+    /// When it was seen, milliseconds since the Unix epoch.
+    pub at_unix_ms: u64,
+}
+
+impl Mismatch {
+    /// The likely cause, from the size of the difference.
+    pub fn likely_cause(&self) -> &'static str {
+        likely_cause(self.router_tokens, self.engine_tokens, self.kind)
+    }
+
+    pub fn to_json(&self) -> Value {
+        json!({
+            "router_prompt_tokens": self.router_tokens,
+            "engine_prompt_tokens": self.engine_tokens,
+            "api": match self.kind {
+                PromptKind::Chat => "chat",
+                PromptKind::Completion => "completions",
+            },
+            "likely_cause": self.likely_cause(),
+            "at_unix_ms": self.at_unix_ms,
+        })
+    }
+}
+
+/// Chat templates differ by a few tokens per message (role headers, turn markers); more than
+/// this per request points at the tokenizer itself.
+const TEMPLATE_DIFFERENCE_MAX: u64 = 64;
+
+/// The likely cause of a difference between the router's and the engine's prompt tokens.
+pub fn likely_cause(router_tokens: u64, engine_tokens: u64, kind: PromptKind) -> &'static str {
+    let difference = router_tokens.abs_diff(engine_tokens);
+    if difference == 1 {
+        "an added BOS token: one side adds a beginning-of-sequence token the other does not \
+         (the tokenizer's add_bos_token, or a template that writes its own bos_token)"
+    } else if kind == PromptKind::Chat && difference <= TEMPLATE_DIFFERENCE_MAX {
+        "the chat template: the engine renders the messages with other role headers or turn \
+         markers than the router (give myelin serve the engine model's --chat-template)"
+    } else {
+        "the tokenizer: the engine splits the text into other tokens than the router (give \
+         myelin serve the engine model's --tokenizer)"
+    }
+}
+
+/// What the router knows about one backend's parity.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BackendParity {
+    /// Requests whose counts differed.
+    pub mismatches: u64,
+    pub last: Option<Mismatch>,
+}
+
+static RECORD: Mutex<Option<HashMap<String, BackendParity>>> = Mutex::new(None);
+
+/// Compares the router's count with the engine's for one answered request of `backend`
+/// (its label: the URL the metrics use). Returns whether they differ; on a difference counts
+/// it, keeps it as the backend's last, and logs it if it is the backend's first.
+pub fn check(backend: &str, router_tokens: u64, engine_tokens: u64, kind: PromptKind) -> bool {
+    if router_tokens == engine_tokens {
+        return false;
+    }
+    metrics::counter!(
+        crate::metrics::TOKENIZATION_MISMATCH_TOTAL,
+        "backend" => backend.to_string()
+    )
+    .increment(1);
+    let mismatch = Mismatch {
+        router_tokens,
+        engine_tokens,
+        kind,
+        at_unix_ms: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |since| since.as_millis() as u64),
+    };
+    let first = {
+        let mut record = RECORD
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let parity = record
+            .get_or_insert_with(HashMap::new)
+            .entry(backend.to_string())
+            .or_default();
+        parity.mismatches += 1;
+        parity.last = Some(mismatch.clone());
+        parity.mismatches == 1
+    };
+    if first {
+        eprintln!(
+            "myelin: WARNING tokenization mismatch on backend {backend}: the router counted {} \
+             prompt tokens, the engine {} ({}); likely cause: {}. Prefix routing cannot match \
+             this engine's cache until they agree (myelin_tokenization_mismatch_total counts \
+             every mismatch; GET /admin/backends shows the last).",
+            mismatch.router_tokens,
+            mismatch.engine_tokens,
+            match kind {
+                PromptKind::Chat => "chat",
+                PromptKind::Completion => "completion",
+            },
+            mismatch.likely_cause()
+        );
+    }
+    true
+}
+
+/// The parity record of `backend` (by its label), for `GET /admin/backends`.
+pub fn of(backend: &str) -> BackendParity {
+    RECORD
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .as_ref()
+        .and_then(|record| record.get(backend).cloned())
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn causes_follow_the_size_of_the_difference() {
+        assert!(likely_cause(100, 101, PromptKind::Chat).contains("BOS"));
+        assert!(likely_cause(101, 100, PromptKind::Completion).contains("BOS"));
+        assert!(likely_cause(100, 112, PromptKind::Chat).contains("chat template"));
+        assert!(likely_cause(100, 112, PromptKind::Completion).contains("tokenizer"));
+        assert!(likely_cause(1000, 1300, PromptKind::Chat).contains("tokenizer"));
+    }
+
+    #[test]
+    fn mismatches_are_counted_per_backend_and_the_last_is_kept() {
+        let backend = "http://parity-test:1";
+        assert!(!check(backend, 50, 50, PromptKind::Chat));
+        assert_eq!(of(backend), BackendParity::default());
+        assert!(check(backend, 50, 58, PromptKind::Chat));
+        assert!(check(backend, 70, 71, PromptKind::Completion));
+        let parity = of(backend);
+        assert_eq!(parity.mismatches, 2);
+        let last = parity.last.unwrap();
+        assert_eq!((last.router_tokens, last.engine_tokens), (70, 71));
+        let json = last.to_json();
+        assert_eq!(json["api"], "completions");
+        assert!(json["likely_cause"].as_str().unwrap().contains("BOS"));
+        assert_eq!(of("http://another:2").mismatches, 0);
+    }
+}
