@@ -22,7 +22,8 @@
 //!      `control::feed_loop` does today (`KV_FEED_INTERVAL`).
 //!    - `tick250us`: the same with a 250 us tick.
 //!
-//!    `MYELIN_KV_LAG_CPUS=P,C` pins the producer to CPU P and the consumer to CPU C. Each row
+//!    `MYELIN_KV_LAG_CPUS=P,C` pins the producer to CPU P and the consumer to CPU C;
+//!    `MYELIN_KV_LAG_FIFO=1` runs both under `SCHED_FIFO`, as if on a dedicated core. Each row
 //!    shows the 1-minute load average when the run started.
 //!
 //! `cargo bench -p myelin-server --bench kv_feed_lag`
@@ -122,6 +123,24 @@ fn pin_to(cpu: usize) {
     }
 }
 
+/// `MYELIN_KV_LAG_FIFO=1`: run the producer and the consumer under `SCHED_FIFO` (priority 1),
+/// so that on a shared machine they preempt the neighbours' threads as soon as they are
+/// runnable, like threads on a dedicated core (needs CAP_SYS_NICE; the kernel's real-time
+/// throttling still leaves the others 5%).
+fn fifo() -> bool {
+    std::env::var("MYELIN_KV_LAG_FIFO").is_ok_and(|value| value == "1")
+}
+
+fn make_fifo() {
+    let param = libc::sched_param { sched_priority: 1 };
+    // SAFETY: sched_setscheduler(2) on the calling thread with a valid parameter block.
+    let result = unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) };
+    assert_eq!(
+        result, 0,
+        "SCHED_FIFO refused (MYELIN_KV_LAG_FIFO=1 needs CAP_SYS_NICE)"
+    );
+}
+
 /// The 1-minute load average, to say how busy the machine was.
 fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
@@ -173,6 +192,9 @@ fn run(workload: &Workload, messages: &[Message], rate: f64, consumer: Consumer)
             if let Some((_, cpu)) = pinning() {
                 pin_to(cpu);
             }
+            if fifo() {
+                make_fifo();
+            }
             // Ticks end on time, as glommio's io_uring timers do.
             // SAFETY: prctl(2) on this thread's own timer slack.
             unsafe {
@@ -211,6 +233,9 @@ fn run(workload: &Workload, messages: &[Message], rate: f64, consumer: Consumer)
         }
         if let Some((cpu, _)) = pinning() {
             pin_to(cpu);
+        }
+        if fifo() {
+            make_fifo();
         }
         let start = Instant::now();
         let mut due = start;
@@ -269,9 +294,13 @@ fn main() {
         .and_then(|value| value.parse().ok())
         .unwrap_or(measured / 2.0);
     println!(
-        "offered rate {:.2} M block events/s (half the median {:.2} M per cpu-s unless MYELIN_KV_LAG_RATE)",
+        "offered rate {:.2} M block events/s (half the median {:.2} M per cpu-s unless MYELIN_KV_LAG_RATE); producer and consumer {}{}",
         rate / 1e6,
-        measured / 1e6
+        measured / 1e6,
+        if fifo() { "SCHED_FIFO" } else { "SCHED_OTHER" },
+        pinning().map_or(String::new(), |(producer, consumer)| format!(
+            ", pinned to CPUs {producer} and {consumer}"
+        )),
     );
     println!(
         "{:<10} {:>6} {:>6} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}",
