@@ -145,12 +145,9 @@ fn fast_tokenizer(source: &TokenizerSource, tokenizer: &Tokenizer) -> Option<Fas
 fn added_tokens(source: &TokenizerSource) -> Option<AddedTokens> {
     match source {
         TokenizerSource::File(path) => AddedTokens::from_tokenizer_json(path),
-        // `AddedTokens` reads files only: the embedded copy is read through the in-memory
-        // file `bundled_tokenizer_path` names (nothing written to disk). Without one the
-        // router still tokenizes exactly, uncached and without the fast path.
-        TokenizerSource::Bundled => myelin_tokenize::bundled_tokenizer_path()
-            .ok()
-            .and_then(|path| AddedTokens::from_tokenizer_json(&path)),
+        TokenizerSource::Bundled => {
+            AddedTokens::from_tokenizer_json_str(myelin_tokenize::BUNDLED_TOKENIZER_JSON)
+        }
     }
 }
 

@@ -114,8 +114,12 @@ impl AddedTokens {
     /// Reads the `added_tokens` of a tokenizer.json. Returns `None` when splitting on them
     /// would not reproduce the tokenizer exactly (see the module docs).
     pub fn from_tokenizer_json(path: &Path) -> Option<AddedTokens> {
-        let text = std::fs::read_to_string(path).ok()?;
-        let json: Value = serde_json::from_str(&text).ok()?;
+        AddedTokens::from_tokenizer_json_str(&std::fs::read_to_string(path).ok()?)
+    }
+
+    /// [`Self::from_tokenizer_json`] of a tokenizer.json's text (e.g. the embedded one).
+    pub fn from_tokenizer_json_str(text: &str) -> Option<AddedTokens> {
+        let json: Value = serde_json::from_str(text).ok()?;
         let normalizer_is_identity = match json.get("normalizer") {
             None | Some(Value::Null) => true,
             Some(normalizer) => {
