@@ -304,6 +304,24 @@ fn run(
     Ok((cluster, single, prompts))
 }
 
+/// Every replica holds what the single shard holds and answers every prompt seen like it.
+fn assert_replicas_equal(
+    cluster: &Cluster,
+    single: &Shard,
+    prompts: &[Arc<BlockChain>],
+) -> Result<(), TestCaseError> {
+    for replica in &cluster.replicas {
+        prop_assert_eq!(replica.blocks_by_backend(), single.blocks_by_backend());
+        for chain in prompts {
+            prop_assert_eq!(
+                replica.lookup_chain(chain, 1).unwrap(),
+                single.lookup_chain(chain, 1).unwrap()
+            );
+        }
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
@@ -311,15 +329,7 @@ proptest! {
     #[test]
     fn replicas_decide_like_one_shard((cores, max_blocks, residency, steps) in scenario()) {
         let (cluster, single, prompts) = run(cores, max_blocks, residency, &steps, true)?;
-        for replica in &cluster.replicas {
-            prop_assert_eq!(replica.blocks_by_backend(), single.blocks_by_backend());
-            for chain in &prompts {
-                prop_assert_eq!(
-                    replica.lookup_chain(chain, 1).unwrap(),
-                    single.lookup_chain(chain, 1).unwrap()
-                );
-            }
-        }
+        assert_replicas_equal(&cluster, &single, &prompts)?;
     }
 
     /// Replicas that answered while behind converge once every message is delivered, whatever
@@ -327,15 +337,7 @@ proptest! {
     #[test]
     fn replicas_converge_in_any_delivery_order((cores, _, residency, steps) in scenario()) {
         let (cluster, single, prompts) = run(cores, 10_000, residency, &steps, false)?;
-        for replica in &cluster.replicas {
-            prop_assert_eq!(replica.blocks_by_backend(), single.blocks_by_backend());
-            for chain in &prompts {
-                prop_assert_eq!(
-                    replica.lookup_chain(chain, 1).unwrap(),
-                    single.lookup_chain(chain, 1).unwrap()
-                );
-            }
-        }
+        assert_replicas_equal(&cluster, &single, &prompts)?;
     }
 }
 

@@ -478,6 +478,12 @@ impl DataCore {
     /// to the other cores' replicas with the next flush.
     pub fn learn(self: &Rc<Self>, query: &LookupQuery, backend: BackendId) {
         let write = self.routing.borrow_mut().learn(query, backend);
+        self.replicate(write);
+    }
+
+    /// Queues a write this core's replica already applied for the other cores' replicas (sent
+    /// with the next flush, or now when the batch is full).
+    fn replicate(self: &Rc<Self>, write: myelin_routing::WriteOp) {
         if self.shards <= 1 {
             return;
         }
@@ -641,21 +647,8 @@ impl DataCore {
         if shortfall > 0 {
             self.change_load(backend, |load| load.admitted_tokens += shortfall);
         }
-        let Some(write) = write else {
-            return;
-        };
-        if self.shards <= 1 {
-            return;
-        }
-        let full = {
-            let mut outbox = self.outbox.borrow_mut();
-            outbox.push(write);
-            outbox.len() >= MAX_WRITES_PER_BATCH
-        };
-        if full {
-            self.flush();
-        } else {
-            self.schedule_flush();
+        if let Some(write) = write {
+            self.replicate(write);
         }
     }
 
