@@ -416,16 +416,25 @@ fn dropped_control_messages_are_healed() {
         let response = router.post_json("/v1/chat/completions", &sim_chat(60, seed));
         assert_eq!(response.status, 200);
     }
-    wait_until("the replicas to agree on verified mirrors", || {
-        let listing = router.admin("GET", "/admin/backends", None).json();
-        let backends = listing["backends"].as_array().cloned().unwrap_or_default();
-        listing["replicas_agree"] == true
-            && listing["shards_answered"] == 2
-            && backends.iter().all(|backend| {
-                backend["residency"] == "verified"
-                    && backend["resident_blocks"].as_u64().unwrap_or(0) > 0
-            })
-    });
+    // Replicas can agree early by missing the same writes: wait for the resync too.
+    wait_until(
+        "a mirror resync and the replicas to agree on verified mirrors",
+        || {
+            let resynced = metric_value(
+                &router.metrics(),
+                &["myelin_state_resyncs_total", "kind=\"mirror\""],
+            ) >= 1.0;
+            let listing = router.admin("GET", "/admin/backends", None).json();
+            let backends = listing["backends"].as_array().cloned().unwrap_or_default();
+            resynced
+                && listing["replicas_agree"] == true
+                && listing["shards_answered"] == 2
+                && backends.iter().all(|backend| {
+                    backend["residency"] == "verified"
+                        && backend["resident_blocks"].as_u64().unwrap_or(0) > 0
+                })
+        },
+    );
     let metrics = router.metrics();
     assert!(
         metric_value(&metrics, &["myelin_cross_core_dropped_messages_total"]) >= 1.0,
