@@ -220,20 +220,20 @@ pub enum Segment<'a> {
     Added(u32),
 }
 
-/// A bounded cache of segment -> token ids: two generations, the older dropped when the
-/// newer fills half the byte budget (an O(1) approximation of LRU).
+/// Two generations of a byte-bounded map, the older dropped when the newer fills half the
+/// budget (an O(1) approximation of LRU): the segment and prefix caches' bookkeeping.
 #[derive(Debug)]
-struct SegmentCache {
+struct Generations<K, V> {
     budget_bytes: usize,
-    current: HashMap<Box<str>, Rc<[u32]>>,
+    current: HashMap<K, V>,
     current_bytes: usize,
-    previous: HashMap<Box<str>, Rc<[u32]>>,
+    previous: HashMap<K, V>,
     previous_bytes: usize,
 }
 
-impl SegmentCache {
+impl<K: Hash + Eq, V: Clone> Generations<K, V> {
     fn new(budget_bytes: usize) -> Self {
-        SegmentCache {
+        Generations {
             budget_bytes,
             current: HashMap::new(),
             current_bytes: 0,
@@ -246,27 +246,76 @@ impl SegmentCache {
         self.current_bytes + self.previous_bytes
     }
 
-    fn get(&mut self, segment: &str) -> Option<Rc<[u32]>> {
-        if let Some(ids) = self.current.get(segment) {
-            return Some(ids.clone());
-        }
-        let ids = self.previous.remove(segment)?;
-        self.insert(segment, ids.clone());
-        Some(ids)
+    /// Whether something of `cost` bytes may be kept at all (at most half the budget).
+    fn fits(&self, cost: usize) -> bool {
+        cost * 2 <= self.budget_bytes
     }
 
-    fn insert(&mut self, segment: &str, ids: Rc<[u32]>) {
-        let cost = segment.len() + ids.len() * 4 + 64;
-        if cost * 2 > self.budget_bytes {
-            return;
+    /// The value of `key`. One found in the older generation is still in use: it moves to
+    /// the newer one, charged `cost` of it, to survive the next rotation.
+    fn get<Q>(&mut self, key: &Q, cost: impl Fn(&V) -> usize) -> Option<V>
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        if let Some(value) = self.current.get(key) {
+            return Some(value.clone());
         }
+        let (key, value) = self.previous.remove_entry(key)?;
+        self.charge(cost(&value));
+        self.current.insert(key, value.clone());
+        Some(value)
+    }
+
+    /// Counts `cost` bytes into the newer generation, rotating first when it would overflow.
+    fn charge(&mut self, cost: usize) {
         if self.current_bytes + cost > self.budget_bytes / 2 {
             self.previous = std::mem::take(&mut self.current);
             self.previous_bytes = self.current_bytes;
             self.current_bytes = 0;
         }
         self.current_bytes += cost;
-        self.current.insert(segment.into(), ids);
+    }
+
+    /// Stores `value` in the newer generation (its bytes charged by the caller).
+    fn put(&mut self, key: K, value: V) {
+        self.current.insert(key, value);
+    }
+}
+
+/// A bounded cache of segment -> token ids.
+#[derive(Debug)]
+struct SegmentCache {
+    generations: Generations<Box<str>, Rc<[u32]>>,
+}
+
+impl SegmentCache {
+    fn new(budget_bytes: usize) -> Self {
+        SegmentCache {
+            generations: Generations::new(budget_bytes),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        self.generations.bytes()
+    }
+
+    fn cost(segment: &str, ids: &[u32]) -> usize {
+        segment.len() + ids.len() * 4 + 64
+    }
+
+    fn get(&mut self, segment: &str) -> Option<Rc<[u32]>> {
+        self.generations
+            .get(segment, |ids| Self::cost(segment, ids))
+    }
+
+    fn insert(&mut self, segment: &str, ids: Rc<[u32]>) {
+        let cost = Self::cost(segment, &ids);
+        if !self.generations.fits(cost) {
+            return;
+        }
+        self.generations.charge(cost);
+        self.generations.put(segment.into(), ids);
     }
 }
 
@@ -467,7 +516,7 @@ impl RouteTokenizer {
             checked_cuts += cuts.len();
         }
         if let Some(cache) = &mut self.cache {
-            *cache = SegmentCache::new(cache.budget_bytes);
+            *cache = SegmentCache::new(cache.generations.budget_bytes);
         }
         if checked_cuts == 0 {
             return Err("the self-check found no checkpoint".into());
@@ -864,46 +913,30 @@ struct Mark {
     ids_len: usize,
 }
 
-/// Checkpoints of earlier prompts by key of their leading bytes: two generations, the older
-/// dropped when the newer fills half the byte budget (like [`SegmentCache`]).
+/// Checkpoints of earlier prompts by key of their leading bytes.
 #[derive(Debug)]
 struct PrefixCache {
-    budget_bytes: usize,
-    current: HashMap<u64, Mark>,
-    current_bytes: usize,
-    previous: HashMap<u64, Mark>,
-    previous_bytes: usize,
+    generations: Generations<u64, Mark>,
 }
 
 impl PrefixCache {
     fn new(budget_bytes: usize) -> Self {
         PrefixCache {
-            budget_bytes,
-            current: HashMap::new(),
-            current_bytes: 0,
-            previous: HashMap::new(),
-            previous_bytes: 0,
+            generations: Generations::new(budget_bytes),
         }
     }
 
     fn bytes(&self) -> usize {
-        self.current_bytes + self.previous_bytes
+        self.generations.bytes()
     }
 
     /// The deepest checkpoint of `text` held: its index in `cuts` and the ids before it.
     fn deepest(&mut self, text: &str, cuts: &[usize], keys: &[u64]) -> Option<(usize, Vec<u32>)> {
         for index in (0..cuts.len()).rev() {
             let (key, cut) = (keys[index], cuts[index]);
-            let found = if let Some(mark) = self.current.get(&key) {
-                Some(mark.clone())
-            } else if let Some(mark) = self.previous.get(&key).cloned() {
-                // Still in use: keep it through the next rotation.
-                self.charge(CHECKPOINT_OVERHEAD_BYTES + entry_cost(&mark.entry));
-                self.current.insert(key, mark.clone());
-                Some(mark)
-            } else {
-                None
-            };
+            let found = self.generations.get(&key, |mark| {
+                CHECKPOINT_OVERHEAD_BYTES + entry_cost(&mark.entry)
+            });
             if let Some(mark) = found
                 && mark.cut == cut
                 && mark.entry.text.as_bytes()[..cut] == text.as_bytes()[..cut]
@@ -922,12 +955,12 @@ impl PrefixCache {
             ids: ids.into(),
         });
         let cost = entry_cost(&entry) + marks.len() * CHECKPOINT_OVERHEAD_BYTES;
-        if cost * 2 > self.budget_bytes {
+        if !self.generations.fits(cost) {
             return;
         }
-        self.charge(cost);
+        self.generations.charge(cost);
         for &(key, cut, ids_len) in marks {
-            self.current.insert(
+            self.generations.put(
                 key,
                 Mark {
                     entry: entry.clone(),
@@ -936,16 +969,6 @@ impl PrefixCache {
                 },
             );
         }
-    }
-
-    /// Counts `cost` bytes into the current generation, rotating first when it would overflow.
-    fn charge(&mut self, cost: usize) {
-        if self.current_bytes + cost > self.budget_bytes / 2 {
-            self.previous = std::mem::take(&mut self.current);
-            self.previous_bytes = self.current_bytes;
-            self.current_bytes = 0;
-        }
-        self.current_bytes += cost;
     }
 }
 
@@ -1145,8 +1168,8 @@ mod tests {
             let key = format!("segment number {index:05}");
             cache.insert(&key, Rc::from(vec![index as u32; 10]));
         }
-        assert!(cache.current_bytes <= 5_000);
-        assert!(cache.current.len() + cache.previous.len() < 200);
+        assert!(cache.generations.current_bytes <= 5_000);
+        assert!(cache.generations.current.len() + cache.generations.previous.len() < 200);
         assert!(cache.get("segment number 00999").is_some());
         assert!(cache.get("segment number 00000").is_none());
     }
