@@ -72,6 +72,46 @@ fn io_error(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> B
     move |source| BenchError::Io { what, path, source }
 }
 
+/// What every harness run sets up: its output directory (with `logs/`), the myelin executable
+/// its routers run, and the flag SIGINT and SIGTERM set.
+pub(crate) struct RunSetup {
+    pub out_dir: PathBuf,
+    pub router_exe: PathBuf,
+    pub interrupted: Arc<AtomicBool>,
+}
+
+/// Creates `out` (or `default_out`) with its `logs/`, resolves `router_bin` (or this
+/// executable) and installs the interrupt flag. An error names what failed and on what.
+pub(crate) fn run_setup(
+    out: Option<&Path>,
+    default_out: PathBuf,
+    router_bin: Option<&Path>,
+) -> Result<RunSetup, (&'static str, PathBuf, std::io::Error)> {
+    let out_dir = out.map_or(default_out, Path::to_path_buf);
+    std::fs::create_dir_all(out_dir.join("logs"))
+        .map_err(|source| ("creating", out_dir.clone(), source))?;
+    let router_exe = match router_bin {
+        Some(path) => path.to_path_buf(),
+        None => std::env::current_exe()
+            .map_err(|source| ("locating", PathBuf::from("the myelin executable"), source))?,
+    };
+    let interrupted = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(signal, interrupted.clone()).map_err(|source| {
+            (
+                "installing a handler for",
+                PathBuf::from("SIGINT/SIGTERM"),
+                source,
+            )
+        })?;
+    }
+    Ok(RunSetup {
+        out_dir,
+        router_exe,
+        interrupted,
+    })
+}
+
 /// Everything a run needs, resolved from the flags.
 struct RunContext {
     config: WorkloadConfig,
@@ -131,23 +171,16 @@ fn prepare(args: &BenchArgs) -> Result<RunContext, BenchError> {
             skipped.count, skipped.context_tokens, skipped.lines
         );
     }
-    let out_dir = match &args.out {
-        Some(out) => out.clone(),
-        None => PathBuf::from("results").join(report::utc_now().1),
-    };
-    std::fs::create_dir_all(out_dir.join("logs")).map_err(io_error("creating", &out_dir))?;
-    let router_exe = match &args.router_bin {
-        Some(path) => path.clone(),
-        None => std::env::current_exe()
-            .map_err(io_error("locating", Path::new("the myelin executable")))?,
-    };
-    let interrupted = Arc::new(AtomicBool::new(false));
-    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(signal, interrupted.clone()).map_err(io_error(
-            "installing a handler for",
-            Path::new("SIGINT/SIGTERM"),
-        ))?;
-    }
+    let RunSetup {
+        out_dir,
+        router_exe,
+        interrupted,
+    } = run_setup(
+        args.out.as_deref(),
+        PathBuf::from("results").join(report::utc_now().1),
+        args.router_bin.as_deref(),
+    )
+    .map_err(|(what, path, source)| io_error(what, &path)(source))?;
     Ok(RunContext {
         legs,
         repeat: args.repeat.max(1),

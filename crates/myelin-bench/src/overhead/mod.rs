@@ -276,23 +276,16 @@ fn prepare(args: &OverheadArgs) -> Result<Context, OverheadError> {
             .map_err(OverheadError::Settings)
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let out_dir = match &args.out {
-        Some(out) => out.clone(),
-        None => PathBuf::from("results").join(format!("overhead-{}", crate::report::utc_now().1)),
-    };
-    std::fs::create_dir_all(out_dir.join("logs")).map_err(io_error("creating", &out_dir))?;
-    let router_exe = match &args.router_bin {
-        Some(path) => path.clone(),
-        None => std::env::current_exe()
-            .map_err(io_error("locating", Path::new("the myelin executable")))?,
-    };
-    let interrupted = Arc::new(AtomicBool::new(false));
-    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(signal, interrupted.clone()).map_err(io_error(
-            "installing a handler for",
-            Path::new("SIGINT/SIGTERM"),
-        ))?;
-    }
+    let crate::runner::RunSetup {
+        out_dir,
+        router_exe,
+        interrupted,
+    } = crate::runner::run_setup(
+        args.out.as_deref(),
+        PathBuf::from("results").join(format!("overhead-{}", crate::report::utc_now().1)),
+        args.router_bin.as_deref(),
+    )
+    .map_err(|(what, path, source)| io_error(what, &path)(source))?;
     Ok(Context {
         settings,
         pinning,
