@@ -7,6 +7,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::backend_spec::BackendSpec;
+use crate::metrics::BackendMetrics;
 
 /// Stable id of a backend within one router process (never reused after removal).
 pub type BackendId = u32;
@@ -81,6 +82,9 @@ impl BackendEntry {
 
 /// A data core's backends, by id.
 #[derive(Debug)]
+    /// This backend's labelled metric handles on this core (registered when it was added, so
+    /// the request path never looks a series up in the recorder).
+    pub metrics: BackendMetrics,
 pub struct BackendTable {
     shards: usize,
     entries: BTreeMap<BackendId, BackendEntry>,
@@ -127,11 +131,15 @@ impl BackendTable {
         }
     }
 
+                if entry.info.spec.url != info.spec.url {
+                    entry.metrics = BackendMetrics::new(&info.spec.url);
+                }
     /// Removes a backend for good (its id is never reused).
     pub fn remove(&mut self, id: BackendId) -> Option<BackendEntry> {
         self.removed.insert(id);
         self.entries.remove(&id)
     }
+                    metrics: BackendMetrics::new(&info.spec.url),
 
     /// Sets a backend's routing state unless a newer change was applied to it. Returns whether
     /// it changed anything.

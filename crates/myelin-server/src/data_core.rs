@@ -85,6 +85,8 @@ pub struct DataCore {
     shard_label: String,
     /// Routing lookups this core served (`myelin_router_lookups_total{shard}`).
     lookups: metrics::Counter,
+    /// The metric handles the request path records into (no registry lookup, no lock).
+    pub meters: names::CoreMetrics,
     /// Learned routes not yet sent to the other cores' replicas.
     outbox: RefCell<Vec<myelin_routing::WriteOp>>,
     /// Backends whose local load changed since the last flush.
@@ -176,6 +178,7 @@ pub async fn run_data_core(setup: DataCoreSetup) -> ServeReport {
         mesh,
         shard_label: setup.shard.to_string(),
         lookups: metrics::counter!(names::LOOKUPS_TOTAL, "shard" => setup.shard.to_string()),
+        meters: names::CoreMetrics::new(&setup.shard.to_string()),
         outbox: RefCell::new(Vec::new()),
         dirty_loads: RefCell::new(Vec::new()),
         pending_successes: RefCell::new(Vec::new()),
@@ -261,7 +264,8 @@ pub struct LoadGuard {
     /// Uncached prompt tokens still counted as queued prefill (0 once the first token came).
     prefill_tokens: u64,
     decode_tokens: u64,
-    label: String,
+    /// The backend's `myelin_backend_in_flight_requests` (none: the backend was gone).
+    in_flight: Option<metrics::Gauge>,
     /// What the residency estimate saw of the backend when it was chosen, until the engine
     /// reports its reuse (`None`: not estimated).
     probe: Option<myelin_routing::ReuseProbe>,
@@ -303,7 +307,9 @@ impl LoadGuard {
 
 impl Drop for LoadGuard {
     fn drop(&mut self) {
-        metrics::gauge!(names::BACKEND_IN_FLIGHT, "backend" => self.label.clone()).decrement(1.0);
+        if let Some(in_flight) = &self.in_flight {
+            in_flight.decrement(1.0);
+        }
         let remaining = self.prefill_tokens + self.decode_tokens;
         self.core.change_load(self.backend, |load| {
             load.requests = load.requests.saturating_sub(1);
@@ -325,7 +331,8 @@ impl DataCore {
                 let mut backends = self.backends.borrow_mut();
                 let mut routing = self.routing.borrow_mut();
                 for update in updates.iter() {
-                    metrics::histogram!(names::LOAD_VIEW_STALENESS_SECONDS)
+                    self.meters
+                        .load_view_staleness
                         .record(update.sent_at.elapsed().as_secs_f64());
                     backends.apply_peer_load(update.from, update.backend, update.load);
                     routing.set_load(update.backend, update.from, update.load);
@@ -357,8 +364,7 @@ impl DataCore {
                 let (changed, gone) = self.backends.borrow_mut().sync(&backends, version);
                 if !changed.is_empty() || !gone.is_empty() {
                     // Only a dropped change makes a sync differ from what this core has.
-                    metrics::counter!(names::STATE_RESYNCS_TOTAL, "kind" => "backends")
-                        .increment(1);
+                    self.meters.backend_resyncs.increment(1);
                 }
                 let mut routing = self.routing.borrow_mut();
                 for id in changed {
@@ -444,15 +450,11 @@ impl DataCore {
         let kind = message.kind();
         match self.mesh.try_send(to, message) {
             Ok(()) => {
-                metrics::counter!(
-                    names::CROSS_CORE_MESSAGES_TOTAL,
-                    "shard" => self.shard_label.clone(), "kind" => kind
-                )
-                .increment(1);
+                self.meters.cross_core_messages.get(kind).increment(1);
                 true
             }
             Err(SendError::Full | SendError::Closed | SendError::NoSuchCore) => {
-                metrics::counter!(names::CROSS_CORE_DROPPED_TOTAL, "kind" => kind).increment(1);
+                self.meters.cross_core_dropped.get(kind).increment(1);
                 false
             }
         }
@@ -597,24 +599,25 @@ impl DataCore {
         prefill_tokens: u64,
         decode_tokens: u64,
     ) -> LoadGuard {
-        let label = self
+        let in_flight = self
             .backends
             .borrow()
             .get(backend)
-            .map(|entry| entry.info.spec.url.clone())
-            .unwrap_or_default();
+            .map(|entry| entry.metrics.in_flight.clone());
         self.change_load(backend, |load| {
             load.requests += 1;
             load.tokens += prefill_tokens + decode_tokens;
             load.admitted_tokens += admitted_prefill_tokens + decode_tokens;
         });
-        metrics::gauge!(names::BACKEND_IN_FLIGHT, "backend" => label.clone()).increment(1.0);
+        if let Some(in_flight) = &in_flight {
+            in_flight.increment(1.0);
+        }
         LoadGuard {
             core: self.clone(),
             backend,
             prefill_tokens,
             decode_tokens,
-            label,
+            in_flight,
             probe: None,
         }
     }
@@ -631,14 +634,15 @@ impl DataCore {
             self.routing
                 .borrow_mut()
                 .observe_reuse(backend, probe, cached_tokens);
-        metrics::histogram!(names::RESIDENCY_PREDICTED_VS_REPORTED_TOKENS)
+        self.meters
+            .residency_predicted_vs_reported
             .record(cached_tokens as f64 - probe.predicted_cached_tokens);
         let outcome = if observation.reported_blocks >= observation.matched_blocks {
             "as_history"
         } else {
             "short"
         };
-        metrics::counter!(names::RESIDENCY_REUSE_REPORTS_TOTAL, "outcome" => outcome).increment(1);
+        self.meters.reuse_reports.get(outcome).increment(1);
         // The prompt's uncached part was counted as history had it; what the engine had to
         // prefill beyond that is pressure too.
         let history_cached = (u64::from(probe.reusable_blocks()) * u64::from(probe.block_size))

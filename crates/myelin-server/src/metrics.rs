@@ -1,6 +1,10 @@
 //! Metric names, their help texts and the Prometheus recorder (rendered by GET /metrics; no
 //! exporter thread and no tokio: the control core runs the recorder's upkeep).
 
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use metrics::{Counter, Gauge, Histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 /// Requests answered, by `route` (path or `other`) and HTTP `status`.
@@ -122,6 +126,163 @@ pub const TOKENIZATION_MISMATCH_TOTAL: &str = "myelin_tokenization_mismatch_tota
 /// Histogram buckets for `_seconds` metrics: 10 µs to 60 s.
 const SECONDS_BUCKETS: &[f64] = &[
     0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+/// The handles a data core records into on its request path, registered once per core (and
+/// per label value on its first use): `metrics::counter!` and friends look the series up in the
+/// recorder's registry, a sharded map behind read-write locks, on every call, whereas a handle
+/// is an `Arc` of the series' atomics. Nothing here is shared between cores except those
+/// atomics, so recording takes no lock. Per-backend handles are in [`BackendMetrics`].
+pub struct CoreMetrics {
+    pub client_disconnects: Counter,
+    pub overload_rejections: Counter,
+    pub tokenize_seconds: Histogram,
+    pub tokenize_cached_segments: Counter,
+    pub tokenize_segments: Counter,
+    pub tokenize_cached_prefix_bytes: Counter,
+    pub tokenize_bytes: Counter,
+    pub routing_decision_seconds: Histogram,
+    pub prefix_match_blocks: Histogram,
+    pub residency_downgrades: Counter,
+    pub prefix_replications: Counter,
+    pub upstream_stream_errors: Counter,
+    pub load_view_staleness: Histogram,
+    pub residency_predicted_vs_reported: Histogram,
+    pub backend_resyncs: Counter,
+    /// By `extent`.
+    pub tokenize_prompts: Family<Counter>,
+    /// By `reason`.
+    pub tokenize_truncated: Family<Counter>,
+    /// By `reason`.
+    pub retries: Family<Counter>,
+    /// By `kind` (see [`TIMEOUT_KINDS`]).
+    pub timeouts: Family<Counter>,
+    /// By `route`.
+    pub ttft: Family<Histogram>,
+    /// By `route`.
+    pub duration: Family<Histogram>,
+    /// By `outcome`.
+    pub reuse_reports: Family<Counter>,
+    /// By `kind`, this core's `shard` label fixed.
+    pub cross_core_messages: Family<Counter>,
+    /// By `kind`.
+    pub cross_core_dropped: Family<Counter>,
+    /// `myelin_requests_total` by `route` and `status`.
+    requests: RefCell<HashMap<(&'static str, u16), Counter>>,
+}
+
+impl CoreMetrics {
+    /// Registers the handles of the core whose `shard` label is `shard`.
+    pub fn new(shard: &str) -> Self {
+        let shard = shard.to_string();
+        CoreMetrics {
+            client_disconnects: metrics::counter!(CLIENT_DISCONNECTS_TOTAL),
+            overload_rejections: metrics::counter!(OVERLOAD_REJECTIONS_TOTAL),
+            tokenize_seconds: metrics::histogram!(TOKENIZE_SECONDS),
+            tokenize_cached_segments: metrics::counter!(TOKENIZE_CACHED_SEGMENTS_TOTAL),
+            tokenize_segments: metrics::counter!(TOKENIZE_SEGMENTS_TOTAL),
+            tokenize_cached_prefix_bytes: metrics::counter!(TOKENIZE_CACHED_PREFIX_BYTES_TOTAL),
+            tokenize_bytes: metrics::counter!(TOKENIZE_BYTES_TOTAL),
+            routing_decision_seconds: metrics::histogram!(ROUTING_DECISION_SECONDS),
+            prefix_match_blocks: metrics::histogram!(PREFIX_MATCH_BLOCKS),
+            residency_downgrades: metrics::counter!(RESIDENCY_DOWNGRADES_TOTAL),
+            prefix_replications: metrics::counter!(PREFIX_REPLICATIONS_TOTAL),
+            upstream_stream_errors: metrics::counter!(UPSTREAM_STREAM_ERRORS_TOTAL),
+            load_view_staleness: metrics::histogram!(LOAD_VIEW_STALENESS_SECONDS),
+            residency_predicted_vs_reported: metrics::histogram!(
+                RESIDENCY_PREDICTED_VS_REPORTED_TOKENS
+            ),
+            backend_resyncs: metrics::counter!(STATE_RESYNCS_TOTAL, "kind" => "backends"),
+            tokenize_prompts: Family::new(
+                |extent| metrics::counter!(TOKENIZE_PROMPTS_TOTAL, "extent" => extent),
+            ),
+            tokenize_truncated: Family::new(
+                |reason| metrics::counter!(TOKENIZE_TRUNCATED_TOTAL, "reason" => reason),
+            ),
+            retries: Family::new(|reason| metrics::counter!(RETRIES_TOTAL, "reason" => reason)),
+            timeouts: Family::new(|kind| metrics::counter!(TIMEOUTS_TOTAL, "kind" => kind)),
+            ttft: Family::new(|route| metrics::histogram!(TTFT_SECONDS, "route" => route)),
+            duration: Family::new(
+                |route| metrics::histogram!(REQUEST_DURATION_SECONDS, "route" => route),
+            ),
+            reuse_reports: Family::new(
+                |outcome| metrics::counter!(RESIDENCY_REUSE_REPORTS_TOTAL, "outcome" => outcome),
+            ),
+            cross_core_messages: Family::new(move |kind| {
+                metrics::counter!(
+                    CROSS_CORE_MESSAGES_TOTAL, "shard" => shard.clone(), "kind" => kind
+                )
+            }),
+            cross_core_dropped: Family::new(
+                |kind| metrics::counter!(CROSS_CORE_DROPPED_TOTAL, "kind" => kind),
+            ),
+            requests: RefCell::new(HashMap::new()),
+        }
+    }
+
+    /// Counts one answered request (`myelin_requests_total{route, status}`).
+    pub fn request(&self, route: &'static str, status: u16) {
+        if let Some(counter) = self.requests.borrow().get(&(route, status)) {
+            counter.increment(1);
+            return;
+        }
+        let counter = metrics::counter!(
+            REQUESTS_TOTAL, "route" => route, "status" => status.to_string()
+        );
+        counter.increment(1);
+        self.requests.borrow_mut().insert((route, status), counter);
+    }
+
+    /// Counts one passed deadline of `kind` (one of [`TIMEOUT_KINDS`]).
+    pub fn timeout(&self, kind: &'static str) {
+        self.timeouts.get(kind).increment(1);
+    }
+}
+
+/// One metric's handles by the value of its one free label, registered on first use. The label
+/// values are a small fixed set (`&'static str`), so a scan of a short list finds them.
+pub struct Family<T> {
+    handles: RefCell<Vec<(&'static str, T)>>,
+    register: Box<dyn Fn(&'static str) -> T>,
+}
+
+impl<T: Clone> Family<T> {
+    fn new(register: impl Fn(&'static str) -> T + 'static) -> Self {
+        Family {
+            handles: RefCell::new(Vec::new()),
+            register: Box::new(register),
+        }
+    }
+
+    /// The handle for `value` (an `Arc` clone).
+    pub fn get(&self, value: &'static str) -> T {
+        if let Some((_, handle)) = self.handles.borrow().iter().find(|(v, _)| *v == value) {
+            return handle.clone();
+        }
+        let handle = (self.register)(value);
+        self.handles.borrow_mut().push((value, handle.clone()));
+        handle
+    }
+}
+
+/// A backend's labelled handles on one data core, registered when the core adds the backend
+/// (kept with it in the core's backend table, `backends.rs`).
+#[derive(Debug, Clone)]
+pub struct BackendMetrics {
+    /// `myelin_backend_selected_total{backend}`.
+    pub selected: Counter,
+    /// `myelin_backend_in_flight_requests{backend}`.
+    pub in_flight: Gauge,
+}
+
+impl BackendMetrics {
+    /// Registers the handles of the backend labelled `label` (its URL).
+    pub fn new(label: &str) -> Self {
+        BackendMetrics {
+            selected: metrics::counter!(BACKEND_SELECTED_TOTAL, "backend" => label.to_string()),
+            in_flight: metrics::gauge!(BACKEND_IN_FLIGHT, "backend" => label.to_string()),
+        }
+    }
+}
+
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 

@@ -94,7 +94,9 @@ pub async fn handle(core: Rc<DataCore>, request: Request<Incoming>) -> Response<
                 Route::Generate(endpoint) => {
                     // Dropped before it answers: hyper dropped this future because the client
                     // went away (the engine attempt in flight is dropped with it: aborted).
-                    let abandoned = AbandonGuard { armed: true };
+                    let abandoned = AbandonGuard {
+                        counter: Some(core.meters.client_disconnects.clone()),
+                    };
                     let response = generate(&core, endpoint, request, arrived).await;
                     abandoned.disarm();
                     response
@@ -107,30 +109,27 @@ pub async fn handle(core: Rc<DataCore>, request: Request<Incoming>) -> Response<
         }
         Err(error) => ("other", error_response(&error)),
     };
-    metrics::counter!(
-        names::REQUESTS_TOTAL,
-        "route" => label, "status" => response.status().as_str().to_string()
-    )
-    .increment(1);
+    core.meters.request(label, response.status().as_u16());
     response
 }
 
 /// Counts a request whose client went away before its response head
 /// (`myelin_client_disconnects_total`), unless disarmed.
 struct AbandonGuard {
-    armed: bool,
+    /// The core's `myelin_client_disconnects_total` while armed.
+    counter: Option<metrics::Counter>,
 }
 
 impl AbandonGuard {
     fn disarm(mut self) {
-        self.armed = false;
+        self.counter = None;
     }
 }
 
 impl Drop for AbandonGuard {
     fn drop(&mut self) {
-        if self.armed {
-            metrics::counter!(names::CLIENT_DISCONNECTS_TOTAL).increment(1);
+        if let Some(counter) = &self.counter {
+            counter.increment(1);
         }
     }
 }
@@ -160,11 +159,24 @@ pub fn protocol_error_body(status: u16) -> Option<Bytes> {
         ),
         _ => return None,
     };
-    metrics::counter!(
-        names::REQUESTS_TOTAL,
-        "route" => "other", "status" => status.to_string()
-    )
-    .increment(1);
+    // Called by the HTTP server without the core at hand: this thread's (this core's) own
+    // handles, registered on first use like `CoreMetrics::request`.
+    thread_local! {
+        static COUNTERS: std::cell::RefCell<Vec<(u16, metrics::Counter)>> =
+            const { std::cell::RefCell::new(Vec::new()) };
+    }
+    COUNTERS.with_borrow_mut(|counters| {
+        if let Some((_, counter)) = counters.iter().find(|(s, _)| *s == status) {
+            counter.increment(1);
+        } else {
+            let counter = metrics::counter!(
+                names::REQUESTS_TOTAL,
+                "route" => "other", "status" => status.to_string()
+            );
+            counter.increment(1);
+            counters.push((status, counter));
+        }
+    });
     let error = ApiError {
         status: StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST),
         message: message.into(),
@@ -212,7 +224,7 @@ async fn generate(
         Some(Ok(body)) => body,
         Some(Err(error)) => return error_response(&error),
         None => {
-            names::timeout("body_read");
+            core.meters.timeout("body_read");
             return error_response(&ApiError::body_timeout());
         }
     };
@@ -220,7 +232,7 @@ async fn generate(
     // Accept: a bounded number of requests in flight per core; past it, 429 right away
     // (cheaper for everyone than queueing behind engines that are already saturated).
     let Some(permit) = core.admit() else {
-        metrics::counter!(names::OVERLOAD_REJECTIONS_TOTAL).increment(1);
+        core.meters.overload_rejections.increment(1);
         return with_retry_after(
             error_response(&ApiError::overloaded()),
             core.config.retry_after_seconds,
@@ -288,17 +300,23 @@ async fn generate(
         query = core.routing.borrow().query(&tokens.ids);
         answer = core.lookup(&query);
     }
-    metrics::histogram!(names::TOKENIZE_SECONDS).record(tokenize_time.as_secs_f64());
-    metrics::counter!(names::TOKENIZE_PROMPTS_TOTAL, "extent" => extent).increment(1);
-    metrics::counter!(names::TOKENIZE_CACHED_SEGMENTS_TOTAL)
+    let meters = &core.meters;
+    meters.tokenize_seconds.record(tokenize_time.as_secs_f64());
+    meters.tokenize_prompts.get(extent).increment(1);
+    meters
+        .tokenize_cached_segments
         .increment(tokens.stats.cached_segments.into());
-    metrics::counter!(names::TOKENIZE_SEGMENTS_TOTAL)
+    meters
+        .tokenize_segments
         .increment(tokens.stats.tokenized_segments.into());
-    metrics::counter!(names::TOKENIZE_CACHED_PREFIX_BYTES_TOTAL)
+    meters
+        .tokenize_cached_prefix_bytes
         .increment(tokens.stats.cached_prefix_bytes.into());
-    metrics::counter!(names::TOKENIZE_BYTES_TOTAL).increment(tokenized_bytes);
+    meters.tokenize_bytes.increment(tokenized_bytes);
     if let Some(truncation) = tokens.stats.truncation {
-        metrics::counter!(names::TOKENIZE_TRUNCATED_TOTAL, "reason" => truncation.as_str())
+        meters
+            .tokenize_truncated
+            .get(truncation.as_str())
             .increment(1);
     }
 
@@ -316,7 +334,9 @@ async fn generate(
         } else {
             Duration::ZERO
         });
-    metrics::histogram!(names::ROUTING_DECISION_SECONDS).record(decision_time.as_secs_f64());
+    meters
+        .routing_decision_seconds
+        .record(decision_time.as_secs_f64());
 
     // Proxy: retried on another backend only before the first response byte.
     let upstream = UpstreamRequest {
@@ -346,11 +366,11 @@ async fn generate(
         let Some(chosen) = choice.take() else {
             return with_retry_after(error_response(&ApiError::no_backend()), 1);
         };
-        let Some(base_url) = core
+        let Some((base_url, selected)) = core
             .backends
             .borrow()
             .get(chosen.backend)
-            .map(|entry| entry.info.spec.url.clone())
+            .map(|entry| (entry.info.spec.url.clone(), entry.metrics.selected.clone()))
         else {
             return with_retry_after(error_response(&ApiError::no_backend()), 1);
         };
@@ -382,7 +402,7 @@ async fn generate(
         )
         .await;
         let attempted = attempted.unwrap_or_else(|| {
-            names::timeout(if generation.stream {
+            core.meters.timeout(if generation.stream {
                 "upstream_header"
             } else {
                 "upstream_response"
@@ -397,12 +417,16 @@ async fn generate(
                 if response.status().is_success() {
                     core.learn(&query, chosen.backend);
                 }
-                metrics::counter!(names::BACKEND_SELECTED_TOTAL, "backend" => base_url.clone())
-                    .increment(1);
-                metrics::histogram!(names::PREFIX_MATCH_BLOCKS)
+                selected.increment(1);
+                meters
+                    .prefix_match_blocks
                     .record(f64::from(chosen.matched_blocks));
                 if chosen.residency_downgrade {
-                    metrics::counter!(names::RESIDENCY_DOWNGRADES_TOTAL).increment(1);
+                    meters.residency_downgrades.increment(1);
+                }
+                if chosen.prefix_replication {
+                    meters.prefix_replications.increment(1);
+                    core.note_prefix_replication(chosen.backend);
                 }
                 return relay_response(
                     response,
@@ -470,7 +494,7 @@ async fn generate(
         }
         drop(failure);
         drop(load);
-        metrics::counter!(names::RETRIES_TOTAL, "reason" => reason).increment(1);
+        meters.retries.get(reason).increment(1);
         Timer::new(backoff).await;
         backoff = backoff.saturating_mul(2);
     }
@@ -542,7 +566,10 @@ struct ResponseObserver {
 impl RelayObserver for ResponseObserver {
     fn first_byte(&mut self) {
         self.load.prefill_done();
-        metrics::histogram!(names::TTFT_SECONDS, "route" => self.route)
+        self.core
+            .meters
+            .ttft
+            .get(self.route)
             .record(self.arrived.elapsed().as_secs_f64());
     }
 
@@ -571,22 +598,23 @@ impl RelayObserver for ResponseObserver {
     }
 
     fn finished(&mut self, end: StreamEnd) {
-        metrics::histogram!(names::REQUEST_DURATION_SECONDS, "route" => self.route)
+        let meters = &self.core.meters;
+        meters
+            .duration
+            .get(self.route)
             .record(self.arrived.elapsed().as_secs_f64());
         match end {
             StreamEnd::Complete => {}
             StreamEnd::UpstreamBroken => {
-                metrics::counter!(names::UPSTREAM_STREAM_ERRORS_TOTAL).increment(1);
+                meters.upstream_stream_errors.increment(1);
                 self.core.report_outcome(self.backend, false);
             }
             StreamEnd::IdleTimeout => {
-                names::timeout("stream_idle");
+                meters.timeout("stream_idle");
                 self.core.report_outcome(self.backend, false);
             }
-            StreamEnd::Drained => names::timeout("drain"),
-            StreamEnd::ClientGone => {
-                metrics::counter!(names::CLIENT_DISCONNECTS_TOTAL).increment(1);
-            }
+            StreamEnd::Drained => meters.timeout("drain"),
+            StreamEnd::ClientGone => meters.client_disconnects.increment(1),
         }
     }
 }
@@ -653,7 +681,7 @@ async fn models(core: &Rc<DataCore>) -> Response<Body> {
             glommio::spawn_local(async move {
                 let fetched = myelin_http::rt::timeout(MODELS_TIMEOUT, fetch_models(&core, &url));
                 fetched.await.unwrap_or_else(|| {
-                    names::timeout("models");
+                    core.meters.timeout("models");
                     None
                 })
             })

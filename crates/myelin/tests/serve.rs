@@ -868,6 +868,36 @@ fn metrics_are_served_on_both_listeners() {
         "GET",
         "/metrics",
         &[],
+    // The data cores record through handles registered once per core (per backend when it is
+    // added): the values still land in the shared series, once per event.
+    let backend = format!("backend=\"{}\"", engine.url());
+    let chat = "route=\"/v1/chat/completions\"";
+    assert_eq!(
+        metric_value(&text, &["myelin_requests_total", chat, "status=\"200\""]),
+        1.0
+    );
+    assert_eq!(
+        metric_value(&text, &["myelin_backend_selected_total", &backend]),
+        1.0
+    );
+    assert_eq!(
+        metric_value(&text, &["myelin_request_ttft_seconds_count", chat]),
+        1.0
+    );
+    assert_eq!(
+        metric_value(
+            &text,
+            &["myelin_tokenize_prompts_total", "extent=\"whole\""]
+        ),
+        1.0
+    );
+    // The in-flight gauge goes back to 0 and the duration is recorded once the relay ends.
+    wait_until("the stream's end to be recorded", || {
+        let text = router.metrics();
+        let in_flight = format!("myelin_backend_in_flight_requests{{{backend}}} 0");
+        text.lines().any(|line| line == in_flight)
+            && metric_value(&text, &["myelin_request_duration_seconds_count", chat]) == 1.0
+    });
         None,
     );
     assert_eq!(separate.status, 200);
