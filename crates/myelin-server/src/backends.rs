@@ -64,6 +64,9 @@ pub struct BackendEntry {
     pub peers: Vec<Load>,
     /// Version of the last control-core change applied to this entry (0: the startup list).
     pub version: u64,
+    /// This backend's labelled metric handles on this core (registered when it was added, so
+    /// the request path never looks a series up in the recorder).
+    pub metrics: BackendMetrics,
 }
 
 impl BackendEntry {
@@ -82,9 +85,6 @@ impl BackendEntry {
 
 /// A data core's backends, by id.
 #[derive(Debug)]
-    /// This backend's labelled metric handles on this core (registered when it was added, so
-    /// the request path never looks a series up in the recorder).
-    pub metrics: BackendMetrics,
 pub struct BackendTable {
     shards: usize,
     entries: BTreeMap<BackendId, BackendEntry>,
@@ -115,11 +115,15 @@ impl BackendTable {
             Some(entry) if entry.version > version => false,
             Some(entry) => {
                 entry.version = version;
+                if entry.info.spec.url != info.spec.url {
+                    entry.metrics = BackendMetrics::new(&info.spec.url);
+                }
                 entry.info = info;
                 true
             }
             None => {
                 let entry = BackendEntry {
+                    metrics: BackendMetrics::new(&info.spec.url),
                     info: info.clone(),
                     local: Load::default(),
                     peers: vec![Load::default(); self.shards],
@@ -131,15 +135,11 @@ impl BackendTable {
         }
     }
 
-                if entry.info.spec.url != info.spec.url {
-                    entry.metrics = BackendMetrics::new(&info.spec.url);
-                }
     /// Removes a backend for good (its id is never reused).
     pub fn remove(&mut self, id: BackendId) -> Option<BackendEntry> {
         self.removed.insert(id);
         self.entries.remove(&id)
     }
-                    metrics: BackendMetrics::new(&info.spec.url),
 
     /// Sets a backend's routing state unless a newer change was applied to it. Returns whether
     /// it changed anything.

@@ -123,9 +123,6 @@ pub const RESIDENCY_REUSE_REPORTS_TOTAL: &str = "myelin_residency_reuse_reports_
 /// the request, by backend (`token_parity`).
 pub const TOKENIZATION_MISMATCH_TOTAL: &str = "myelin_tokenization_mismatch_total";
 
-/// Histogram buckets for `_seconds` metrics: 10 µs to 60 s.
-const SECONDS_BUCKETS: &[f64] = &[
-    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
 /// The handles a data core records into on its request path, registered once per core (and
 /// per label value on its first use): `metrics::counter!` and friends look the series up in the
 /// recorder's registry, a sharded map behind read-write locks, on every call, whereas a handle
@@ -283,6 +280,9 @@ impl BackendMetrics {
     }
 }
 
+/// Histogram buckets for `_seconds` metrics: 10 µs to 60 s.
+const SECONDS_BUCKETS: &[f64] = &[
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 

@@ -863,11 +863,6 @@ fn metrics_are_served_on_both_listeners() {
     ] {
         assert!(text.contains(name), "missing {name} in\n{text}");
     }
-    let separate = request(
-        metrics_listen.parse().unwrap(),
-        "GET",
-        "/metrics",
-        &[],
     // The data cores record through handles registered once per core (per backend when it is
     // added): the values still land in the shared series, once per event.
     let backend = format!("backend=\"{}\"", engine.url());
@@ -898,6 +893,11 @@ fn metrics_are_served_on_both_listeners() {
         text.lines().any(|line| line == in_flight)
             && metric_value(&text, &["myelin_request_duration_seconds_count", chat]) == 1.0
     });
+    let separate = request(
+        metrics_listen.parse().unwrap(),
+        "GET",
+        "/metrics",
+        &[],
         None,
     );
     assert_eq!(separate.status, 200);
