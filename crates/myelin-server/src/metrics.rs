@@ -139,7 +139,6 @@ pub struct CoreMetrics {
     pub routing_decision_seconds: Histogram,
     pub prefix_match_blocks: Histogram,
     pub residency_downgrades: Counter,
-    pub prefix_replications: Counter,
     pub upstream_stream_errors: Counter,
     pub load_view_staleness: Histogram,
     pub residency_predicted_vs_reported: Histogram,
@@ -181,7 +180,6 @@ impl CoreMetrics {
             routing_decision_seconds: metrics::histogram!(ROUTING_DECISION_SECONDS),
             prefix_match_blocks: metrics::histogram!(PREFIX_MATCH_BLOCKS),
             residency_downgrades: metrics::counter!(RESIDENCY_DOWNGRADES_TOTAL),
-            prefix_replications: metrics::counter!(PREFIX_REPLICATIONS_TOTAL),
             upstream_stream_errors: metrics::counter!(UPSTREAM_STREAM_ERRORS_TOTAL),
             load_view_staleness: metrics::histogram!(LOAD_VIEW_STALENESS_SECONDS),
             residency_predicted_vs_reported: metrics::histogram!(
