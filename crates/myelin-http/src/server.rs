@@ -14,9 +14,9 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures_lite::AsyncReadExt;
 use futures_lite::future::or;
-use glommio::net::{TcpListener, TcpStream};
+use futures_lite::{AsyncRead, AsyncReadExt, AsyncWrite};
+use glommio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use glommio::timer::Timer;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
@@ -238,10 +238,46 @@ impl Drop for ConnectionGuard {
     }
 }
 
+/// A listening socket [`serve`] accepts connections on: TCP, or a Unix stream socket.
+pub trait Listener {
+    /// An accepted connection.
+    type Stream: AsyncRead + AsyncWrite + Unpin + 'static;
+
+    /// Waits for the next connection.
+    fn accept(&self) -> impl Future<Output = io::Result<Self::Stream>>;
+
+    /// Readies an accepted connection (TCP: no Nagle delay).
+    fn prepare(stream: &mut Self::Stream) -> io::Result<()>;
+}
+
+impl Listener for TcpListener {
+    type Stream = TcpStream;
+
+    async fn accept(&self) -> io::Result<TcpStream> {
+        Ok(TcpListener::accept(self).await?)
+    }
+
+    fn prepare(stream: &mut TcpStream) -> io::Result<()> {
+        Ok(stream.set_nodelay(true)?)
+    }
+}
+
+impl Listener for UnixListener {
+    type Stream = UnixStream;
+
+    async fn accept(&self) -> io::Result<UnixStream> {
+        Ok(UnixListener::accept(self).await?)
+    }
+
+    fn prepare(_stream: &mut UnixStream) -> io::Result<()> {
+        Ok(())
+    }
+}
+
 /// Serves HTTP on `listener` until `shutdown` triggers, then stops accepting, lets open
 /// connections finish their in-flight requests (up to `config.drain_timeout`) and returns.
-pub async fn serve<H, F>(
-    listener: TcpListener,
+pub async fn serve<L, H, F>(
+    listener: L,
     handler: H,
     config: ServerConfig,
     shutdown: Shutdown,
@@ -249,6 +285,7 @@ pub async fn serve<H, F>(
 where
     H: Fn(Request<Incoming>) -> F + 'static,
     F: Future<Output = Response<Body>> + 'static,
+    L: Listener,
 {
     let handler = Rc::new(handler);
     let config = Rc::new(config);
@@ -262,8 +299,11 @@ where
         .await;
         match accepted {
             None => break,
-            Some(Ok(stream)) => {
+            Some(Ok(mut stream)) => {
                 report.accepted += 1;
+                if L::prepare(&mut stream).is_err() {
+                    continue;
+                }
                 let guard = open.enter();
                 let handler = handler.clone();
                 let config = config.clone();
@@ -313,8 +353,8 @@ pub enum ConnectionError {
     Http(#[from] hyper::Error),
 }
 
-async fn serve_connection<H, F>(
-    mut stream: TcpStream,
+async fn serve_connection<S, H, F>(
+    mut stream: S,
     handler: Rc<H>,
     config: &ServerConfig,
     shutdown: Shutdown,
@@ -322,8 +362,8 @@ async fn serve_connection<H, F>(
 where
     H: Fn(Request<Incoming>) -> F + 'static,
     F: Future<Output = Response<Body>> + 'static,
+    S: AsyncRead + AsyncWrite + Unpin + 'static,
 {
-    stream.set_nodelay(true).map_err(io::Error::from)?;
     let sniffed =
         crate::rt::timeout(config.header_read_timeout, sniff_h2_preface(&mut stream)).await;
     let (is_h2, prefix) = sniffed.ok_or(ConnectionError::HeaderTimeout)??;
@@ -382,7 +422,7 @@ where
 
 /// Reads until the bytes either diverge from the h2 preface or complete it. Returns whether
 /// the client speaks h2c and the bytes read, to be replayed to the protocol handler.
-async fn sniff_h2_preface(stream: &mut TcpStream) -> io::Result<(bool, Bytes)> {
+async fn sniff_h2_preface<S: AsyncRead + Unpin>(stream: &mut S) -> io::Result<(bool, Bytes)> {
     let mut buffer = [0u8; H2_PREFACE.len()];
     let mut filled = 0;
     loop {

@@ -26,6 +26,42 @@ const MAX_ADMIN_BODY_BYTES: usize = 64 * 1024;
 /// Time an admin client has to send its (small) body.
 const ADMIN_BODY_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Binds the admin API's Unix socket at `path`, readable and writable by this user only (mode
+/// 0600: the umask is narrowed while the socket file is created, so it never exists with wider
+/// permissions). A socket file left behind by a router that is gone (nothing accepts on it) is
+/// replaced; a live socket or a file of another kind at `path` is an error.
+pub fn bind_unix(path: &std::path::Path) -> Result<glommio::net::UnixListener, String> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    match std::fs::symlink_metadata(path) {
+        Ok(existing) if existing.file_type().is_socket() => {
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                return Err(format!(
+                    "{} is in use (another process accepts on it)",
+                    path.display()
+                ));
+            }
+            std::fs::remove_file(path)
+                .map_err(|error| format!("removing the stale {}: {error}", path.display()))?;
+        }
+        Ok(_) => {
+            return Err(format!(
+                "{} exists and is not a socket (not replaced)",
+                path.display()
+            ));
+        }
+        Err(_) => {}
+    }
+    // SAFETY: umask(2) only swaps the process's file-mode mask; restored right after.
+    let previous = unsafe { libc::umask(0o177) };
+    let bound = glommio::net::UnixListener::bind(path);
+    // SAFETY: as above.
+    unsafe { libc::umask(previous) };
+    let listener = bound.map_err(|error| error.to_string())?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|error| format!("setting {} to mode 0600: {error}", path.display()))?;
+    Ok(listener)
+}
+
 /// The admin endpoints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum AdminRoute {

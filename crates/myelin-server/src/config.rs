@@ -116,10 +116,11 @@ pub struct ServeArgs {
     pub metrics_listen: Option<SocketAddr>,
 
     /// Address of the admin API (`/admin/backends`), served by the control core and never on
-    /// --listen. Port 0 picks a free port (printed on stdout). A non-loopback address needs
-    /// --admin-token-file. [default: 127.0.0.1:9090]
-    #[arg(long, env = "MYELIN_ADMIN_LISTEN", value_name = "HOST:PORT")]
-    pub admin_listen: Option<SocketAddr>,
+    /// --listen: HOST:PORT, or `unix:PATH` for a Unix socket (created mode 0600, a stale one
+    /// replaced, removed at exit). Port 0 picks a free port (printed on stdout). A non-loopback
+    /// address needs --admin-token-file. [default: 127.0.0.1:9090]
+    #[arg(long, env = "MYELIN_ADMIN_LISTEN", value_name = "HOST:PORT|unix:PATH")]
+    pub admin_listen: Option<AdminListen>,
 
     /// File holding the admin API's bearer token (`Authorization: Bearer TOKEN`; surrounding
     /// whitespace ignored). Required when --admin-listen is not a loopback address.
@@ -319,7 +320,7 @@ pub struct ServeArgs {
 pub struct FileConfig {
     pub listen: Option<SocketAddr>,
     pub metrics_listen: Option<SocketAddr>,
-    pub admin_listen: Option<SocketAddr>,
+    pub admin_listen: Option<AdminListen>,
     pub admin_token_file: Option<PathBuf>,
     #[serde(default, alias = "backends")]
     pub backend: Vec<FileBackend>,
@@ -394,7 +395,7 @@ pub struct HealthConfig {
 pub struct ServeConfig {
     pub listen: SocketAddr,
     pub metrics_listen: Option<SocketAddr>,
-    pub admin_listen: SocketAddr,
+    pub admin_listen: AdminListen,
     /// Bearer token the admin API requires (always set when `admin_listen` is not loopback).
     pub admin_token: Option<AdminToken>,
     pub backends: Vec<BackendSpec>,
@@ -465,6 +466,54 @@ pub enum ConfigError {
     },
     #[error("--admin-token-file {0} holds no token (empty or only whitespace)")]
     AdminTokenEmpty(PathBuf),
+}
+
+/// Where the admin API listens: a TCP address, or a Unix stream socket (`unix:PATH`), which
+/// only processes on this host that may open the file reach (it is created mode 0600).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AdminListen {
+    Tcp(SocketAddr),
+    Unix(PathBuf),
+}
+
+/// Longest Unix socket path (`sun_path` is 108 bytes, the final NUL included).
+const MAX_UNIX_SOCKET_PATH: usize = 107;
+
+impl std::str::FromStr for AdminListen {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<AdminListen, String> {
+        if let Some(path) = text.strip_prefix("unix:") {
+            if path.is_empty() {
+                return Err("unix: needs a socket path (unix:/run/myelin/admin.sock)".into());
+            }
+            if path.len() > MAX_UNIX_SOCKET_PATH {
+                return Err(format!(
+                    "the Unix socket path {path:?} is longer than {MAX_UNIX_SOCKET_PATH} bytes"
+                ));
+            }
+            return Ok(AdminListen::Unix(PathBuf::from(path)));
+        }
+        text.parse::<SocketAddr>()
+            .map(AdminListen::Tcp)
+            .map_err(|error| format!("{text:?} is neither HOST:PORT nor unix:PATH ({error})"))
+    }
+}
+
+impl std::fmt::Display for AdminListen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AdminListen::Tcp(addr) => write!(f, "{addr}"),
+            AdminListen::Unix(path) => write!(f, "unix:{}", path.display()),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for AdminListen {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
 }
 
 /// The admin API's bearer token. Its `Debug` never shows it.
@@ -612,13 +661,16 @@ impl ServeConfig {
         let admin_listen = args
             .admin_listen
             .or(file.admin_listen)
-            .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 9090)));
+            .unwrap_or_else(|| AdminListen::Tcp(SocketAddr::from(([127, 0, 0, 1], 9090))));
         let admin_token = match args.admin_token_file.or(file.admin_token_file) {
             Some(path) => Some(AdminToken::from_file(&path)?),
             None => None,
         };
-        if admin_token.is_none() && !admin_listen.ip().is_loopback() {
-            return Err(ConfigError::AdminTokenRequired(admin_listen));
+        if let AdminListen::Tcp(addr) = admin_listen
+            && admin_token.is_none()
+            && !addr.ip().is_loopback()
+        {
+            return Err(ConfigError::AdminTokenRequired(addr));
         }
         Ok(ServeConfig {
             listen,
@@ -878,6 +930,21 @@ mod tests {
             ServeConfig::merge(parse(&all), FileConfig::default(), &[0])
         };
         assert!(merge(&["--admin-listen", "[::1]:0"]).is_ok());
+        // A Unix socket is local: no token needed.
+        let unix = merge(&["--admin-listen", "unix:/tmp/myelin-admin.sock"]).unwrap();
+        assert_eq!(
+            unix.admin_listen,
+            AdminListen::Unix("/tmp/myelin-admin.sock".into())
+        );
+        assert_eq!(unix.admin_listen.to_string(), "unix:/tmp/myelin-admin.sock");
+        for bad in ["unix:", "localhost", &format!("unix:/{}", "a".repeat(120))] {
+            assert!(bad.parse::<AdminListen>().is_err(), "{bad}");
+        }
+        let file: FileConfig = toml::from_str(r#"admin-listen = "unix:/run/m.sock""#).unwrap();
+        assert_eq!(
+            file.admin_listen,
+            Some(AdminListen::Unix("/run/m.sock".into()))
+        );
         let error = merge(&["--admin-listen", "0.0.0.0:9090"]).unwrap_err();
         assert!(matches!(error, ConfigError::AdminTokenRequired(_)));
         assert!(error.to_string().contains("--admin-token-file"), "{error}");

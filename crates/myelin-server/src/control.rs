@@ -22,7 +22,7 @@ use myelin_routing::WriteOp;
 
 use crate::backend_spec::BackendSpec;
 use crate::backends::{BackendId, BackendInfo, BackendState};
-use crate::config::{AdminToken, HealthConfig, ResidencyMode, ServeConfig};
+use crate::config::{AdminListen, AdminToken, HealthConfig, ResidencyMode, ServeConfig};
 use crate::health::{BackendHealth, HealthEvent};
 use crate::kv_feed::{KvFeed, MirrorChange};
 use crate::kv_subscriber::{FeedEvent, KvEndpoints, Subscriber};
@@ -80,10 +80,11 @@ pub(crate) enum AdminOutcome {
 }
 
 /// Addresses the control core listens on, reported at startup.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct ControlAddrs {
     pub metrics: Option<std::net::SocketAddr>,
-    pub admin: Option<std::net::SocketAddr>,
+    /// The admin API: `http://HOST:PORT` (port 0 resolved) or `unix:PATH`.
+    pub admin: Option<String>,
 }
 
 struct ControlBackend {
@@ -296,26 +297,27 @@ pub async fn run_control(
             }
         }
     }
-    match glommio::net::TcpListener::bind(config.admin_listen) {
-        Ok(listener) => {
-            addrs.admin = listener.local_addr().ok();
-            let shutdown = myelin_http::server::Shutdown::new();
-            shutdown.follow(stop.clone(), STOP_POLL_INTERVAL);
-            let admin_control = control.clone();
-            servers.push(glommio::spawn_local(myelin_http::server::serve(
-                listener,
-                move |request: Request<Incoming>| {
-                    crate::admin::handle(admin_control.clone(), request)
-                },
-                myelin_http::server::ServerConfig {
-                    header_read_timeout: Duration::from_secs(10),
-                    drain_timeout: Duration::from_millis(500),
-                    error_bodies: Some(crate::request_path::protocol_error_body),
-                    ..Default::default()
-                },
-                shutdown,
-            )));
-        }
+    let admin_shutdown = myelin_http::server::Shutdown::new();
+    admin_shutdown.follow(stop.clone(), STOP_POLL_INTERVAL);
+    let mut admin_socket = None;
+    let admin = match &config.admin_listen {
+        AdminListen::Tcp(addr) => glommio::net::TcpListener::bind(addr)
+            .map_err(|error| error.to_string())
+            .map(|listener| {
+                addrs.admin = listener
+                    .local_addr()
+                    .ok()
+                    .map(|addr| format!("http://{addr}"));
+                serve_admin(listener, &control, admin_shutdown)
+            }),
+        AdminListen::Unix(path) => crate::admin::bind_unix(path).map(|listener| {
+            addrs.admin = Some(format!("unix:{}", path.display()));
+            admin_socket = Some(path.clone());
+            serve_admin(listener, &control, admin_shutdown)
+        }),
+    };
+    match admin {
+        Ok(server) => servers.push(server),
         Err(error) => {
             startup_error.get_or_insert(format!(
                 "cannot listen for the admin API on {} (--admin-listen; port 0 picks a free \
@@ -337,6 +339,29 @@ pub async fn run_control(
     for task in servers {
         task.await;
     }
+    if let Some(path) = admin_socket {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+/// Serves the admin API on `listener` (TCP or Unix) until `shutdown`.
+fn serve_admin<L: myelin_http::server::Listener + 'static>(
+    listener: L,
+    control: &Rc<Control>,
+    shutdown: myelin_http::server::Shutdown,
+) -> glommio::Task<myelin_http::server::ServeReport> {
+    let admin_control = control.clone();
+    glommio::spawn_local(myelin_http::server::serve(
+        listener,
+        move |request: Request<Incoming>| crate::admin::handle(admin_control.clone(), request),
+        myelin_http::server::ServerConfig {
+            header_read_timeout: Duration::from_secs(10),
+            drain_timeout: Duration::from_millis(500),
+            error_bodies: Some(crate::request_path::protocol_error_body),
+            ..Default::default()
+        },
+        shutdown,
+    ))
 }
 
 fn metrics_only(handle: &PrometheusHandle, request: &Request<Incoming>) -> Response<Body> {

@@ -75,8 +75,8 @@ pub struct Server {
     pub addr: SocketAddr,
     /// Address of the `--metrics-listen` server, when configured.
     pub metrics_addr: Option<SocketAddr>,
-    /// Address of the admin API (`--admin-listen`, port 0 resolved).
-    pub admin_addr: Option<SocketAddr>,
+    /// The admin API (`--admin-listen`): `http://HOST:PORT` (port 0 resolved) or `unix:PATH`.
+    pub admin_addr: Option<String>,
     /// Number of data shards.
     pub shards: usize,
     stop: Arc<AtomicBool>,
@@ -351,7 +351,8 @@ pub fn run(args: ServeArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         .unwrap_or_default();
     let admin_note = server
         .admin_addr
-        .map(|addr| format!(", admin on http://{addr}"))
+        .as_ref()
+        .map(|addr| format!(", admin on {addr}"))
         .unwrap_or_default();
     println!(
         "myelin: listening on http://{} ({summary}{metrics_note}{admin_note})",

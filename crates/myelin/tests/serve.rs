@@ -572,6 +572,11 @@ fn admin_api_is_separate_authenticated_and_never_leaks_engine_addresses() {
     ] {
         assert_eq!(add(bad).status, 400, "{bad}");
     }
+    // https:// engines are refused with the reason (no TLS client in the router).
+    let tls = add("https://127.0.0.1:8443");
+    assert_eq!(tls.status, 400);
+    let text = tls.text();
+    assert!(text.contains("TLS to engines is not implemented"), "{text}");
     assert_eq!(router.backends_with_token("tok-123").len(), 2);
 
     // Clients get ids: the header and the 502 of a dead engine never carry its address.
@@ -1001,11 +1006,137 @@ fn bad_configuration_is_reported_not_panicked() {
         .output()
         .unwrap();
     assert!(!output.status.success());
+    let stderr = String::from_utf8(output.stderr).unwrap();
     assert!(
-        String::from_utf8(output.stderr)
-            .unwrap()
-            .contains("http://")
+        stderr.contains("only http://") && stderr.contains("TLS to engines is not implemented"),
+        "{stderr}"
     );
+}
+
+/// One request over a Unix socket (`Connection: close`): status and body.
+fn unix_request(
+    socket: &std::path::Path,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).expect("connect");
+    stream
+        .set_read_timeout(Some(support::PATIENCE))
+        .expect("timeout");
+    let body = body.unwrap_or("");
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).expect("write");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("read");
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or_else(|| panic!("bad response {response:?}"));
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+#[test]
+fn admin_api_on_a_unix_socket() {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let engine = Engine::start("a", normal());
+    let dir = std::env::temp_dir().join(format!("myelin-admin-unix-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let socket = dir.join("admin.sock");
+    // A socket file left behind by a process that is gone: replaced at start.
+    drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
+    assert!(socket.exists());
+    let listen = format!("unix:{}", socket.display());
+    let serve = |extra: &[&str]| {
+        let mut args = vec![
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            &listen,
+            "--shards",
+            "2",
+            "--no-pin",
+        ];
+        args.extend_from_slice(extra);
+        args.iter().map(|arg| arg.to_string()).collect::<Vec<_>>()
+    };
+    let args = serve(&["--backend", &engine.url()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut router = Router::start_raw(&args, &[]);
+    assert_eq!(router.admin, None, "no TCP admin listener");
+    let metadata = std::fs::metadata(&socket).unwrap();
+    assert!(metadata.file_type().is_socket());
+    assert_eq!(metadata.permissions().mode() & 0o777, 0o600);
+
+    // The admin API over the socket, without a token (only this host's users that may open
+    // the file reach it).
+    let (status, body) = unix_request(&socket, "GET", "/admin/backends", None);
+    assert_eq!(status, 200, "{body}");
+    let listing: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(listing["backends"][0]["url"], engine.url());
+    let second = Engine::start("b", normal());
+    let add = json!({ "url": second.url() }).to_string();
+    let (status, body) = unix_request(&socket, "POST", "/admin/backends", Some(&add));
+    assert_eq!(status, 201, "{body}");
+    let (status, body) = unix_request(&socket, "POST", "/admin/backends/0/drain", None);
+    assert_eq!(status, 200, "{body}");
+    let (_, body) = unix_request(&socket, "GET", "/admin/backends", None);
+    let listing: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let states: Vec<&str> = listing["backends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|backend| backend["state"].as_str().unwrap())
+        .collect();
+    assert_eq!(states.len(), 2, "{listing}");
+    assert_eq!(states[0], "draining", "{listing}");
+    // The client port still refuses admin paths.
+    assert_eq!(router.get("/admin/backends").status, 404);
+    let response = router.post_json("/admin/backends", &json!({ "url": second.url() }));
+    assert_eq!(response.status, 404);
+
+    // A second router does not take over a live socket.
+    let args = serve(&["--backend", &engine.url()]);
+    let mut other = std::process::Command::new(env!("CARGO_BIN_EXE_myelin"))
+        .args(&args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + support::STARTUP_PATIENCE;
+    let status = loop {
+        if let Some(status) = other.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = other.kill();
+            panic!("a second router on a live admin socket kept running");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(!status.success());
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut other.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(stderr.contains("in use"), "{stderr}");
+    let (status, _) = unix_request(&socket, "GET", "/admin/backends", None);
+    assert_eq!(status, 200, "the first router still serves its socket");
+
+    // Removed at shutdown.
+    router.terminate();
+    assert_eq!(router.wait_exit().code(), Some(0));
+    assert!(!socket.exists());
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
