@@ -6,6 +6,8 @@ use std::sync::Arc;
 
 use myelin_sim::{ClusterConfig, EngineConfig, KvEventsConfig, SimCluster};
 
+use myelin_routing::MemoryPressure;
+
 use crate::oracle::{CacheOracle, EngineTruth};
 use crate::router_process::BackendEndpoint;
 use crate::stats::EngineCounters;
@@ -130,6 +132,15 @@ impl CacheOracle for SimOracle {
                 queued_tokens: (probe.load.pending_prefill_tokens
                     + probe.load.pending_decode_tokens) as u64,
                 requests_received: Some(probe.requests_received),
+                // The true inputs of the expected wait for KV memory: what the engine's gauges
+                // say at this instant, and the output its requests still owe.
+                memory: Some(MemoryPressure {
+                    utilization: probe.load.kv_usage,
+                    waiting_requests: probe.load.waiting as u32,
+                    running_requests: probe.load.running as u32,
+                    mean_remaining_output_tokens: probe.load.pending_decode_tokens as f64
+                        / (probe.load.running + probe.load.waiting).max(1) as f64,
+                }),
             })
             .collect()
     }

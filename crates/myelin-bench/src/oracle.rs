@@ -2,17 +2,18 @@
 //! default load bound) fed the truth instead of what a router can know: every engine's actual
 //! cache contents as its verified mirror, and every engine's actual queue as its load, plus,
 //! as a router counts its own requests at once, what the oracle sent that the engine has not
-//! received yet. Pure; the probe of the simulator is behind a trait.
+//! received yet; and every engine's true KV utilization and queue for the expected wait for
+//! KV memory. Pure; the probe of the simulator is behind a trait.
 
 use std::collections::VecDeque;
 
 use myelin_routing::{
-    BackendId, BackendMatch, BackendState, BackendView, Policy, PrefixMatch, ResidencyMode, Router,
-    RouterConfig,
+    BackendId, BackendMatch, BackendState, BackendView, MemoryPressure, Policy, PrefixMatch,
+    ResidencyMode, Router, RouterConfig,
 };
 
 /// What an engine truly holds and owes at one instant.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct EngineTruth {
     /// Leading prompt tokens whose full KV blocks the engine holds right now.
     pub cached_tokens: u64,
@@ -22,6 +23,8 @@ pub struct EngineTruth {
     /// Requests the engine has accepted since it started (`None`: unknown, so requests in
     /// transit are not counted).
     pub requests_received: Option<u64>,
+    /// The engine's true KV utilization and queue (`None`: unknown, KV memory not scored).
+    pub memory: Option<MemoryPressure>,
 }
 
 /// Reads the simulated engines' true state. Implemented over the embedded simulator.
@@ -60,14 +63,21 @@ impl Oracle {
         }
     }
 
-    /// Load of the requests sent to `engine` that it has not received yet: the newest
-    /// `sent - received` of them.
-    fn in_transit_tokens(&self, engine: usize, received: Option<u64>) -> u64 {
+    /// Requests sent to `engine` that it has not received yet (at most the recent ones kept).
+    fn in_transit(&self, engine: usize, received: Option<u64>) -> usize {
         let (Some(received), Some((sent, recent))) = (received, self.sent.get(engine)) else {
             return 0;
         };
-        let in_transit = (sent.saturating_sub(received) as usize).min(recent.len());
-        recent.iter().rev().take(in_transit).sum()
+        (sent.saturating_sub(received) as usize).min(recent.len())
+    }
+
+    /// Load of the requests sent to `engine` that it has not received yet: the newest
+    /// `sent - received` of them.
+    fn in_transit_tokens(&self, engine: usize, received: Option<u64>) -> u64 {
+        let in_transit = self.in_transit(engine, received);
+        self.sent
+            .get(engine)
+            .map_or(0, |(_, recent)| recent.iter().rev().take(in_transit).sum())
     }
 
     /// The engine the router picks for a prompt of `prompt_len` tokens asking for
@@ -107,11 +117,18 @@ impl Oracle {
             .iter()
             .enumerate()
             .map(|(engine, truth)| {
+                // Requests in transit join the engine's waiting queue.
+                let in_transit = self.in_transit(engine, truth.requests_received) as u32;
+                let memory = truth.memory.map(|memory| MemoryPressure {
+                    waiting_requests: memory.waiting_requests + in_transit,
+                    ..memory
+                });
                 BackendView::new(
                     BackendId(engine as u32),
                     BackendState::Up,
                     truth.queued_tokens + self.in_transit_tokens(engine, truth.requests_received),
                 )
+                .with_memory(memory)
             })
             .collect();
         let decision = self
@@ -144,6 +161,7 @@ mod tests {
             cached_tokens,
             queued_tokens,
             requests_received: None,
+            memory: None,
         }
     }
 
@@ -195,6 +213,7 @@ mod tests {
             cached_tokens,
             queued_tokens: 0,
             requests_received: Some(count),
+            memory: None,
         };
         let mut oracle = Oracle::new(16);
         // A burst of requests for a prefix engine 0 holds (4,000 of 4,100 tokens): the
@@ -218,6 +237,48 @@ mod tests {
         assert_eq!(
             oracle.choose(4100, 400, &[received(13 + 7, 4000), received(1, 0)]),
             Some(0)
+        );
+    }
+
+    #[test]
+    fn a_cache_hit_waiting_for_kv_memory_goes_elsewhere_as_in_the_router() {
+        let full = |waiting_requests| MemoryPressure {
+            utilization: 0.99,
+            waiting_requests,
+            running_requests: 8,
+            mean_remaining_output_tokens: 200.0,
+        };
+        let holder = |memory| EngineTruth {
+            cached_tokens: 6000,
+            queued_tokens: 0,
+            requests_received: None,
+            memory,
+        };
+        let mut oracle = Oracle::new(16);
+        // Room on the engine that holds 6,000 of 6,100 tokens: it wins.
+        let roomy = [holder(Some(full(0))), truth(0, 0)];
+        assert_eq!(oracle.choose(6100, 400, &roomy), Some(0));
+        // Its memory full with 4 requests waiting: 5 admissions of 25 decode steps each
+        // cost more than prefilling 6,100 tokens on the idle engine.
+        let saturated = [holder(Some(full(4))), truth(0, 0)];
+        assert_eq!(oracle.choose(6100, 400, &saturated), Some(1));
+        // Requests the oracle sent that the engine has not received yet join its queue.
+        let received = |count| EngineTruth {
+            requests_received: Some(count),
+            ..holder(Some(MemoryPressure {
+                waiting_requests: 0,
+                ..full(0)
+            }))
+        };
+        let mut oracle = Oracle::new(16);
+        assert_eq!(
+            oracle.choose(6100, 400, &[received(0), truth(0, 0)]),
+            Some(0)
+        );
+        // Engine 0 has not received that request: it waits, memory full.
+        assert_eq!(
+            oracle.choose(6100, 400, &[received(0), truth(0, 0)]),
+            Some(1)
         );
     }
 }

@@ -240,6 +240,7 @@ fn legs_table(legs: &[LegSummary]) -> Table {
             "hit rate",
             "evictions",
             "preempt",
+            "TTFT>2s",
             "downgrades",
             "p99/oracle",
         ]
@@ -263,6 +264,7 @@ fn legs_table(legs: &[LegSummary]) -> Table {
                     rate_cell(leg.spread.cache_hit_rate, runs),
                     leg.evictions.to_string(),
                     leg.preemptions.to_string(),
+                    leg.slow_ttft_requests.to_string(),
                     optional_count(leg.downgrades),
                     leg.p99_ttft_vs_oracle
                         .map_or("-".into(), |ratio| format!("{ratio:.2}x")),
@@ -289,6 +291,7 @@ fn repeats_table(legs: &[LegSummary]) -> Option<Table> {
             "E2E p99",
             "req/s",
             "hit rate",
+            "TTFT>2s",
             "downgrades",
         ]
         .iter()
@@ -309,6 +312,7 @@ fn repeats_table(legs: &[LegSummary]) -> Option<Table> {
                         ms(figures.e2e_ms.p99),
                         two_decimals(figures.throughput_rps),
                         rate(figures.cache_hit_rate),
+                        figures.slow_ttft_requests.to_string(),
                         optional_count(figures.downgrades),
                     ]
                 })
@@ -751,7 +755,7 @@ mod tests {
         let repeat_rows: Vec<(String, String)> = text
             .lines()
             .map(|line| line.split_whitespace().collect::<Vec<_>>())
-            .filter(|cells| cells.len() == 11 && cells[2] == "1")
+            .filter(|cells| cells.len() == 12 && cells[2] == "1")
             .map(|cells| (cells[0].to_string(), cells[1].to_string()))
             .collect();
         assert_eq!(repeat_rows.len(), 6, "{text}");
@@ -764,6 +768,9 @@ mod tests {
         assert_eq!(repeats.len(), 3);
         assert_eq!(repeats[1]["repeat"], 2);
         assert!((repeats[1]["ttft_ms"]["p99"].as_f64().unwrap() - 3000.0).abs() < 3.0);
+        // Its TTFT over 2 s is a slow request; the first repeat's 1 s is not.
+        assert_eq!(repeats[1]["slow_ttft_requests"], 1);
+        assert_eq!(repeats[0]["slow_ttft_requests"], 0);
         assert!(
             (json["legs"][0]["spread"]["ttft_p99_ms"]["median"]
                 .as_f64()

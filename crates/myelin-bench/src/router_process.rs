@@ -77,7 +77,12 @@ pub fn free_port() -> Result<u16, RouterError> {
 }
 
 /// The `myelin serve` arguments for a leg.
-pub fn serve_args(kind: LegKind, port: u16, backends: &[BackendEndpoint]) -> Vec<String> {
+pub fn serve_args(
+    kind: LegKind,
+    port: u16,
+    backends: &[BackendEndpoint],
+    engine_metrics_interval_ms: u64,
+) -> Vec<String> {
     let mut args: Vec<String> = [
         "serve",
         "--listen",
@@ -88,6 +93,10 @@ pub fn serve_args(kind: LegKind, port: u16, backends: &[BackendEndpoint]) -> Vec
         "--shards",
         "2",
         "--no-pin",
+        // The engines' gauges at the same simulated-time cadence as a real deployment's
+        // default (1 s), whatever the speedup.
+        "--engine-metrics-interval-ms",
+        &engine_metrics_interval_ms.to_string(),
     ]
     .iter()
     .map(|arg| arg.to_string())
@@ -116,16 +125,14 @@ impl RouterProcess {
         name: &str,
         kind: LegKind,
         backends: &[BackendEndpoint],
+        engine_metrics_interval_ms: u64,
         log_path: &Path,
     ) -> Result<Self, RouterError> {
         let port = free_port()?;
+        let args = serve_args(kind, port, backends, engine_metrics_interval_ms);
         let mut command = Command::new(exe);
-        command.args(serve_args(kind, port, backends));
-        let description = format!(
-            "{} {}",
-            exe.display(),
-            serve_args(kind, port, backends).join(" ")
-        );
+        command.args(&args);
+        let description = format!("{} {}", exe.display(), args.join(" "));
         Self::spawn(name, command, description, port, log_path)
     }
 
@@ -322,15 +329,15 @@ mod tests {
 
     #[test]
     fn serve_args_name_the_policy_and_kv_events_only_where_used() {
-        let args = serve_args(LegKind::Prefix(Residency::Off), 8000, &backends()).join(" ");
+        let args = serve_args(LegKind::Prefix(Residency::Off), 8000, &backends(), 100).join(" ");
         assert_eq!(
             args,
             "serve --listen 127.0.0.1:8000 --admin-listen 127.0.0.1:0 --shards 2 --no-pin \
-             --routing prefix --residency off \
+             --engine-metrics-interval-ms 100 --routing prefix --residency off \
              --backend http://127.0.0.1:9001 --backend http://127.0.0.1:9002"
         );
         let verified =
-            serve_args(LegKind::Prefix(Residency::Verified), 8000, &backends()).join(" ");
+            serve_args(LegKind::Prefix(Residency::Verified), 8000, &backends(), 100).join(" ");
         assert!(verified.contains(
             "--backend http://127.0.0.1:9001,kv-events=tcp://127.0.0.1:5557,\
                  kv-replay=tcp://127.0.0.1:5558"

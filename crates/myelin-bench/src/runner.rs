@@ -312,6 +312,8 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
             &leg.name,
             kind,
             &backends,
+            // 1 s of simulated time, the router's default cadence in a real deployment.
+            (1000.0 / config.cluster.speedup).round().max(10.0) as u64,
             &log_path,
         )?),
     };

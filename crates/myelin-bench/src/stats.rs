@@ -120,6 +120,9 @@ impl LegRun {
     }
 }
 
+/// A first token later than this (simulated milliseconds) counts as a slow request.
+pub const SLOW_TTFT_MS: f64 = 2000.0;
+
 /// A leg over all its runs.
 #[derive(Debug, Clone, Serialize)]
 pub struct LegSummary {
@@ -148,6 +151,9 @@ pub struct LegSummary {
     /// Over the whole run(s), warm-up included.
     pub evictions: u64,
     pub preemptions: u64,
+    /// Measured requests whose first token took more than [`SLOW_TTFT_MS`] (simulated): the
+    /// tail episodes (KV memory full, a herd on one engine) stay visible as a count.
+    pub slow_ttft_requests: u64,
     /// This leg's median TTFT P99 across repeats divided by the oracle leg's (set when an
     /// oracle leg ran).
     pub p99_ttft_vs_oracle: Option<f64>,
@@ -174,6 +180,8 @@ pub struct RepeatFigures {
     pub cache_hit_rate: Option<f64>,
     pub evictions: u64,
     pub preemptions: u64,
+    /// Measured requests with a TTFT over [`SLOW_TTFT_MS`].
+    pub slow_ttft_requests: u64,
     /// The harness's loop lag P99 in this repeat, wall microseconds.
     pub loop_lag_p99_us: u64,
 }
@@ -298,6 +306,7 @@ pub fn summarize(runs: &[&LegRun]) -> LegSummary {
                 cache_hit_rate: alone.cache_hit_rate,
                 evictions: alone.evictions,
                 preemptions: alone.preemptions,
+                slow_ttft_requests: alone.slow_ttft_requests,
                 loop_lag_p99_us: alone.harness.loop_lag_p99_us,
             }
         })
@@ -361,6 +370,10 @@ fn pooled(runs: &[&LegRun]) -> LegSummary {
         }
     };
     let ttft_ms = percentiles(measured_ok().filter_map(|record| record.ttft_us), speedup);
+    let slow_ttft_requests = measured_ok()
+        .filter_map(|record| record.ttft_us)
+        .filter(|&us| us as f64 * speedup / 1000.0 > SLOW_TTFT_MS)
+        .count() as u64;
     let loop_lag_p99_us = lag
         .as_ref()
         .map_or(0, |histogram| histogram.value_at_quantile(0.99));
@@ -388,6 +401,7 @@ fn pooled(runs: &[&LegRun]) -> LegSummary {
             .map(|cached| cached as f64 / prompt_tokens as f64),
         evictions: total.evictions,
         preemptions: total.preemptions,
+        slow_ttft_requests,
         p99_ttft_vs_oracle: None,
         repeats: Vec::new(),
         spread: LegSpread::default(),
@@ -590,6 +604,9 @@ pub(crate) mod tests {
         assert_eq!(summary.cached_token_ratio, Some(0.5));
         assert_eq!((summary.evictions, summary.preemptions), (7, 1));
         assert_eq!(summary.downgrades, Some(2));
+        // Measured TTFTs of 1, 2 and 3 simulated s: only the last is over 2 s.
+        assert_eq!(summary.slow_ttft_requests, 1);
+        assert_eq!(summary.repeats[0].slow_ttft_requests, 1);
         assert!((summary.harness.cpu_us_per_request - 5000.0 / 6.0).abs() < 1e-9);
         // A 30 us lag is 0.3 simulated ms against a TTFT P99 of 3 s: not limiting.
         assert!(!summary.harness.may_limit_leg);

@@ -208,8 +208,7 @@ impl CacheOracle for SecondEngineHoldsAll {
             EngineTruth::default(),
             EngineTruth {
                 cached_tokens: prompt_tokens.len() as u64,
-                queued_tokens: 0,
-                requests_received: None,
+                ..EngineTruth::default()
             },
         ]
     }

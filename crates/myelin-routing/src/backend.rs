@@ -38,6 +38,26 @@ pub struct BackendView {
     /// Uses stamped below this were seen evicted (an engine reported reusing less than the
     /// history predicted): under LRU, everything older is gone too. 0: nothing known.
     pub evicted_below_stamp: u64,
+    /// The engine's KV memory and admission queue, `None` when unknown (an engine without a
+    /// metrics endpoint, or figures too old to trust).
+    pub memory: Option<MemoryPressure>,
+}
+
+/// What an engine's KV memory and scheduler say: the inputs of the expected admission wait
+/// (see [`crate::Router::decide`]). From the engine's own gauges (vLLM:
+/// `kv_cache_usage_perc`, `num_requests_running`, `num_requests_waiting`) plus what routers
+/// sent it since they were read, or from the simulator's truth in the harness's oracle.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MemoryPressure {
+    /// Fraction of the KV blocks held by requests (running or being admitted), 0..1. Free
+    /// cached blocks do not count: they are evicted on demand.
+    pub utilization: f64,
+    /// Requests waiting for admission.
+    pub waiting_requests: u32,
+    /// Requests running (their blocks are freed as they finish).
+    pub running_requests: u32,
+    /// Output tokens a running request still has to generate, on average.
+    pub mean_remaining_output_tokens: f64,
 }
 
 impl BackendView {
@@ -50,7 +70,14 @@ impl BackendView {
             capacity_tokens: None,
             admitted_tokens: 0,
             evicted_below_stamp: 0,
+            memory: None,
         }
+    }
+
+    /// The engine's KV memory and admission queue (see [`MemoryPressure`]).
+    pub fn with_memory(mut self, memory: Option<MemoryPressure>) -> Self {
+        self.memory = memory;
+        self
     }
 
     /// The residency estimator's inputs (see the fields).

@@ -61,7 +61,7 @@ mod residency;
 mod router;
 mod shard;
 
-pub use backend::{BackendId, BackendState, BackendView};
+pub use backend::{BackendId, BackendState, BackendView, MemoryPressure};
 pub use error::{NoBackend, ParseNameError, RoutingError};
 pub use mirror::ResidencyMirror;
 pub use myelin_art::{
@@ -75,5 +75,8 @@ pub use residency::{
     ResidencyEstimator, ResidencyMode, ReuseObservation, ReuseProbe, RoomCalibration, block_stamps,
     expected_cached_tokens, observe_reuse,
 };
-pub use router::{DEFAULT_LOAD_BOUND_TOKENS, Decision, Router, RouterConfig};
+pub use router::{
+    DEFAULT_DECODE_STEP_TOKENS, DEFAULT_LOAD_BOUND_TOKENS, Decision, MEMORY_FULL_UTILIZATION,
+    Router, RouterConfig, admission_wait_tokens,
+};
 pub use shard::{BackendMatch, BlockCounts, PrefixMatch, Shard, ShardConfig};

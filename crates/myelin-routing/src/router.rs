@@ -2,7 +2,7 @@
 //! [`Decision`], under a [`Policy`] and a [`ResidencyMode`]. Holds only the round-robin /
 //! tie-break cursor; one router per deciding core.
 
-use crate::backend::{BackendId, BackendView};
+use crate::backend::{BackendId, BackendView, MemoryPressure};
 use crate::error::NoBackend;
 use crate::policy::Policy;
 use crate::residency::{
@@ -14,20 +14,55 @@ use crate::shard::{BackendMatch, PrefixMatch};
 /// configured (about one 2k-token prompt of prefill).
 pub const DEFAULT_LOAD_BOUND_TOKENS: u64 = 2048;
 
+/// What one decode step of a running batch costs, in prompt tokens prefilled in the same time,
+/// unless configured: on the default profile (Llama-3.1-8B on an A100) a decode step of a
+/// dozen 4-8k-token sequences takes about 20 ms, the time to prefill about 300 tokens at
+/// 2,048 tokens per 146 ms (docs/routing.md, "KV memory").
+pub const DEFAULT_DECODE_STEP_TOKENS: u64 = 300;
+
+/// KV utilization from which an engine with requests waiting is taken to wait for memory
+/// (rather than for its token budget, which the load already counts).
+pub const MEMORY_FULL_UTILIZATION: f64 = 0.9;
+
 /// Tunables of a [`Router`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RouterConfig {
     /// Load slack of the prefix policy, in tokens: a backend's load counts only beyond
     /// `min_load + load_bound_tokens` (see [`Router::decide`]). 0 = pure expected cost.
     pub load_bound_tokens: u64,
+    /// Cost of one decode step in prompt tokens, the unit of the expected wait for KV memory
+    /// (see [`admission_wait_tokens`]). 0 = KV memory ignored.
+    pub decode_step_tokens: u64,
 }
 
 impl Default for RouterConfig {
     fn default() -> Self {
         Self {
             load_bound_tokens: DEFAULT_LOAD_BOUND_TOKENS,
+            decode_step_tokens: DEFAULT_DECODE_STEP_TOKENS,
         }
     }
+}
+
+/// Expected wait of a new request for KV memory on an engine, in prompt tokens: 0 unless the
+/// engine's memory is full (utilization at least [`MEMORY_FULL_UTILIZATION`]) with requests
+/// already waiting. Then the new request is admitted after the `waiting + 1` requests ahead of
+/// it and itself get blocks, and blocks come free as running requests finish: with `running`
+/// requests of `remaining` output tokens each on average, one finishes about every
+/// `remaining / running` decode steps, so the wait is `(waiting + 1) · remaining / running`
+/// steps of `decode_step_tokens` each.
+pub fn admission_wait_tokens(memory: &MemoryPressure, decode_step_tokens: u64) -> f64 {
+    if decode_step_tokens == 0
+        || memory.waiting_requests == 0
+        || memory.utilization.is_nan()
+        || memory.utilization < MEMORY_FULL_UTILIZATION
+    {
+        return 0.0;
+    }
+    let remaining = memory.mean_remaining_output_tokens.max(1.0);
+    let steps = f64::from(memory.waiting_requests + 1) * remaining
+        / f64::from(memory.running_requests.max(1));
+    steps * decode_step_tokens as f64
 }
 
 /// The outcome of one routing decision.
@@ -45,6 +80,13 @@ pub struct Decision {
     /// The eligible backend with the longest historical match (None when nobody matched);
     /// among equals, the one undiscounted scoring (see `residency_downgrade`) prefers.
     pub historical_best: Option<BackendId>,
+    /// Expected wait for KV memory on the chosen backend, in tokens (included in the cost).
+    pub admission_wait_tokens: f64,
+    /// True when the expected wait for KV memory moved the request off the backend that would
+    /// have served more of its prompt from cache (the lowest cost without that wait): the
+    /// chosen backend prefills the prefix too and becomes a second home for it. Feeds
+    /// `myelin_router_prefix_replications_total`.
+    pub prefix_replication: bool,
     /// True when `historical_best` would have been chosen with the resident probability of
     /// every historically matched block forced to 1.0 ("undiscounted" scoring: expected cached
     /// = max(expected cached, matched blocks × block size) per backend) but was not: its
@@ -63,6 +105,8 @@ struct Candidate {
     cost_tokens: f64,
     /// Cost with every historically matched block's probability forced to 1.0.
     undiscounted_cost_tokens: f64,
+    /// Expected wait for KV memory, in tokens (part of both costs).
+    wait_tokens: f64,
 }
 
 /// Chooses backends. `E` supplies resident probabilities for the `estimate`/`auto` modes.
@@ -129,7 +173,9 @@ impl<E: ResidencyEstimator> Router<E> {
     ///   = verified where live, estimate elsewhere. Capped at `prompt_tokens`.
     /// - counted_load(b) = max(load(b) − load_bound, min_load), min_load over eligible
     ///   backends: differences within the bound are noise, beyond it they count in full.
-    /// - cost(b) = (prompt_tokens − expected_cached(b)) + counted_load(b).
+    /// - wait(b) = the expected wait for KV memory, in tokens ([`admission_wait_tokens`]; 0
+    ///   when b's memory figures are unknown).
+    /// - cost(b) = (prompt_tokens − expected_cached(b)) + counted_load(b) + wait(b).
     ///
     /// `prefix` takes the lowest cost; `least-load` the lowest load; `round-robin` the next id
     /// after the last chosen. Ties go to the first tied id after the last chosen backend,
@@ -178,13 +224,17 @@ impl<E: ResidencyEstimator> Router<E> {
             // Counterfactual for downgrades: every historically matched block forced resident;
             // what residency adds beyond history (verified blocks routed elsewhere) stays.
             let undiscounted_cached = expected_cached.max(history_cached);
+            let wait_tokens = view.memory.as_ref().map_or(0.0, |memory| {
+                admission_wait_tokens(memory, self.config.decode_step_tokens)
+            });
             candidates.push(Candidate {
                 id: view.id,
                 load_tokens: view.load_tokens,
                 matched_blocks,
                 expected_cached_tokens: expected_cached,
-                cost_tokens: prompt - expected_cached + counted_load,
-                undiscounted_cost_tokens: prompt - undiscounted_cached + counted_load,
+                cost_tokens: prompt - expected_cached + counted_load + wait_tokens,
+                undiscounted_cost_tokens: prompt - undiscounted_cached + counted_load + wait_tokens,
+                wait_tokens,
             });
         }
         if candidates.is_empty() {
@@ -224,6 +274,18 @@ impl<E: ResidencyEstimator> Router<E> {
             }
             _ => false,
         };
+        let prefix_replication = self.policy == Policy::Prefix && {
+            let without_wait = lowest(
+                &candidates,
+                after,
+                |c| c.cost_tokens - c.wait_tokens,
+                |_| true,
+            );
+            let home = candidates[without_wait];
+            home.id != chosen.id
+                && home.wait_tokens > 0.0
+                && home.expected_cached_tokens > chosen.expected_cached_tokens
+        };
         self.last_chosen = Some(chosen.id);
         self.candidates = candidates;
         Ok(Decision {
@@ -231,6 +293,8 @@ impl<E: ResidencyEstimator> Router<E> {
             matched_blocks: chosen.matched_blocks,
             expected_cached_tokens: chosen.expected_cached_tokens,
             expected_cost_tokens: chosen.cost_tokens,
+            admission_wait_tokens: chosen.wait_tokens,
+            prefix_replication,
             historical_best,
             residency_downgrade,
         })

@@ -4,9 +4,10 @@
 use std::num::NonZeroU32;
 
 use myelin_routing::{
-    BackendId, BackendMatch, BackendState, BackendView, BlockChain, Decision, EstimateInput,
-    NoBackend, PlaceholderEstimator, Policy, PrefixMatch, ResidencyEstimator, ResidencyMode,
-    Router, RouterConfig, RoutingError, Shard, ShardConfig, expected_cached_tokens,
+    BackendId, BackendMatch, BackendState, BackendView, BlockChain, DEFAULT_DECODE_STEP_TOKENS,
+    Decision, EstimateInput, MEMORY_FULL_UTILIZATION, MemoryPressure, NoBackend,
+    PlaceholderEstimator, Policy, PrefixMatch, ResidencyEstimator, ResidencyMode, Router,
+    RouterConfig, RoutingError, Shard, ShardConfig, admission_wait_tokens, expected_cached_tokens,
 };
 use proptest::prelude::*;
 
@@ -36,7 +37,14 @@ fn prompt(blocks: u32, salt: u32) -> Vec<u32> {
 }
 
 fn router(policy: Policy, residency: ResidencyMode, load_bound_tokens: u64) -> Router {
-    Router::new(policy, residency, RouterConfig { load_bound_tokens })
+    Router::new(
+        policy,
+        residency,
+        RouterConfig {
+            load_bound_tokens,
+            ..RouterConfig::default()
+        },
+    )
 }
 
 fn decide<E: ResidencyEstimator>(
@@ -253,6 +261,7 @@ fn estimate_mode_discounts_by_cumulative_probability_and_counts_downgrades() {
         ResidencyMode::Estimate,
         RouterConfig {
             load_bound_tokens: 0,
+            ..RouterConfig::default()
         },
         ConstantEstimator(0.5),
     );
@@ -750,4 +759,93 @@ fn backend_match_is_plain_data_found_by_backend_id() {
     assert_eq!(matched.backend(BackendId(2)), None);
     assert_eq!(matched.matched_blocks_of(BackendId(0)), 0);
     assert_eq!(matched.matched_blocks_of(BackendId(8)), 0);
+}
+
+fn full(waiting_requests: u32, running_requests: u32) -> MemoryPressure {
+    MemoryPressure {
+        utilization: 0.98,
+        waiting_requests,
+        running_requests,
+        mean_remaining_output_tokens: 200.0,
+    }
+}
+
+#[test]
+fn admission_wait_counts_only_full_memory_with_a_queue() {
+    let step = DEFAULT_DECODE_STEP_TOKENS;
+    // Memory full, 5 waiting, 10 running owing 200 tokens each: a request is admitted every
+    // 200 / 10 = 20 steps, the new one after 6 admissions, 120 steps.
+    assert_eq!(
+        admission_wait_tokens(&full(5, 10), step),
+        120.0 * step as f64
+    );
+    // Nobody waiting: the new request is admitted at once (its budget share is in the load).
+    assert_eq!(admission_wait_tokens(&full(0, 10), step), 0.0);
+    // A queue without full memory waits for the token budget, which the load counts.
+    let busy = MemoryPressure {
+        utilization: MEMORY_FULL_UTILIZATION - 0.01,
+        ..full(5, 10)
+    };
+    assert_eq!(admission_wait_tokens(&busy, step), 0.0);
+    // 0 = KV memory ignored; a NaN utilization is no evidence.
+    assert_eq!(admission_wait_tokens(&full(5, 10), 0), 0.0);
+    let nan = MemoryPressure {
+        utilization: f64::NAN,
+        ..full(5, 10)
+    };
+    assert_eq!(admission_wait_tokens(&nan, step), 0.0);
+    // No running request to free memory: counted as one.
+    assert_eq!(
+        admission_wait_tokens(&full(1, 0), step),
+        2.0 * 200.0 * step as f64
+    );
+}
+
+#[test]
+fn a_prefix_whose_home_is_out_of_kv_memory_gets_a_second_home() {
+    let mut shard = shard();
+    let tokens = prompt(8, 3); // 32 tokens, 8 blocks
+    shard.learn(&tokens, BackendId(0), 1);
+    let mut router = router(Policy::Prefix, ResidencyMode::Off, 0);
+    // Backend 0 holds the prefix; with room it wins.
+    let roomy = [up(0, 0), up(1, 0)];
+    let decision = decide(&mut router, &shard, &tokens, &roomy);
+    assert_eq!(decision.backend, BackendId(0));
+    assert!(!decision.prefix_replication);
+    assert_eq!(decision.admission_wait_tokens, 0.0);
+    // Its KV memory full with a queue: the wait costs more than prefilling 32 tokens on 1.
+    let saturated = [up(0, 0).with_memory(Some(full(3, 4))), up(1, 0)];
+    let decision = decide(&mut router, &shard, &tokens, &saturated);
+    assert_eq!(decision.backend, BackendId(1));
+    assert!(decision.prefix_replication, "{decision:?}");
+    // The second home learns the prefix; both hold it now, and the full one keeps losing.
+    shard.learn(&tokens, BackendId(1), 2);
+    let decision = decide(&mut router, &shard, &tokens, &saturated);
+    assert_eq!(decision.backend, BackendId(1));
+    assert!(
+        !decision.prefix_replication,
+        "both hold the prefix: no replication"
+    );
+    // A short wait that costs less than the prefill keeps the request home.
+    let mut router = Router::new(
+        Policy::Prefix,
+        ResidencyMode::Off,
+        RouterConfig {
+            load_bound_tokens: 0,
+            decode_step_tokens: 1,
+        },
+    );
+    let mut fresh = self::shard();
+    fresh.learn(&tokens, BackendId(0), 1);
+    // 2 admissions every 200 / 40 = 5 steps of 1 token: 10 tokens of wait < 32 to prefill.
+    let slight = [up(0, 0).with_memory(Some(full(1, 40))), up(1, 0)];
+    let decision = decide(&mut router, &fresh, &tokens, &slight);
+    assert_eq!(decision.backend, BackendId(0));
+    assert_eq!(decision.admission_wait_tokens, 10.0);
+    // Round-robin and least-load never count replications.
+    let mut round_robin = self::router(Policy::RoundRobin, ResidencyMode::Off, 0);
+    for _ in 0..2 {
+        let decision = decide(&mut round_robin, &fresh, &tokens, &saturated);
+        assert!(!decision.prefix_replication);
+    }
 }

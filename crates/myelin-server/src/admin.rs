@@ -224,9 +224,7 @@ async fn list(control: &Rc<Control>) -> Response<Body> {
             let mut corrections = Vec::new();
             for snapshot in &snapshots {
                 if let Some(entry) = snapshot.backends.iter().find(|entry| entry.id == info.id) {
-                    load.requests += entry.local.requests;
-                    load.tokens += entry.local.tokens;
-                    load.admitted_tokens += entry.local.admitted_tokens;
+                    load.add(&entry.local);
                     corrections.push(json!({
                         "effective_capacity_tokens": entry.cache.effective_capacity_tokens,
                         "correction": entry.cache.correction,
@@ -262,6 +260,11 @@ async fn list(control: &Rc<Control>) -> Response<Body> {
             json["kv_capacity_tokens_reported"] = json!(engine_cache.capacity_tokens);
             json["kv_utilization"] = json!(engine_cache.utilization);
             json["admitted_tokens"] = json!(load.admitted_tokens);
+            // KV memory: the engine's queue at the last scrape, and the requests sent here as
+            // a prefix's second home because its first home's memory was full.
+            json["kv_running_requests"] = json!(engine_cache.running);
+            json["kv_waiting_requests"] = json!(engine_cache.waiting);
+            json["prefix_replications"] = json!(load.prefix_replications);
             json["residency_estimate"] = json!(corrections);
             // Tokenization parity: answers whose usage.prompt_tokens differed from the router's
             // count, and the last one (with both counts and the likely cause).

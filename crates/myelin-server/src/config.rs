@@ -44,6 +44,8 @@ impl Defaults {
     pub const TOKENIZE_MAX_PIECE_BYTES: usize = crate::route_tokens::DEFAULT_MAX_PIECE_BYTES;
     pub const SIM_SPEEDUP: f64 = 1.0;
     pub const LOAD_BOUND_TOKENS: u64 = myelin_routing::DEFAULT_LOAD_BOUND_TOKENS;
+    pub const DECODE_STEP_TOKENS: u64 = myelin_routing::DEFAULT_DECODE_STEP_TOKENS;
+    pub const ENGINE_METRICS_INTERVAL_MS: u64 = 1000;
 }
 
 /// Routing policy (`--routing`).
@@ -312,6 +314,17 @@ pub struct ServeArgs {
     /// expected-cost scoring. [default: 2048]
     #[arg(long, env = "MYELIN_LOAD_BOUND_TOKENS", value_name = "TOKENS")]
     pub load_bound_tokens: Option<u64>,
+
+    /// Prefix policy: what one decode step of an engine costs, in prompt tokens prefilled in the
+    /// same time; the unit of the expected wait for KV memory on an engine whose memory is full
+    /// (docs/routing.md, "KV memory"); 0 ignores KV memory. [default: 300]
+    #[arg(long, env = "MYELIN_DECODE_STEP_TOKENS", value_name = "TOKENS")]
+    pub decode_step_tokens: Option<u64>,
+
+    /// How often the control core reads every engine's metrics endpoint (KV capacity and
+    /// utilization, running and waiting requests). [default: 1000]
+    #[arg(long, env = "MYELIN_ENGINE_METRICS_INTERVAL_MS", value_name = "MS")]
+    pub engine_metrics_interval_ms: Option<u64>,
 }
 
 /// The `--config` file: the same keys as the flags, kebab-case.
@@ -359,6 +372,8 @@ pub struct FileConfig {
     pub tokenize_max_piece_bytes: Option<usize>,
     pub no_fast_tokenizer: Option<bool>,
     pub load_bound_tokens: Option<u64>,
+    pub decode_step_tokens: Option<u64>,
+    pub engine_metrics_interval_ms: Option<u64>,
 }
 
 /// A backend in the config file: a spec string or a table.
@@ -425,6 +440,8 @@ pub struct ServeConfig {
     pub tokenize_max_piece_bytes: usize,
     pub fast_tokenizer: bool,
     pub load_bound_tokens: u64,
+    pub decode_step_tokens: u64,
+    pub engine_metrics_interval: Duration,
     /// `--fault-drop-control-messages` (tests only; 0 = off).
     pub fault_drop_control_messages: u64,
 }
@@ -816,6 +833,16 @@ impl ServeConfig {
                 .load_bound_tokens
                 .or(file.load_bound_tokens)
                 .unwrap_or(Defaults::LOAD_BOUND_TOKENS),
+            decode_step_tokens: args
+                .decode_step_tokens
+                .or(file.decode_step_tokens)
+                .unwrap_or(Defaults::DECODE_STEP_TOKENS),
+            engine_metrics_interval: Duration::from_millis(
+                args.engine_metrics_interval_ms
+                    .or(file.engine_metrics_interval_ms)
+                    .unwrap_or(Defaults::ENGINE_METRICS_INTERVAL_MS)
+                    .max(10),
+            ),
             fault_drop_control_messages: args.fault_drop_control_messages.unwrap_or(0),
         })
     }

@@ -148,6 +148,8 @@ pub(crate) struct Control {
     subscribers: RefCell<HashMap<BackendId, Subscriber>>,
     /// Each backend's KV-cache figures from its last metrics scrape (residency estimate).
     engine_caches: RefCell<HashMap<BackendId, crate::engine_metrics::EngineCache>>,
+    /// How often `engine_caches` is refreshed (`--engine-metrics-interval-ms`).
+    engine_metrics_interval: Duration,
     /// Data cores a mirror write could not be sent to since their last resync.
     mirror_dirty: RefCell<Vec<bool>>,
     /// Per data core, the followed backends whose snapshot it still waits for (a resync in
@@ -215,6 +217,7 @@ pub async fn run_control(
         .with_provided_addresses(),
         subscribers: RefCell::new(HashMap::new()),
         engine_caches: RefCell::new(HashMap::new()),
+        engine_metrics_interval: config.engine_metrics_interval,
         mirror_dirty: RefCell::new(vec![false; shards]),
         mirror_awaiting: RefCell::new(vec![Default::default(); shards]),
         resolver: match crate::dns::Resolver::start(config.layout.control_cpu) {
@@ -1006,9 +1009,11 @@ impl Control {
     }
 }
 
-/// Scrapes every backend's metrics endpoint every [`crate::engine_metrics::SCRAPE_INTERVAL`]
-/// and sends each data core the KV capacity found (every time: a dropped message heals with
-/// the next scrape). A failed scrape keeps the last figures.
+/// Scrapes every backend's metrics endpoint every `--engine-metrics-interval-ms` and sends each
+/// data core the KV capacity found (every time: a dropped message heals with the next scrape)
+/// and, from a scrape that answered, the engine's utilization and queue (the expected wait for
+/// KV memory; data cores stop trusting them when they grow old). A failed scrape keeps the
+/// last capacity.
 async fn engine_metrics_loop(control: Rc<Control>) {
     loop {
         let targets = control.check_targets();
@@ -1018,6 +1023,7 @@ async fn engine_metrics_loop(control: Rc<Control>) {
                 let control = control.clone();
                 glommio::spawn_local(async move {
                     let scraped = crate::engine_metrics::scrape(&control.pool, &spec.url).await;
+                    let memory = scraped.and_then(|scraped| scraped.memory());
                     let cache = {
                         let mut caches = control.engine_caches.borrow_mut();
                         let cache = caches.entry(id).or_default();
@@ -1033,11 +1039,12 @@ async fn engine_metrics_loop(control: Rc<Control>) {
                     control.broadcast(|| Message::BackendCache {
                         id,
                         capacity_tokens: cache.capacity_tokens,
+                        memory,
                     });
                 })
             })
             .collect();
-        let interval = Timer::new(crate::engine_metrics::SCRAPE_INTERVAL);
+        let interval = Timer::new(control.engine_metrics_interval);
         for scrape in scrapes {
             scrape.await;
         }

@@ -311,9 +311,11 @@ impl Drop for LoadGuard {
             in_flight.decrement(1.0);
         }
         let remaining = self.prefill_tokens + self.decode_tokens;
+        let decode = self.decode_tokens;
         self.core.change_load(self.backend, |load| {
             load.requests = load.requests.saturating_sub(1);
             load.tokens = load.tokens.saturating_sub(remaining);
+            load.decode_tokens = load.decode_tokens.saturating_sub(decode);
         });
     }
 }
@@ -388,10 +390,13 @@ impl DataCore {
             Message::BackendCache {
                 id,
                 capacity_tokens,
+                memory,
             } => {
-                self.routing
-                    .borrow_mut()
-                    .set_scraped_capacity(id, capacity_tokens);
+                let mut routing = self.routing.borrow_mut();
+                routing.set_scraped_capacity(id, capacity_tokens);
+                if let Some(memory) = memory {
+                    routing.set_scraped_memory(id, memory, Instant::now());
+                }
             }
             Message::Addresses(addresses) => {
                 for (authority, addr) in addresses.iter() {
@@ -608,6 +613,8 @@ impl DataCore {
             load.requests += 1;
             load.tokens += prefill_tokens + decode_tokens;
             load.admitted_tokens += admitted_prefill_tokens + decode_tokens;
+            load.decode_tokens += decode_tokens;
+            load.started_requests += 1;
         });
         if let Some(in_flight) = &in_flight {
             in_flight.increment(1.0);
@@ -654,6 +661,11 @@ impl DataCore {
         if let Some(write) = write {
             self.replicate(write);
         }
+    }
+
+    /// Counts a request sent to `backend` as a second home of its prefix (admin API).
+    pub fn note_prefix_replication(self: &Rc<Self>, backend: BackendId) {
+        self.change_load(backend, |load| load.prefix_replications += 1);
     }
 
     /// Applies `change` to this core's load on `backend`; the other cores hear of it with the

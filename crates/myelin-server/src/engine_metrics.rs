@@ -1,10 +1,13 @@
 //! The engines' KV-cache figures from their Prometheus endpoint (`GET {url}/metrics`), scraped
-//! by the control core for the residency estimate: capacity in tokens and utilization.
+//! by the control core for the residency estimate (capacity in tokens and utilization) and for
+//! the expected wait for KV memory (utilization, running and waiting requests).
 //!
 //! - vLLM: `vllm:cache_config_info` (an info gauge whose labels carry `num_gpu_blocks` and
 //!   `block_size`: capacity = their product), `vllm:kv_cache_usage_perc` (or the older
-//!   `vllm:gpu_cache_usage_perc`), a fraction 0..1.
-//! - SGLang: `sglang:max_total_num_tokens` (capacity), `sglang:token_usage` (fraction).
+//!   `vllm:gpu_cache_usage_perc`), a fraction 0..1, `vllm:num_requests_running`,
+//!   `vllm:num_requests_waiting`.
+//! - SGLang: `sglang:max_total_num_tokens` (capacity), `sglang:token_usage` (fraction),
+//!   `sglang:num_running_reqs`, `sglang:num_queue_reqs`.
 //!
 //! Engines without these (TensorRT-LLM, Ollama, LM Studio) give nothing: the configured
 //! `capacity-tokens=` applies, else the estimate learns one from reuse reports.
@@ -14,8 +17,6 @@ use std::time::Duration;
 use hyper::{Method, Request};
 use myelin_http::client::Pool;
 
-/// How often the control core scrapes every backend.
-pub const SCRAPE_INTERVAL: Duration = Duration::from_secs(5);
 /// A scrape that has not answered within this is abandoned.
 pub const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Largest metrics page read (vLLM's is ~50-200 KiB with histograms); a larger one is dropped.
@@ -28,6 +29,29 @@ pub struct EngineCache {
     pub capacity_tokens: Option<u64>,
     /// Fraction of the cache in use, 0..1.
     pub utilization: Option<f64>,
+    /// Requests running (summed over series).
+    pub running: Option<f64>,
+    /// Requests waiting for admission (summed over series).
+    pub waiting: Option<f64>,
+}
+
+impl EngineCache {
+    /// The expected-wait inputs, when the page had all three.
+    pub fn memory(&self) -> Option<ScrapedMemory> {
+        Some(ScrapedMemory {
+            utilization: self.utilization?,
+            running: self.running? as u32,
+            waiting: self.waiting? as u32,
+        })
+    }
+}
+
+/// An engine's KV utilization and scheduler queue at one scrape.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ScrapedMemory {
+    pub utilization: f64,
+    pub running: u32,
+    pub waiting: u32,
 }
 
 /// Parses Prometheus exposition text. Several series of a metric (engines, data-parallel
@@ -36,6 +60,13 @@ pub fn parse(text: &str) -> EngineCache {
     let mut capacity: Option<u64> = None;
     let mut usage_sum = 0.0;
     let mut usage_count = 0u32;
+    let mut running: Option<f64> = None;
+    let mut waiting: Option<f64> = None;
+    let add = |total: &mut Option<f64>, value: Option<f64>| {
+        if let Some(value) = value.filter(|v| v.is_finite() && *v >= 0.0) {
+            *total = Some(total.unwrap_or(0.0) + value);
+        }
+    };
     let mut add_capacity = |tokens: u64| {
         capacity = Some(capacity.unwrap_or(0).saturating_add(tokens));
     };
@@ -64,12 +95,16 @@ pub fn parse(text: &str) -> EngineCache {
                     usage_count += 1;
                 }
             }
+            "vllm:num_requests_running" | "sglang:num_running_reqs" => add(&mut running, value),
+            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => add(&mut waiting, value),
             _ => {}
         }
     }
     EngineCache {
         capacity_tokens: capacity.filter(|&tokens| tokens > 0),
         utilization: (usage_count > 0).then(|| usage_sum / f64::from(usage_count)),
+        running,
+        waiting,
     }
 }
 
@@ -135,14 +170,29 @@ mod tests {
             # TYPE vllm:cache_config_info gauge\n\
             vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",engine=\"0\",num_gpu_blocks=\"1500\"} 1.0\n\
             vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n\
-            vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 4.0\n";
+            vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 4.0\n\
+            vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 2.0\n";
+        let parsed = parse(text);
         assert_eq!(
-            parse(text),
+            parsed,
             EngineCache {
                 capacity_tokens: Some(24_000),
-                utilization: Some(0.25)
+                utilization: Some(0.25),
+                running: Some(4.0),
+                waiting: Some(2.0),
             }
         );
+        assert_eq!(
+            parsed.memory(),
+            Some(ScrapedMemory {
+                utilization: 0.25,
+                running: 4,
+                waiting: 2
+            })
+        );
+        // Without the queue gauges there is no expected wait to compute.
+        let partial = "vllm:kv_cache_usage_perc 0.5\nvllm:num_requests_running 3\n";
+        assert_eq!(parse(partial).memory(), None);
     }
 
     #[test]
@@ -151,12 +201,16 @@ mod tests {
         assert_eq!(parse(old).utilization, Some(0.5));
         assert_eq!(parse(old).capacity_tokens, None);
         let sglang = "sglang:max_total_num_tokens{model_name=\"m\"} 500000.0\n\
-            sglang:token_usage{model_name=\"m\"} 0.1\n";
+            sglang:token_usage{model_name=\"m\"} 0.1\n\
+            sglang:num_running_reqs{model_name=\"m\"} 7\n\
+            sglang:num_queue_reqs{model_name=\"m\"} 0\n";
         assert_eq!(
             parse(sglang),
             EngineCache {
                 capacity_tokens: Some(500_000),
-                utilization: Some(0.1)
+                utilization: Some(0.1),
+                running: Some(7.0),
+                waiting: Some(0.0),
             }
         );
         assert_eq!(parse("garbage {{{\nfoo 1\n"), EngineCache::default());
@@ -182,5 +236,7 @@ mod tests {
         let parsed = parse(&text);
         assert_eq!(parsed.capacity_tokens, Some(24_000));
         assert_eq!(parsed.utilization, Some(0.0));
+        assert_eq!(parsed.running, Some(0.0));
+        assert_eq!(parsed.waiting, Some(0.0));
     }
 }

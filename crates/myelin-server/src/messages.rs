@@ -77,10 +77,12 @@ pub enum Message {
     /// What the receiver's replica holds (admin API); answered by `SnapshotReply`.
     Snapshot { request_id: u64 },
     /// The KV capacity a backend's engine reports on its metrics endpoint (`None`: it reports
-    /// none, the configured `capacity-tokens` applies), for the residency estimate.
+    /// none, the configured `capacity-tokens` applies), for the residency estimate, and its KV
+    /// utilization and queue when this scrape read them (the expected wait for KV memory).
     BackendCache {
         id: BackendId,
         capacity_tokens: Option<u64>,
+        memory: Option<crate::engine_metrics::ScrapedMemory>,
     },
     /// Engine host names and their addresses, resolved on the control core's resolver thread
     /// (the whole table, re-sent every second).

@@ -48,6 +48,9 @@ pub const LOOKUPS_TOTAL: &str = "myelin_router_lookups_total";
 pub const PREFIX_MATCH_BLOCKS: &str = "myelin_router_prefix_match_blocks";
 /// The backend with the longest historical match lost because its residency was discounted.
 pub const RESIDENCY_DOWNGRADES_TOTAL: &str = "myelin_router_residency_route_downgrades_total";
+/// Requests sent to a second home of their prefix because the engine holding it had its KV
+/// memory full (the expected wait for memory cost more than prefilling the prefix elsewhere).
+pub const PREFIX_REPLICATIONS_TOTAL: &str = "myelin_router_prefix_replications_total";
 /// Attempts sent to another backend before the first response byte, by `reason`.
 pub const RETRIES_TOTAL: &str = "myelin_retries_total";
 /// Circuit-breaker transitions, by `backend`, `from` and `to` (closed, open, half_open).
@@ -139,6 +142,7 @@ pub struct CoreMetrics {
     pub routing_decision_seconds: Histogram,
     pub prefix_match_blocks: Histogram,
     pub residency_downgrades: Counter,
+    pub prefix_replications: Counter,
     pub upstream_stream_errors: Counter,
     pub load_view_staleness: Histogram,
     pub residency_predicted_vs_reported: Histogram,
@@ -180,6 +184,7 @@ impl CoreMetrics {
             routing_decision_seconds: metrics::histogram!(ROUTING_DECISION_SECONDS),
             prefix_match_blocks: metrics::histogram!(PREFIX_MATCH_BLOCKS),
             residency_downgrades: metrics::counter!(RESIDENCY_DOWNGRADES_TOTAL),
+            prefix_replications: metrics::counter!(PREFIX_REPLICATIONS_TOTAL),
             upstream_stream_errors: metrics::counter!(UPSTREAM_STREAM_ERRORS_TOTAL),
             load_view_staleness: metrics::histogram!(LOAD_VIEW_STALENESS_SECONDS),
             residency_predicted_vs_reported: metrics::histogram!(
@@ -322,6 +327,7 @@ pub fn install() -> PrometheusHandle {
     // reads 0 instead of a missing series (dashboards and the harness rate() them).
     for counter in [
         RESIDENCY_DOWNGRADES_TOTAL,
+        PREFIX_REPLICATIONS_TOTAL,
         OVERLOAD_REJECTIONS_TOTAL,
         UPSTREAM_STREAM_ERRORS_TOTAL,
         CLIENT_DISCONNECTS_TOTAL,
@@ -408,6 +414,10 @@ fn describe() {
     describe_counter!(
         RESIDENCY_DOWNGRADES_TOTAL,
         "Longest historical match not chosen because its residency was discounted."
+    );
+    describe_counter!(
+        PREFIX_REPLICATIONS_TOTAL,
+        "Requests sent to a second home of their prefix because the engine holding it had its KV memory full."
     );
     describe_counter!(
         RETRIES_TOTAL,

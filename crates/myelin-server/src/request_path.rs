@@ -424,6 +424,10 @@ async fn generate(
                 if chosen.residency_downgrade {
                     meters.residency_downgrades.increment(1);
                 }
+                if chosen.prefix_replication {
+                    meters.prefix_replications.increment(1);
+                    core.note_prefix_replication(chosen.backend);
+                }
                 return relay_response(
                     response,
                     chosen.backend,

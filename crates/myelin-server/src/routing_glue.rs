@@ -3,16 +3,17 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 pub use myelin_routing::BlockCounts;
 use myelin_routing::{
-    BackendView, BlockChain, Policy, PrefixMatch, ReuseObservation, ReuseProbe, RoomCalibration,
-    Router, RouterConfig, Shard, ShardConfig, WriteOp,
+    BackendView, BlockChain, MemoryPressure, Policy, PrefixMatch, ReuseObservation, ReuseProbe,
+    RoomCalibration, Router, RouterConfig, Shard, ShardConfig, WriteOp,
 };
 
 use crate::backends::{BackendId, BackendInfo, BackendState, Load};
 use crate::config::{ResidencyMode, RoutingPolicy, ServeConfig};
+use crate::engine_metrics::ScrapedMemory;
 
 /// A prompt's block chain, hashed once per request (shared with the learn broadcast).
 #[derive(Debug, Clone)]
@@ -45,6 +46,8 @@ pub struct RouteChoice {
     /// Prompt tokens the chosen backend is expected to serve from its cache.
     pub expected_cached_tokens: u64,
     pub residency_downgrade: bool,
+    /// The engine with the prefix had its KV memory full: this one becomes a second home.
+    pub prefix_replication: bool,
 }
 
 struct ShardBackend {
@@ -56,6 +59,10 @@ struct ShardBackend {
     scraped_capacity: Option<u64>,
     /// This core's correction of the capacity from the engine's reuse reports.
     calibration: RoomCalibration,
+    /// The engine's KV utilization and queue at the last scrape that read them, when it came
+    /// in, and the requests routers had started to it by then (those started since are
+    /// counted as waiting, on top of the engine's queue).
+    scraped_memory: Option<(ScrapedMemory, Instant, u64)>,
 }
 
 /// A backend's residency-estimate figures on one core (admin API).
@@ -84,6 +91,8 @@ pub struct RoutingShard {
     backends: BTreeMap<BackendId, ShardBackend>,
     views: Vec<BackendView>,
     clock_origin: Instant,
+    /// Scraped KV figures older than this are not trusted (three scrape intervals).
+    memory_max_age: Duration,
 }
 
 fn policy_of(policy: RoutingPolicy) -> Policy {
@@ -130,12 +139,14 @@ impl RoutingShard {
                 residency_of(config.residency),
                 RouterConfig {
                     load_bound_tokens: config.load_bound_tokens,
+                    decode_step_tokens: config.decode_step_tokens,
                 },
             ),
             residency: config.residency,
             backends: BTreeMap::new(),
             views: Vec::new(),
             clock_origin,
+            memory_max_age: config.engine_metrics_interval * 3,
         })
     }
 
@@ -199,6 +210,7 @@ impl RoutingShard {
                 configured_capacity: None,
                 scraped_capacity: None,
                 calibration: RoomCalibration::default(),
+                scraped_memory: None,
             });
         entry.state = info.state;
         entry.configured_capacity = info.spec.capacity_tokens;
@@ -215,6 +227,14 @@ impl RoutingShard {
             entry
                 .calibration
                 .set_capacity(capacity.or(entry.configured_capacity));
+        }
+    }
+
+    /// The engine's KV utilization and queue, read by the control core at about `at`.
+    pub fn set_scraped_memory(&mut self, id: BackendId, memory: ScrapedMemory, at: Instant) {
+        if let Some(entry) = self.backends.get_mut(&id) {
+            let started = entry.load_by_core.iter().map(|l| l.started_requests).sum();
+            entry.scraped_memory = Some((memory, at, started));
         }
     }
 
@@ -368,6 +388,8 @@ impl RoutingShard {
         let mut views = std::mem::take(&mut self.views);
         views.clear();
         let shard = &self.shard;
+        let now = Instant::now();
+        let max_age = self.memory_max_age;
         views.extend(self.backends.iter().map(|(&id, backend)| {
             let state = if excluded.contains(&id) {
                 BackendState::Down
@@ -381,11 +403,13 @@ impl RoutingShard {
                 .map(|load| load.admitted_tokens)
                 .sum();
             let id = myelin_routing::BackendId(id);
-            BackendView::new(id, state_of(state), load_tokens).with_cache(
-                backend.calibration.effective_capacity(),
-                admitted_tokens,
-                shard.evicted_below(id),
-            )
+            BackendView::new(id, state_of(state), load_tokens)
+                .with_cache(
+                    backend.calibration.effective_capacity(),
+                    admitted_tokens,
+                    shard.evicted_below(id),
+                )
+                .with_memory(memory_pressure(backend, now, max_age))
         }));
         let decision = self.router.decide(prompt_tokens as u64, answer, &views);
         self.views = views;
@@ -396,8 +420,46 @@ impl RoutingShard {
             // Whole tokens: the expectation is a sum of block sizes weighted by probabilities.
             expected_cached_tokens: decision.expected_cached_tokens.max(0.0).round() as u64,
             residency_downgrade: decision.residency_downgrade,
+            prefix_replication: decision.prefix_replication,
         })
     }
+}
+
+/// Output a running request is assumed to still owe when the router has none in flight there
+/// to average over (half of a typical 256-token answer).
+const DEFAULT_REMAINING_OUTPUT_TOKENS: f64 = 128.0;
+
+/// A backend's expected-wait inputs: the engine's last scraped utilization and queue, with the
+/// requests routers started there since counted as waiting (they were not in that queue), and
+/// the output its running requests still owe taken as half of what the routers' in-flight
+/// requests there expect. `None` when never scraped or older than `max_age`.
+fn memory_pressure(
+    backend: &ShardBackend,
+    now: Instant,
+    max_age: Duration,
+) -> Option<MemoryPressure> {
+    let (memory, at, started_then) = backend.scraped_memory?;
+    if now.saturating_duration_since(at) > max_age {
+        return None;
+    }
+    let mut total = Load::default();
+    for load in &backend.load_by_core {
+        total.add(load);
+    }
+    let started_since = total.started_requests.saturating_sub(started_then);
+    let mean_remaining_output_tokens = if total.requests > 0 {
+        total.decode_tokens as f64 / f64::from(total.requests) / 2.0
+    } else {
+        DEFAULT_REMAINING_OUTPUT_TOKENS
+    };
+    Some(MemoryPressure {
+        utilization: memory.utilization,
+        waiting_requests: memory
+            .waiting
+            .saturating_add(u32::try_from(started_since).unwrap_or(u32::MAX)),
+        running_requests: memory.running,
+        mean_remaining_output_tokens,
+    })
 }
 
 #[cfg(test)]
@@ -446,6 +508,58 @@ mod tests {
         assert_ne!(retry.backend, first.backend);
         let none = shard.decide(&shard.lookup(&query), prompt.len(), &[0, 1, 2]);
         assert_eq!(none, None);
+    }
+
+    #[test]
+    fn a_full_engine_with_a_queue_sends_its_prefix_to_a_second_home_while_its_figures_are_fresh() {
+        let mut shard = shard(RoutingPolicy::Prefix, 1);
+        let prompt: Vec<u32> = (0..4096).collect();
+        let query = shard.query(&prompt);
+        let home = shard
+            .decide(&shard.lookup(&query), prompt.len(), &[])
+            .unwrap()
+            .backend;
+        shard.learn(&query, home);
+        let full = |waiting| ScrapedMemory {
+            utilization: 0.97,
+            running: 6,
+            waiting,
+        };
+        // Full memory but nobody waiting: the request stays home.
+        let scraped_at = Instant::now();
+        shard.set_scraped_memory(home, full(0), scraped_at);
+        let choice = shard
+            .decide(&shard.lookup(&query), prompt.len(), &[])
+            .unwrap();
+        assert_eq!((choice.backend, choice.prefix_replication), (home, false));
+        // A request started there since the scrape is taken as waiting: (1 + 1) admissions of
+        // 128 / 6 steps at 300 tokens cost 12,800 tokens, more than prefilling 4,096 elsewhere.
+        shard.set_load(
+            home,
+            0,
+            Load {
+                started_requests: 1,
+                ..Load::default()
+            },
+        );
+        let choice = shard
+            .decide(&shard.lookup(&query), prompt.len(), &[])
+            .unwrap();
+        assert_ne!(choice.backend, home);
+        assert!(choice.prefix_replication);
+        // The engine's own queue counts the same way.
+        shard.set_scraped_memory(home, full(3), scraped_at);
+        let choice = shard
+            .decide(&shard.lookup(&query), prompt.len(), &[])
+            .unwrap();
+        assert!(choice.prefix_replication && choice.backend != home);
+        // Figures older than three scrape intervals are not trusted: home again.
+        let old = scraped_at - shard.memory_max_age - Duration::from_millis(1);
+        shard.set_scraped_memory(home, full(3), old);
+        let choice = shard
+            .decide(&shard.lookup(&query), prompt.len(), &[])
+            .unwrap();
+        assert_eq!((choice.backend, choice.prefix_replication), (home, false));
     }
 
     #[test]
