@@ -127,6 +127,11 @@ fn admin_route_of(method: &Method, path: &str) -> Result<AdminRoute, ApiError> {
 pub async fn handle(control: Rc<Control>, request: Request<Incoming>) -> Response<Body> {
     let (label, response) = if !authorized(&control, &request) {
         ("other", unauthorized())
+    } else if request.uri().path().trim_end_matches('/') == "/admin/cluster" {
+        (
+            "/admin/cluster",
+            crate::control::gossip::cluster_admin(&control, request.method()),
+        )
     } else {
         match admin_route_of(request.method(), request.uri().path()) {
             Ok(route) => {

@@ -149,6 +149,10 @@ pub struct ServeArgs {
     #[arg(long, env = "MYELIN_SIM_SPEEDUP", value_name = "FACTOR")]
     pub sim_speedup: Option<f64>,
 
+    /// The peer cluster (--gossip-listen, --peer, --node-id, --cluster-key-file).
+    #[command(flatten)]
+    pub gossip: crate::cluster::GossipArgs,
+
     /// Routing policy. [default: prefix]
     #[arg(long, env = "MYELIN_ROUTING", value_enum)]
     pub routing: Option<RoutingPolicy>,
@@ -339,6 +343,13 @@ pub struct FileConfig {
     pub backend: Vec<FileBackend>,
     pub sim: Option<usize>,
     pub sim_speedup: Option<f64>,
+    pub gossip_listen: Option<SocketAddr>,
+    pub gossip_advertise: Option<SocketAddr>,
+    #[serde(default, alias = "peers")]
+    pub peer: Vec<SocketAddr>,
+    pub node_id: Option<String>,
+    pub cluster_key_file: Option<PathBuf>,
+    pub gossip_probe_interval_ms: Option<u64>,
     pub routing: Option<RoutingPolicy>,
     pub residency: Option<ResidencyMode>,
     pub tokenizer: Option<PathBuf>,
@@ -416,6 +427,8 @@ pub struct ServeConfig {
     pub backends: Vec<BackendSpec>,
     pub sim: usize,
     pub sim_speedup: f64,
+    /// The peer cluster (`None`: gossip off, a single router).
+    pub gossip: Option<crate::cluster::GossipSettings>,
     pub routing: RoutingPolicy,
     pub residency: ResidencyMode,
     pub tokenizer: Option<PathBuf>,
@@ -465,6 +478,8 @@ pub enum ConfigError {
     Cores(#[from] CoreLayoutError),
     #[error("no backends: give --backend URL (repeatable) or --sim N")]
     NoBackends,
+    #[error("{0}")]
+    Gossip(String),
     #[error("{0} must be at least 1")]
     MustBePositive(&'static str),
     #[error("--sim-speedup must be a positive number")]
@@ -670,6 +685,18 @@ impl ServeConfig {
         if !(sim_speedup.is_finite() && sim_speedup > 0.0) {
             return Err(ConfigError::SimSpeedup);
         }
+        let gossip = crate::cluster::resolve(
+            args.gossip,
+            crate::cluster::GossipFile {
+                gossip_listen: file.gossip_listen,
+                gossip_advertise: file.gossip_advertise,
+                peers: file.peer.clone(),
+                node_id: file.node_id.clone(),
+                cluster_key_file: file.cluster_key_file.clone(),
+                gossip_probe_interval_ms: file.gossip_probe_interval_ms,
+            },
+        )
+        .map_err(ConfigError::Gossip)?;
         let millis = Duration::from_millis;
         let listen = match args.listen.or(file.listen) {
             Some(listen) => listen,
@@ -697,6 +724,7 @@ impl ServeConfig {
             backends,
             sim,
             sim_speedup,
+            gossip,
             routing: args
                 .routing
                 .or(file.routing)

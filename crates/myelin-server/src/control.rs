@@ -30,6 +30,8 @@ use crate::mesh::{Mesh, MeshEnds, OneShot};
 use crate::messages::{Message, ReplicaSnapshot};
 use crate::metrics as names;
 
+pub(crate) mod gossip;
+
 /// How often open breakers are checked for the end of their open period.
 const BREAKER_TICK: Duration = Duration::from_millis(50);
 /// How often the Prometheus recorder drains histogram samples.
@@ -165,6 +167,8 @@ pub(crate) struct Control {
     feed_sender: crossbeam_channel::Sender<FeedEvent>,
     block_size: std::num::NonZeroU32,
     control_cpu: Option<usize>,
+    /// The peer cluster (`--gossip-listen`), once started.
+    gossip: RefCell<Option<Rc<gossip::Gossip>>>,
 }
 
 /// Runs the control core until `stop` is set. `initial` are the configured backends (ids
@@ -236,6 +240,7 @@ pub async fn run_control(
         block_size: std::num::NonZeroU32::new(u32::try_from(config.block_size).unwrap_or(16))
             .unwrap_or(std::num::NonZeroU32::MIN),
         control_cpu: config.layout.control_cpu,
+        gossip: RefCell::new(None),
     });
     // Startup resolves on this thread (nothing is served yet); later the resolver thread does.
     let authorities = control.authorities();
@@ -327,6 +332,17 @@ pub async fn run_control(
                  one): {error}",
                 config.admin_listen
             ));
+        }
+    }
+    if let Some(settings) = &config.gossip {
+        match gossip::start(&control, settings, config.block_size, stop.clone()) {
+            Ok(started) => {
+                gossip::install(&started);
+                *control.gossip.borrow_mut() = Some(started);
+            }
+            Err(message) => {
+                startup_error.get_or_insert(message);
+            }
         }
     }
     let _ = ready.send(match startup_error {
@@ -448,6 +464,18 @@ async fn receive_loop(control: Rc<Control>, receiver: ConnectedReceiver<Message>
                 let slot = control.pending_snapshots.borrow_mut().remove(&request_id);
                 if let Some(slot) = slot {
                     slot.fill(*snapshot);
+                }
+            }
+            // Learned routes and load of the data cores: the peer cluster's (sent here only
+            // when gossip is on).
+            Message::Writes(writes) => {
+                if let Some(gossip) = control.gossip.borrow().clone() {
+                    gossip.on_local_writes(&control, &writes);
+                }
+            }
+            Message::Loads(updates) => {
+                if let Some(gossip) = control.gossip.borrow().clone() {
+                    gossip.on_local_loads(&updates);
                 }
             }
             _ => {}

@@ -398,6 +398,19 @@ impl DataCore {
                     routing.set_scraped_memory(id, memory, Instant::now());
                 }
             }
+            Message::PeerLoads(loads) => {
+                let mut routing = self.routing.borrow_mut();
+                for &(backend, load) in loads.iter() {
+                    // The slot after the data cores' holds the other cluster nodes' load.
+                    routing.set_load(backend, self.shards, load);
+                }
+            }
+            Message::PeerRoutes(routes) => {
+                let mut routing = self.routing.borrow_mut();
+                for route in routes.iter() {
+                    routing.learn_peer(route.chain.clone(), route.backend, route.stamp);
+                }
+            }
             Message::Addresses(addresses) => {
                 for (authority, addr) in addresses.iter() {
                     self.pool.set_address(authority, *addr);
@@ -491,7 +504,7 @@ impl DataCore {
     /// Queues a write this core's replica already applied for the other cores' replicas (sent
     /// with the next flush, or now when the batch is full).
     fn replicate(self: &Rc<Self>, write: myelin_routing::WriteOp) {
-        if self.shards <= 1 {
+        if !self.tells_others() {
             return;
         }
         let full = {
@@ -528,7 +541,7 @@ impl DataCore {
         let writes: Vec<myelin_routing::WriteOp> = std::mem::take(&mut *self.outbox.borrow_mut());
         if !writes.is_empty() {
             let batch: Arc<[myelin_routing::WriteOp]> = writes.into();
-            for peer in (0..self.shards).filter(|&peer| peer != self.shard) {
+            for peer in self.write_recipients() {
                 self.send(peer, Message::Writes(batch.clone()));
             }
         }
@@ -682,7 +695,7 @@ impl DataCore {
         self.routing
             .borrow_mut()
             .set_load(backend, self.shard, load);
-        if self.shards > 1 {
+        if self.tells_others() {
             let mut dirty = self.dirty_loads.borrow_mut();
             if !dirty.contains(&backend) {
                 dirty.push(backend);
@@ -694,7 +707,7 @@ impl DataCore {
 
     /// Sends this core's load on `loads`' backends to every other data core (one batch).
     fn broadcast_loads(&self, loads: &[(BackendId, Load)]) {
-        if self.shards <= 1 || loads.is_empty() {
+        if !self.tells_others() || loads.is_empty() {
             return;
         }
         let sent_at = Instant::now();
@@ -707,8 +720,24 @@ impl DataCore {
                 sent_at,
             })
             .collect();
-        for peer in (0..self.shards).filter(|&peer| peer != self.shard) {
+        for peer in self.write_recipients() {
             self.send(peer, Message::Loads(batch.clone()));
         }
+    }
+
+    /// Whether this core's writes and load go anywhere: other data cores, or the control
+    /// core's gossip (peer cluster).
+    fn tells_others(&self) -> bool {
+        self.shards > 1 || self.config.gossip.is_some()
+    }
+
+    /// Cores told of this core's writes and load: every other data core, and the control core
+    /// (index `shards`) when it gossips them to the peer cluster.
+    fn write_recipients(&self) -> impl Iterator<Item = usize> + use<> {
+        let own = self.shard;
+        let control = self.config.gossip.is_some().then_some(self.shards);
+        (0..self.shards)
+            .filter(move |&peer| peer != own)
+            .chain(control)
     }
 }

@@ -28,6 +28,15 @@ pub struct ReplicaBackend {
     pub cache: CacheFigures,
 }
 
+/// A route another cluster node learned: `backend` was routed the prompt of `chain`, with the
+/// residency stamp `stamp` (the cluster-wide admitted-tokens counter then).
+#[derive(Debug, Clone)]
+pub struct PeerRoute {
+    pub backend: BackendId,
+    pub chain: Arc<myelin_routing::BlockChain>,
+    pub stamp: u64,
+}
+
 /// Every message between cores.
 #[derive(Debug)]
 pub enum Message {
@@ -87,6 +96,13 @@ pub enum Message {
     /// Engine host names and their addresses, resolved on the control core's resolver thread
     /// (the whole table, re-sent every second).
     Addresses(Arc<[(String, std::net::SocketAddr)]>),
+    /// The other cluster nodes' load on each backend, summed (gossip, control core -> data
+    /// cores): absolute, re-sent every second so a dropped one heals. Admitted tokens include
+    /// those of nodes that died (the residency stamps' clock never runs backwards).
+    PeerLoads(Arc<[(BackendId, Load)]>),
+    /// Routes other cluster nodes learned (gossip, control core -> data cores), applied as
+    /// history at the receiver's clock.
+    PeerRoutes(Arc<[PeerRoute]>),
     /// Every backend as of change `version` (sent every second, so a dropped change heals):
     /// the receiver makes its table equal to it, then confirms `version` cumulatively.
     BackendSync {
@@ -111,6 +127,8 @@ impl Message {
             Message::BackendCache { .. } => "backend_cache",
             Message::BackendSync { .. } => "backend_sync",
             Message::Addresses(_) => "addresses",
+            Message::PeerLoads(_) => "peer_loads",
+            Message::PeerRoutes(_) => "peer_routes",
         }
     }
 }

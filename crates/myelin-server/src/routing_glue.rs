@@ -185,6 +185,18 @@ impl RoutingShard {
         op
     }
 
+    /// Records a route another cluster node learned (gossip), as history at this core's
+    /// clock with that node's residency stamp.
+    pub fn learn_peer(&mut self, chain: Arc<BlockChain>, backend: BackendId, stamp: u64) {
+        let op = WriteOp::Learn {
+            chain,
+            backend: myelin_routing::BackendId(backend),
+            at_ms: self.now_ms(),
+            residency_stamp: stamp,
+        };
+        self.apply(&op);
+    }
+
     /// Applies a write to this replica. Writes about a backend this core no longer has (still
     /// in flight when it was removed) are dropped with it.
     pub fn apply(&mut self, op: &WriteOp) {
@@ -206,7 +218,8 @@ impl RoutingShard {
             .entry(info.id)
             .or_insert_with(|| ShardBackend {
                 state: info.state,
-                load_by_core: vec![Load::default(); shards],
+                // One slot per data core, and the last for the other cluster nodes (gossip).
+                load_by_core: vec![Load::default(); shards + 1],
                 configured_capacity: None,
                 scraped_capacity: None,
                 calibration: RoomCalibration::default(),

@@ -1,0 +1,227 @@
+//! Configuration of the peer cluster (`--gossip-listen`, `--peer`, `--node-id`,
+//! `--cluster-key-file`): several myelin nodes in front of the same engines sharing load,
+//! residency inputs and routes over authenticated UDP gossip (docs/gossip-protocol.md). The
+//! control core runs it (`control/gossip.rs`).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use myelin_gossip::ClusterKey;
+
+/// Default probe period of the membership's failure detector.
+pub const DEFAULT_PROBE_INTERVAL_MS: u64 = 500;
+
+/// The cluster's command-line flags (each also a `MYELIN_*` variable and a config-file key).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct GossipArgs {
+    /// UDP address this node's peer gossip listens on; turns the peer cluster on (needs
+    /// --cluster-key-file). [default: none: a single router]
+    #[arg(long, env = "MYELIN_GOSSIP_LISTEN", value_name = "HOST:PORT")]
+    pub gossip_listen: Option<SocketAddr>,
+
+    /// Address the other nodes reach this node's gossip at, when --gossip-listen is a wildcard
+    /// address (0.0.0.0 or ::). [default: --gossip-listen]
+    #[arg(long, env = "MYELIN_GOSSIP_ADVERTISE", value_name = "HOST:PORT")]
+    pub gossip_advertise: Option<SocketAddr>,
+
+    /// Gossip address of another node to join the cluster through (repeatable; in MYELIN_PEER
+    /// separate them with `;`). A node keeps announcing itself to them until it has joined.
+    /// [default: none: others join this node]
+    #[arg(
+        long = "peer",
+        env = "MYELIN_PEER",
+        value_name = "HOST:PORT",
+        value_delimiter = ';'
+    )]
+    pub peers: Vec<SocketAddr>,
+
+    /// This node's name in the cluster (unique; /admin/cluster shows it).
+    /// [default: the gossip address]
+    #[arg(long, env = "MYELIN_NODE_ID", value_name = "NAME")]
+    pub node_id: Option<String>,
+
+    /// File holding the cluster key (at least 16 bytes; surrounding whitespace ignored): every
+    /// gossip packet is authenticated with HMAC-SHA256 under it. Required with --gossip-listen.
+    #[arg(long, env = "MYELIN_CLUSTER_KEY_FILE", value_name = "PATH")]
+    pub cluster_key_file: Option<PathBuf>,
+
+    /// Probe period of the membership's failure detector: a dead node is declared down within
+    /// about (members + 1) periods plus 3 periods of suspicion. [default: 500]
+    #[arg(long, env = "MYELIN_GOSSIP_PROBE_INTERVAL_MS", value_name = "MS")]
+    pub gossip_probe_interval_ms: Option<u64>,
+}
+
+/// The same keys in the `--config` file.
+#[derive(Debug, Clone, Default)]
+pub struct GossipFile {
+    pub gossip_listen: Option<SocketAddr>,
+    pub gossip_advertise: Option<SocketAddr>,
+    pub peers: Vec<SocketAddr>,
+    pub node_id: Option<String>,
+    pub cluster_key_file: Option<PathBuf>,
+    pub gossip_probe_interval_ms: Option<u64>,
+}
+
+/// The resolved cluster settings (present when gossip is on).
+#[derive(Debug, Clone)]
+pub struct GossipSettings {
+    pub listen: SocketAddr,
+    /// What the other nodes send to (`--gossip-advertise`, else `--gossip-listen`; a port 0
+    /// is replaced by the bound port).
+    pub advertise: Option<SocketAddr>,
+    pub peers: Vec<SocketAddr>,
+    /// `--node-id` (`None`: the advertised address, once bound).
+    pub node_id: Option<String>,
+    pub key: ClusterKey,
+    pub probe_interval: Duration,
+}
+
+impl GossipSettings {
+    /// The membership's failure-detector timing.
+    pub fn membership_params(&self) -> myelin_gossip::MembershipParams {
+        myelin_gossip::MembershipParams {
+            probe_period: self.probe_interval,
+            probe_rtt: self.probe_interval * 2 / 5,
+            suspect_to_down_after: self.probe_interval * 3,
+        }
+    }
+}
+
+fn read_key(path: &Path) -> Result<ClusterKey, String> {
+    let contents = std::fs::read(path)
+        .map_err(|error| format!("reading --cluster-key-file {}: {error}", path.display()))?;
+    ClusterKey::from_file_contents(&contents)
+        .map_err(|error| format!("--cluster-key-file {}: {error}", path.display()))
+}
+
+/// Merges flags over the config file; `Ok(None)` when gossip is off.
+pub fn resolve(args: GossipArgs, file: GossipFile) -> Result<Option<GossipSettings>, String> {
+    let peers = if args.peers.is_empty() {
+        file.peers
+    } else {
+        args.peers
+    };
+    let Some(listen) = args.gossip_listen.or(file.gossip_listen) else {
+        if !peers.is_empty() {
+            return Err("--peer needs --gossip-listen (and --cluster-key-file)".into());
+        }
+        return Ok(None);
+    };
+    let Some(key_file) = args.cluster_key_file.or(file.cluster_key_file) else {
+        return Err(
+            "--gossip-listen needs --cluster-key-file: every gossip packet is authenticated \
+             with the cluster key (a file of at least 16 bytes, the same on every node)"
+                .into(),
+        );
+    };
+    let key = read_key(&key_file)?;
+    let advertise = args.gossip_advertise.or(file.gossip_advertise);
+    if advertise.is_none() && listen.ip().is_unspecified() {
+        return Err(format!(
+            "--gossip-listen {listen} is a wildcard address: give --gossip-advertise HOST:PORT, \
+             the address the other nodes reach this one at"
+        ));
+    }
+    let probe_ms = args
+        .gossip_probe_interval_ms
+        .or(file.gossip_probe_interval_ms)
+        .unwrap_or(DEFAULT_PROBE_INTERVAL_MS);
+    if probe_ms < 10 {
+        return Err("--gossip-probe-interval-ms must be at least 10".into());
+    }
+    let node_id = args.node_id.or(file.node_id);
+    if let Some(name) = &node_id
+        && (name.is_empty() || name.len() > myelin_gossip::messages::MAX_NODE_NAME_BYTES)
+    {
+        return Err(format!(
+            "--node-id must be 1 to {} bytes",
+            myelin_gossip::messages::MAX_NODE_NAME_BYTES
+        ));
+    }
+    Ok(Some(GossipSettings {
+        listen,
+        advertise,
+        peers,
+        node_id,
+        key,
+        probe_interval: Duration::from_millis(probe_ms),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gossip_needs_a_key_file_and_a_reachable_address() {
+        assert!(
+            resolve(GossipArgs::default(), GossipFile::default())
+                .unwrap()
+                .is_none()
+        );
+        let listen = Some("127.0.0.1:7946".parse().unwrap());
+        let error = resolve(
+            GossipArgs {
+                gossip_listen: listen,
+                ..GossipArgs::default()
+            },
+            GossipFile::default(),
+        )
+        .unwrap_err();
+        assert!(error.contains("--cluster-key-file"), "{error}");
+        let error = resolve(
+            GossipArgs {
+                peers: vec!["127.0.0.1:7000".parse().unwrap()],
+                ..GossipArgs::default()
+            },
+            GossipFile::default(),
+        )
+        .unwrap_err();
+        assert!(error.contains("--gossip-listen"), "{error}");
+        let dir = std::env::temp_dir().join(format!("myelin-key-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let weak = dir.join("weak");
+        std::fs::write(&weak, "short\n").unwrap();
+        let strong = dir.join("strong");
+        std::fs::write(&strong, "0123456789abcdef0123\n").unwrap();
+        let error = resolve(
+            GossipArgs {
+                gossip_listen: listen,
+                cluster_key_file: Some(weak),
+                ..GossipArgs::default()
+            },
+            GossipFile::default(),
+        )
+        .unwrap_err();
+        assert!(error.contains("at least 16"), "{error}");
+        let error = resolve(
+            GossipArgs {
+                gossip_listen: Some("0.0.0.0:7946".parse().unwrap()),
+                cluster_key_file: Some(strong.clone()),
+                ..GossipArgs::default()
+            },
+            GossipFile::default(),
+        )
+        .unwrap_err();
+        assert!(error.contains("--gossip-advertise"), "{error}");
+        let settings = resolve(
+            GossipArgs {
+                gossip_listen: listen,
+                cluster_key_file: Some(strong),
+                ..GossipArgs::default()
+            },
+            GossipFile {
+                peers: vec!["127.0.0.1:7001".parse().unwrap()],
+                node_id: Some("a".into()),
+                ..GossipFile::default()
+            },
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(settings.peers.len(), 1);
+        assert_eq!(settings.node_id.as_deref(), Some("a"));
+        assert_eq!(settings.probe_interval, Duration::from_millis(500));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

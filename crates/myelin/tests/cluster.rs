@@ -1,0 +1,409 @@
+//! The peer cluster end to end: real `myelin serve` processes gossiping over loopback UDP in
+//! front of the same engines (the scriptable engine fixture). Routes learned on one node are
+//! used by the others, load on one node moves the others' choices, a killed node is detected
+//! and its load vanishes while its routes stay, a restarted node rejoins and converges, and
+//! forged, garbage and replayed datagrams are counted and ignored. Every wait polls with a
+//! deadline; nothing asserts on how long something took.
+
+mod support;
+
+use std::io::Write;
+use std::net::{SocketAddr, TcpStream, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use myelin_gossip::messages::{DIGEST_BUCKETS, DigestPayload, Sender};
+use myelin_gossip::{ClusterKey, Payload, encode_packet};
+use serde_json::{Value, json};
+use support::engine::{Behavior, Engine};
+use support::{Router, metric_value};
+
+/// Probe period the tests run the failure detector with (`--gossip-probe-interval-ms`).
+const PROBE_MS: u64 = 200;
+const KEY: &str = "myelin cluster test key: 32 bytes or more";
+
+/// Deadline for waits on the cluster: generous, the machine is shared and busy.
+const CLUSTER_PATIENCE: Duration = Duration::from_secs(30);
+
+fn wait_for(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + CLUSTER_PATIENCE;
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn key_file() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("myelin-cluster-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join("cluster.key");
+    std::fs::write(&path, format!("{KEY}\n")).expect("key file");
+    path
+}
+
+fn free_udp_port() -> u16 {
+    UdpSocket::bind("127.0.0.1:0")
+        .and_then(|socket| socket.local_addr())
+        .expect("free port")
+        .port()
+}
+
+fn gossip_addr(port: u16) -> String {
+    format!("127.0.0.1:{port}")
+}
+
+/// Starts one node (one data core) in front of `engines`, joining through `seeds`.
+fn start_node(name: &str, port: u16, seeds: &[u16], key: &Path, engines: &[&Engine]) -> Router {
+    let listen = gossip_addr(port);
+    let key = key.display().to_string();
+    let probe = PROBE_MS.to_string();
+    let urls: Vec<String> = engines.iter().map(|engine| engine.url()).collect();
+    let seeds: Vec<String> = seeds.iter().map(|&seed| gossip_addr(seed)).collect();
+    let mut args = vec![
+        "--gossip-listen",
+        &listen,
+        "--node-id",
+        name,
+        "--cluster-key-file",
+        &key,
+        "--gossip-probe-interval-ms",
+        &probe,
+        // Requests held open at an engine stay in flight for the whole test.
+        "--upstream-header-timeout-ms",
+        "300000",
+    ];
+    for url in &urls {
+        args.extend(["--backend", url]);
+    }
+    for seed in &seeds {
+        args.extend(["--peer", seed]);
+    }
+    Router::start_with_shards(1, &args)
+}
+
+fn cluster(router: &Router) -> Value {
+    router.admin("GET", "/admin/cluster", None).json()
+}
+
+/// Members `router` sees up, by node id.
+fn members_up(router: &Router) -> Vec<String> {
+    let report = cluster(router);
+    report["members"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|member| member["state"] == "up")
+        .filter_map(|member| member["node_id"].as_str().map(str::to_string))
+        .collect()
+}
+
+/// State of the member `node` in `router`'s view (`None`: not listed).
+fn member_state(router: &Router, node: &str) -> Option<String> {
+    let report = cluster(router);
+    report["members"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|member| member["node_id"] == node)
+        .and_then(|member| member["state"].as_str().map(str::to_string))
+}
+
+/// Requests the other nodes have in flight at the engine `url`, as `router` hears.
+fn peer_requests(router: &Router, url: &str) -> u64 {
+    let report = cluster(router);
+    report["peer_load"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|load| load["url"] == url)
+        .and_then(|load| load["requests"].as_u64())
+        .unwrap_or(0)
+}
+
+/// Blocks `router`'s replica holds as routed to backend `id`.
+fn routed_blocks(router: &Router, id: u64) -> u64 {
+    router
+        .backends()
+        .iter()
+        .find(|backend| backend["id"] == id)
+        .and_then(|backend| backend["routed_blocks"].as_u64())
+        .unwrap_or(0)
+}
+
+/// A prompt of token ids no other call of this test uses.
+fn prompt(seed: u32, tokens: u32) -> Vec<u32> {
+    (0..tokens)
+        .map(|token| 1_000 + seed * 7_919 + token)
+        .collect()
+}
+
+fn completion_body(prompt: &[u32]) -> Value {
+    json!({"model": "m", "prompt": prompt, "max_tokens": 4})
+}
+
+/// Sends a completion and returns the backend id that served it.
+fn complete(router: &Router, prompt: &[u32]) -> u64 {
+    let response = router.post_json("/v1/completions", &completion_body(prompt));
+    assert_eq!(response.status, 200);
+    response
+        .header("x-myelin-backend")
+        .expect("backend header")
+        .parse()
+        .expect("backend id")
+}
+
+/// Sends a completion without reading the answer: it stays in flight while the engine holds it.
+fn hold_open(router: &Router, prompt: &[u32]) -> TcpStream {
+    let body = completion_body(prompt).to_string();
+    let mut stream = TcpStream::connect(router.addr).expect("connect");
+    write!(
+        stream,
+        "POST /v1/completions HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("write request");
+    stream
+}
+
+#[test]
+fn three_nodes_share_routes_and_load_detect_a_death_and_converge_after_a_restart() {
+    let key = key_file();
+    let engines = [
+        Engine::start(
+            "e0",
+            Behavior::Normal {
+                chunks: 1,
+                interval: Duration::ZERO,
+            },
+        ),
+        Engine::start(
+            "e1",
+            Behavior::Normal {
+                chunks: 1,
+                interval: Duration::ZERO,
+            },
+        ),
+    ];
+    let engine_refs: Vec<&Engine> = engines.iter().collect();
+    let ports = [free_udp_port(), free_udp_port(), free_udp_port()];
+    let a = start_node("a", ports[0], &[], &key, &engine_refs);
+    let b = start_node("b", ports[1], &[ports[0]], &key, &engine_refs);
+    let mut c = Some(start_node("c", ports[2], &[ports[0]], &key, &engine_refs));
+    wait_for("every node to see the two others up", || {
+        [&a, &b, c.as_ref().unwrap()]
+            .iter()
+            .all(|node| members_up(node).len() == 2)
+    });
+
+    // A route learned on A reaches B. The prompt is long (4096 tokens): its cached prefix
+    // outweighs the load the next steps put on its engine.
+    let long = prompt(1, 4_096);
+    let x = complete(&a, &long);
+    let y = 1 - x;
+    let blocks = 4_096 / 16;
+    wait_for("B to hold A's route", || routed_blocks(&b, x) >= blocks);
+
+    // Load from A: requests held at engine x (one node's only core chooses x for a fresh
+    // prompt at equal load: the first decision of a node goes to the same backend on every
+    // node of the same configuration, as A's first one did).
+    engines[x as usize].set_behavior(Behavior::Hang);
+    let held_before = engines[x as usize].requests();
+    let mut held = Vec::new();
+    for seed in 10..20 {
+        if engines[x as usize].requests() >= held_before + 3 {
+            break;
+        }
+        let seen = engines[0].requests() + engines[1].requests();
+        held.push(hold_open(&a, &prompt(seed, 1_000)));
+        wait_for("the held request to reach an engine", || {
+            engines[0].requests() + engines[1].requests() > seen
+        });
+    }
+    wait_for("three requests from A in flight at x", || {
+        engines[x as usize].requests() >= held_before + 3
+    });
+    engines[x as usize].set_behavior(Behavior::Normal {
+        chunks: 1,
+        interval: Duration::ZERO,
+    });
+    let x_url = engines[x as usize].url();
+    wait_for("B to hear of A's load on x", || {
+        peer_requests(&b, &x_url) >= 3
+    });
+
+    // ... moves B's choice of a fresh prompt away from x (its first decision, which at equal
+    // load would have been x).
+    assert_eq!(
+        complete(&b, &prompt(30, 1_000)),
+        y,
+        "B counts A's load on x"
+    );
+    // ... while the prefix A learned still wins on B despite that load.
+    assert_eq!(complete(&b, &long), x, "B routes A's prefix to A's engine");
+
+    // C learns a route (to y: x carries A's load) and puts load on y (its next fresh prompt
+    // goes to y, the less loaded).
+    let y_blocks_before = routed_blocks(&a, y);
+    let c_long = prompt(2, 4_096);
+    assert_eq!(complete(c.as_ref().unwrap(), &c_long), y);
+    wait_for("A to hold C's route", || {
+        routed_blocks(&a, y) >= y_blocks_before + blocks
+    });
+    engines[y as usize].set_behavior(Behavior::Hang);
+    let y_url = engines[y as usize].url();
+    let held_by_c = hold_open(c.as_ref().unwrap(), &prompt(40, 1_000));
+    wait_for("A to hear of C's load on y", || {
+        peer_requests(&a, &y_url) >= 1
+    });
+    let routes_before_death = routed_blocks(&a, y);
+
+    // C dies: A detects it, C's load vanishes, C's routes stay.
+    drop(c.take());
+    drop(held_by_c);
+    wait_for("A to declare C down", || {
+        member_state(&a, "c").is_none_or(|state| state == "down")
+    });
+    wait_for("C's load to vanish from A's view", || {
+        peer_requests(&a, &y_url) == 0
+    });
+    assert!(
+        routed_blocks(&a, y) >= routes_before_death,
+        "a dead node's routes stay"
+    );
+    assert!(
+        peer_requests(&a, &x_url) == 0,
+        "A's own load is not a peer's"
+    );
+    assert!(peer_requests(&b, &x_url) >= 3, "A's load stays in B's view");
+    engines[y as usize].set_behavior(Behavior::Normal {
+        chunks: 1,
+        interval: Duration::ZERO,
+    });
+
+    // A restarted C (new process, empty replica) rejoins and converges: membership, the
+    // others' load, and the routes learned before it started (anti-entropy).
+    let c = start_node("c", ports[2], &[ports[0]], &key, &engine_refs);
+    wait_for("the restarted C to rejoin", || {
+        members_up(&c).len() == 2
+            && member_state(&a, "c").as_deref() == Some("up")
+            && member_state(&b, "c").as_deref() == Some("up")
+    });
+    wait_for("the restarted C to hear of A's load", || {
+        peer_requests(&c, &x_url) >= 3
+    });
+    wait_for(
+        "the restarted C to hold the routes learned before it",
+        || routed_blocks(&c, x) >= blocks && routed_blocks(&c, y) >= blocks,
+    );
+    assert_eq!(complete(&c, &long), x, "C routes A's prefix to A's engine");
+    drop(held);
+}
+
+#[test]
+fn forged_garbage_and_replayed_datagrams_are_counted_and_ignored() {
+    let key = key_file();
+    let engine = Engine::start(
+        "solo",
+        Behavior::Normal {
+            chunks: 1,
+            interval: Duration::ZERO,
+        },
+    );
+    let port = free_udp_port();
+    let node = start_node("solo", port, &[], &key, &[&engine]);
+    let target: SocketAddr = gossip_addr(port).parse().unwrap();
+    let socket = UdpSocket::bind("127.0.0.1:0").expect("bind");
+
+    let digest = Payload::Digest(DigestPayload {
+        block_size: 16,
+        routes: 0,
+        buckets: vec![0; DIGEST_BUCKETS],
+        reply: true,
+    });
+    let stranger = Sender { node: 42, boot: 7 };
+    let forged_key = ClusterKey::new(b"not the cluster key, but long enough").unwrap();
+    let forged = encode_packet(&forged_key, stranger, 1, &digest).unwrap();
+    let genuine = encode_packet(
+        &ClusterKey::new(KEY.as_bytes()).unwrap(),
+        stranger,
+        1,
+        &digest,
+    )
+    .unwrap();
+    let mut truncated = genuine.clone();
+    truncated.truncate(20);
+    let mut flipped = genuine.clone();
+    flipped[40] ^= 1;
+    for datagram in [
+        b"hello, is this the gossip port? ".repeat(4),
+        vec![0xff; 1_500],
+        truncated,
+        forged,
+        flipped,
+        genuine.clone(),
+        genuine,
+    ] {
+        socket.send_to(&datagram, target).expect("send");
+    }
+    let dropped = |metrics: &str, reason: &str| {
+        metric_value(
+            metrics,
+            &[
+                "myelin_gossip_packets_dropped_total",
+                &format!("reason=\"{reason}\""),
+            ],
+        )
+    };
+    let mut metrics = String::new();
+    let counted = |metrics: &mut String| {
+        *metrics = node.metrics();
+        let text: &str = metrics;
+        dropped(text, "bad_magic") >= 1.0
+            && dropped(text, "oversize") >= 1.0
+            && dropped(text, "short") >= 1.0
+            && dropped(text, "bad_mac") >= 2.0
+            && dropped(text, "replayed") >= 1.0
+            && metric_value(
+                text,
+                &["myelin_gossip_packets_received_total", "type=\"digest\""],
+            ) >= 1.0
+    };
+    let deadline = Instant::now() + CLUSTER_PATIENCE;
+    while !counted(&mut metrics) {
+        let gossip: Vec<&str> = metrics
+            .lines()
+            .filter(|line| line.contains("gossip"))
+            .collect();
+        assert!(
+            Instant::now() < deadline,
+            "datagrams not counted: {gossip:#?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Nothing a stranger sent made it a member, and the node still serves.
+    assert!(members_up(&node).is_empty());
+    assert_eq!(cluster(&node)["node_id"], "solo");
+    assert_eq!(complete(&node, &prompt(3, 64)), 0);
+}
+
+#[test]
+fn gossip_without_a_cluster_key_refuses_to_start() {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_myelin"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--backend",
+            "http://127.0.0.1:9",
+            "--gossip-listen",
+            "127.0.0.1:0",
+        ])
+        .output()
+        .expect("run myelin");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("--cluster-key-file"), "{stderr}");
+}
