@@ -82,6 +82,10 @@ pub struct EngineState {
     pub capacity_tokens: Option<u64>,
     /// KV utilization the node scraped, parts per million.
     pub utilization_ppm: Option<u32>,
+    /// The engine's reuse reports to the node showed that every use stamped below this was
+    /// evicted (0: none known). Stamps share one clock over the cluster, so every node may
+    /// apply it.
+    pub evicted_below: u64,
 }
 
 /// `State`: a node's figures for some of its engines (absolute values: a lost packet heals

@@ -386,7 +386,9 @@ pub fn pack_routes(block_size: u32, routes: &[Route], next_id: &mut u32) -> Vec<
 }
 
 /// Upper bound of an engine entry's bytes.
-const ENGINE_STATE_BYTES: usize = 6 * VARINT_MAX + 2;
+const ENGINE_STATE_BYTES: usize = 7 * VARINT_MAX + 2;
+/// Engines whose largest evicted-below stamp is kept.
+const MAX_EVICTED_ENGINES: usize = 4_096;
 
 /// Cuts a node's engine figures into `State` payloads that fit a packet.
 pub fn pack_state(node: &str, engines: &[EngineState]) -> Vec<StatePayload> {
@@ -436,6 +438,9 @@ pub struct ClusterState {
     retired: BTreeMap<(u64, u64), BTreeMap<u64, u64>>,
     /// Retired entries merged once [`MAX_RETIRED`] was reached.
     retired_base: BTreeMap<u64, u64>,
+    /// Per engine, the largest evicted-below stamp any peer reported (it stays true when the
+    /// peer dies).
+    evicted: BTreeMap<u64, u64>,
 }
 
 impl ClusterState {
@@ -468,6 +473,13 @@ impl ClusterState {
                 && !peer.engines.contains_key(&engine.engine)
             {
                 continue;
+            }
+            if engine.evicted_below > 0
+                && (self.evicted.contains_key(&engine.engine)
+                    || self.evicted.len() < MAX_EVICTED_ENGINES)
+            {
+                let stamp = self.evicted.entry(engine.engine).or_default();
+                *stamp = (*stamp).max(engine.evicted_below);
             }
             peer.engines.insert(engine.engine, engine);
         }
@@ -526,6 +538,11 @@ impl ClusterState {
             }
         }
         loads
+    }
+
+    /// Per engine, the largest evicted-below stamp a peer reported.
+    pub fn peer_evicted(&self) -> &BTreeMap<u64, u64> {
+        &self.evicted
     }
 
     /// The largest KV capacity any peer scraped from `engine`.

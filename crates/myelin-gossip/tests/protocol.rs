@@ -32,9 +32,18 @@ fn engine_state() -> impl Strategy<Value = EngineState> {
         any::<u64>(),
         proptest::option::of(any::<u64>()),
         proptest::option::of(any::<u32>()),
+        any::<u64>(),
     )
         .prop_map(
-            |(engine, requests, tokens, admitted_tokens, capacity_tokens, utilization_ppm)| {
+            |(
+                engine,
+                requests,
+                tokens,
+                admitted_tokens,
+                capacity_tokens,
+                utilization_ppm,
+                evicted_below,
+            )| {
                 EngineState {
                     engine,
                     requests,
@@ -42,6 +51,7 @@ fn engine_state() -> impl Strategy<Value = EngineState> {
                     admitted_tokens,
                     capacity_tokens,
                     utilization_ppm,
+                    evicted_below,
                 }
             },
         )
@@ -389,6 +399,7 @@ fn state(engine: u64, requests: u32, admitted: u64) -> EngineState {
         admitted_tokens: admitted,
         capacity_tokens: Some(50_000),
         utilization_ppm: None,
+        evicted_below: admitted / 2,
     }
 }
 
@@ -461,6 +472,11 @@ fn a_simulated_cluster_shares_membership_load_and_routes_and_survives_a_death() 
     assert_eq!(
         load.admitted_tokens, 9_000,
         "its admitted tokens stay counted"
+    );
+    assert_eq!(
+        sim.nodes[0].node.cluster().peer_evicted().get(&77),
+        Some(&4_500),
+        "what it learned of the engine's evictions stays true"
     );
     assert!(sim.nodes[0].node.routes().len() == 1);
 

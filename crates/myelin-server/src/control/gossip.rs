@@ -74,6 +74,10 @@ pub(crate) struct Gossip {
     loads: RefCell<HashMap<BackendId, Vec<Load>>>,
     /// Engine key of each backend (its URL's hash).
     keys: RefCell<HashMap<BackendId, u64>>,
+    /// Per backend, the largest evicted-below stamp this node's reuse reports revealed.
+    own_evicted: RefCell<HashMap<BackendId, u64>>,
+    /// Per backend, the largest peer evicted-below stamp sent to the data cores.
+    sent_evicted: RefCell<HashMap<BackendId, u64>>,
     /// The peer load last sent to the data cores.
     sent_peer_loads: RefCell<Vec<(BackendId, Load)>>,
     last_peer_load_sent: Cell<Option<Instant>>,
@@ -129,6 +133,8 @@ pub(crate) fn start(
         block_size,
         loads: RefCell::new(HashMap::new()),
         keys: RefCell::new(HashMap::new()),
+        own_evicted: RefCell::new(HashMap::new()),
+        sent_evicted: RefCell::new(HashMap::new()),
         sent_peer_loads: RefCell::new(Vec::new()),
         last_peer_load_sent: Cell::new(None),
     });
@@ -275,6 +281,12 @@ impl Gossip {
     pub(crate) fn on_local_writes(&self, control: &Control, writes: &[WriteOp]) {
         let mut node = self.node.borrow_mut();
         for write in writes {
+            if let WriteOp::Evicted { backend, stamp } = write {
+                let mut evicted = self.own_evicted.borrow_mut();
+                let known = evicted.entry(backend.0).or_default();
+                *known = (*known).max(*stamp);
+                continue;
+            }
             let WriteOp::Learn {
                 chain,
                 backend,
@@ -317,13 +329,18 @@ impl Gossip {
     fn own_state(&self, control: &Control) -> Vec<EngineState> {
         let ids: Vec<BackendId> = control.state.borrow().backends.keys().copied().collect();
         self.loads.borrow_mut().retain(|id, _| ids.contains(id));
+        self.own_evicted
+            .borrow_mut()
+            .retain(|id, _| ids.contains(id));
         let loads = self.loads.borrow();
+        let evicted = self.own_evicted.borrow();
         let caches = control.engine_caches.borrow();
         ids.into_iter()
             .filter_map(|id| {
                 let engine = self.key_of(control, id)?;
                 let mut state = EngineState {
                     engine,
+                    evicted_below: evicted.get(&id).copied().unwrap_or(0),
                     ..EngineState::default()
                 };
                 for load in loads.get(&id).into_iter().flatten() {
@@ -368,6 +385,7 @@ impl Gossip {
             .last_peer_load_sent
             .get()
             .is_none_or(|sent| sent.elapsed() >= PEER_LOAD_RESEND);
+        self.push_peer_evictions(control, &by_key, stale);
         if !force && !stale && *self.sent_peer_loads.borrow() == loads {
             return;
         }
@@ -377,6 +395,43 @@ impl Gossip {
         }
         *self.sent_peer_loads.borrow_mut() = loads;
         self.last_peer_load_sent.set(Some(Instant::now()));
+    }
+
+    /// Sends the data cores the evictions peers' reuse reports revealed (`WriteOp::Evicted`,
+    /// kept as the largest stamp per backend by every replica: re-sending is harmless) when
+    /// they moved, or `resend`.
+    fn push_peer_evictions(
+        &self,
+        control: &Control,
+        by_key: &HashMap<u64, BackendId>,
+        resend: bool,
+    ) {
+        let node = self.node.borrow();
+        let mut sent = self.sent_evicted.borrow_mut();
+        let writes: Vec<WriteOp> = node
+            .cluster()
+            .peer_evicted()
+            .iter()
+            .filter_map(|(key, &stamp)| {
+                let id = *by_key.get(key)?;
+                let known = sent.entry(id).or_default();
+                if stamp <= *known && !resend {
+                    return None;
+                }
+                *known = stamp;
+                Some(WriteOp::Evicted {
+                    backend: myelin_routing::BackendId(id),
+                    stamp,
+                })
+            })
+            .collect();
+        if writes.is_empty() {
+            return;
+        }
+        let batch: Arc<[WriteOp]> = writes.into();
+        for shard in 0..self.shards {
+            control.send(shard, Message::Writes(batch.clone()));
+        }
     }
 
     /// Sends what the node has to send, starts the timers it asked for, reports membership
@@ -474,6 +529,7 @@ impl Gossip {
                             "admitted_tokens": engine.admitted_tokens,
                             "capacity_tokens": engine.capacity_tokens,
                             "utilization": engine.utilization_ppm.map(|ppm| f64::from(ppm) / 1e6),
+                            "evicted_below": engine.evicted_below,
                         })
                     })
                     .collect();
