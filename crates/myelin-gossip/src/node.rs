@@ -222,10 +222,20 @@ impl GossipNode {
         self.drain_membership();
     }
 
-    /// A datagram from `from`. Errors are the reason it was dropped (count them).
+    /// The address of the live member with this node key and boot.
+    fn live_member(&self, node: u64, boot: u64) -> Option<SocketAddr> {
+        self.membership
+            .members()
+            .into_iter()
+            .find(|(id, state)| id.node == node && id.boot == boot && *state != MemberState::Down)
+            .map(|(id, _)| id.addr)
+    }
+
+    /// A datagram from the source address `_from` (not trusted: answers go to members' own
+    /// addresses). Errors are the reason it was dropped (count them).
     pub fn receive(
         &mut self,
-        from: SocketAddr,
+        _from: SocketAddr,
         packet: &[u8],
         now_ms: u64,
     ) -> Result<Received, DecodeError> {
@@ -244,12 +254,7 @@ impl GossipNode {
                     .map_err(|_| DecodeError::Membership)
             }
             Payload::State(state) => {
-                let member = self.membership.members().iter().any(|(id, member)| {
-                    id.node == header.sender
-                        && id.boot == header.boot
-                        && *member != MemberState::Down
-                });
-                if !member {
+                if self.live_member(header.sender, header.boot).is_none() {
                     return Err(DecodeError::NotMember);
                 }
                 if self
@@ -282,17 +287,23 @@ impl GossipNode {
                 if digest.block_size != self.config.block_size {
                     return Err(DecodeError::BlockSize);
                 }
+                // Answered only to a live member, at its own address (never to the datagram's
+                // source): a digest replayed to this node from elsewhere cannot direct the
+                // answer at a third party.
+                let Some(to) = self.live_member(header.sender, header.boot) else {
+                    return Err(DecodeError::NotMember);
+                };
                 let differing = self.routes.differing_buckets(&digest);
                 if !differing.is_empty() {
                     let routes = self.routes.routes_in(&differing, ANTI_ENTROPY_MAX_BLOCKS);
                     let payloads =
                         pack_routes(self.config.block_size, &routes, &mut self.next_route_id);
                     for payload in payloads {
-                        self.seal(from, &Payload::Routes(payload));
+                        self.seal(to, &Payload::Routes(payload));
                     }
                     if !digest.reply {
                         let mine = self.routes.digest(self.config.block_size, true);
-                        self.seal(from, &Payload::Digest(mine));
+                        self.seal(to, &Payload::Digest(mine));
                     }
                 }
                 Ok(Received::Nothing)

@@ -449,7 +449,7 @@ impl Gossip {
             };
             metrics::counter!(MEMBER_CHANGES_TOTAL, "to" => to).increment(1);
             eprintln!(
-                "myelin: gossip: {} {to} (member {})",
+                "myelin: gossip ({}): member {} {to}",
                 self.node_name, id.addr
             );
         }
