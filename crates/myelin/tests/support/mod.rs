@@ -99,6 +99,22 @@ impl Router {
         }
     }
 
+    /// The router's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The router process's resident set size in KiB (`VmRSS` in `/proc/PID/status`).
+    pub fn rss_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
+            .expect("the router's /proc status");
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("VmRSS:"))
+            .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmRSS in /proc/PID/status")
+    }
+
     /// The admin API's address.
     pub fn admin_addr(&self) -> SocketAddr {
         self.admin.expect("the router printed no admin address")
