@@ -242,6 +242,7 @@ fn legs_table(legs: &[LegSummary]) -> Table {
             "preempt",
             "TTFT>2s",
             "downgrades",
+            "2nd homes",
             "p99/oracle",
         ]
         .iter()
@@ -266,6 +267,7 @@ fn legs_table(legs: &[LegSummary]) -> Table {
                     leg.preemptions.to_string(),
                     leg.slow_ttft_requests.to_string(),
                     optional_count(leg.downgrades),
+                    optional_count(leg.replications),
                     leg.p99_ttft_vs_oracle
                         .map_or("-".into(), |ratio| format!("{ratio:.2}x")),
                 ]
@@ -293,6 +295,7 @@ fn repeats_table(legs: &[LegSummary]) -> Option<Table> {
             "hit rate",
             "TTFT>2s",
             "downgrades",
+            "2nd homes",
         ]
         .iter()
         .map(|cell| cell.to_string())
@@ -314,6 +317,7 @@ fn repeats_table(legs: &[LegSummary]) -> Option<Table> {
                         rate(figures.cache_hit_rate),
                         figures.slow_ttft_requests.to_string(),
                         optional_count(figures.downgrades),
+                        optional_count(figures.replications),
                     ]
                 })
             })
@@ -755,7 +759,7 @@ mod tests {
         let repeat_rows: Vec<(String, String)> = text
             .lines()
             .map(|line| line.split_whitespace().collect::<Vec<_>>())
-            .filter(|cells| cells.len() == 12 && cells[2] == "1")
+            .filter(|cells| cells.len() == 13 && cells[2] == "1")
             .map(|cells| (cells[0].to_string(), cells[1].to_string()))
             .collect();
         assert_eq!(repeat_rows.len(), 6, "{text}");

@@ -29,6 +29,8 @@ use crate::{BenchArgs, blocking_http};
 
 /// The router's residency-downgrade counter.
 pub const DOWNGRADES_METRIC: &str = "myelin_router_residency_route_downgrades_total";
+/// The router's count of second homes made for prefixes (KV memory full at the first).
+pub const REPLICATIONS_METRIC: &str = "myelin_router_prefix_replications_total";
 
 /// How often the progress bar refreshes.
 const PROGRESS_TICK: Duration = Duration::from_millis(250);
@@ -386,13 +388,18 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
 
     let engines_total = cluster.counters();
     let engines_measured = engines_total.since(&at_warmup.unwrap_or_default());
-    let downgrades = match (&router, leg.kind.uses_myelin_router()) {
-        // A counter that never moved may not be exported yet: a scrape without it means 0.
-        (Some(router), true) => router
-            .scrape_metrics()
-            .map(|text| prometheus::sum_count(&text, DOWNGRADES_METRIC).unwrap_or(0)),
+    let router_metrics = match (&router, leg.kind.uses_myelin_router()) {
+        (Some(router), true) => router.scrape_metrics(),
         _ => None,
     };
+    // A counter that never moved may not be exported yet: a scrape without it means 0.
+    let counter = |name| {
+        router_metrics
+            .as_deref()
+            .map(|text| prometheus::sum_count(text, name).unwrap_or(0))
+    };
+    let downgrades = counter(DOWNGRADES_METRIC);
+    let replications = counter(REPLICATIONS_METRIC);
     if let Some(router) = router {
         router.stop();
     }
@@ -420,6 +427,7 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
         engines_measured,
         engines_total,
         downgrades,
+        replications,
         harness: outcome.harness,
     })
 }

@@ -108,6 +108,9 @@ pub struct LegRun {
     pub engines_total: EngineCounters,
     /// Residency downgrades from the router's /metrics (`None`: no myelin router in the leg).
     pub downgrades: Option<u64>,
+    /// Requests sent to a second home of their prefix (KV memory full at the first), from the
+    /// router's /metrics (`None`: no myelin router in the leg).
+    pub replications: Option<u64>,
     pub harness: HarnessCost,
 }
 
@@ -136,6 +139,8 @@ pub struct LegSummary {
     /// Failed requests, warm-up included.
     pub errors: u64,
     pub downgrades: Option<u64>,
+    /// Second homes made (`myelin_router_prefix_replications_total`).
+    pub replications: Option<u64>,
     /// Downgrades per request sent.
     pub downgrade_rate: Option<f64>,
     pub ttft_ms: Percentiles,
@@ -173,6 +178,7 @@ pub struct RepeatFigures {
     pub requests_sent: u64,
     pub errors: u64,
     pub downgrades: Option<u64>,
+    pub replications: Option<u64>,
     pub ttft_ms: Percentiles,
     pub e2e_ms: Percentiles,
     pub throughput_rps: f64,
@@ -299,6 +305,7 @@ pub fn summarize(runs: &[&LegRun]) -> LegSummary {
                 requests_sent: alone.requests_sent,
                 errors: alone.errors,
                 downgrades: alone.downgrades,
+                replications: alone.replications,
                 ttft_ms: alone.ttft_ms,
                 e2e_ms: alone.e2e_ms,
                 throughput_rps: alone.throughput_rps,
@@ -352,6 +359,7 @@ fn pooled(runs: &[&LegRun]) -> LegSummary {
         total.add(&run.engines_total);
     }
     let downgrades = runs.iter().map(|run| run.downgrades).sum::<Option<u64>>();
+    let replications = runs.iter().map(|run| run.replications).sum::<Option<u64>>();
     let cpu_us: u64 = runs.iter().map(|run| run.harness.cpu_us).sum();
     let harness_requests: u64 = runs.iter().map(|run| run.harness.requests).sum();
     let lag = histogram_of(
@@ -387,6 +395,7 @@ fn pooled(runs: &[&LegRun]) -> LegSummary {
         requests_sent,
         errors,
         downgrades,
+        replications,
         downgrade_rate: downgrades
             .filter(|_| requests_sent > 0)
             .map(|count| count as f64 / requests_sent as f64),
@@ -550,6 +559,7 @@ pub(crate) mod tests {
                 preemptions: 1,
             },
             downgrades: kind.uses_myelin_router().then_some(2),
+            replications: kind.uses_myelin_router().then_some(1),
             harness: HarnessCost {
                 cpu_us: 5_000,
                 requests: 2 * ttfts_us.len() as u64,

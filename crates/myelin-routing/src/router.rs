@@ -21,8 +21,12 @@ pub const DEFAULT_LOAD_BOUND_TOKENS: u64 = 2048;
 pub const DEFAULT_DECODE_STEP_TOKENS: u64 = 300;
 
 /// KV utilization from which an engine with requests waiting is taken to wait for memory
-/// (rather than for its token budget, which the load already counts).
-pub const MEMORY_FULL_UTILIZATION: f64 = 0.9;
+/// (rather than for its token budget, which the load already counts). Not 1.0: a waiting
+/// request needs free blocks for its next prefill chunk (up to the step budget, 128 blocks of
+/// 16 at 2,048 tokens) while its cached prefix, if no running request uses it, sits in the
+/// same free pool and cannot be evicted for it. On the churn workload engines had requests
+/// waiting behind 4 to 6 running ones at 0.77 to 0.94 utilization (docs/routing.md).
+pub const MEMORY_FULL_UTILIZATION: f64 = 0.75;
 
 /// Tunables of a [`Router`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
