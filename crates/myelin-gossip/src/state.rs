@@ -441,6 +441,8 @@ pub struct ClusterState {
     /// Per engine, the largest evicted-below stamp any peer reported (it stays true when the
     /// peer dies).
     evicted: BTreeMap<u64, u64>,
+    /// Node ids by node key, kept after a peer dies (for listings).
+    names: BTreeMap<u64, String>,
 }
 
 impl ClusterState {
@@ -465,6 +467,9 @@ impl ClusterState {
                 boot,
                 ..PeerState::default()
             };
+        }
+        if self.names.len() < MAX_PEERS * 4 || self.names.contains_key(&node) {
+            self.names.insert(node, state.node.clone());
         }
         peer.name = state.node;
         peer.heard_ms = now_ms;
@@ -538,6 +543,11 @@ impl ClusterState {
             }
         }
         loads
+    }
+
+    /// The node id of the node with this key, if it ever sent its state.
+    pub fn name(&self, node: u64) -> Option<&str> {
+        self.names.get(&node).map(String::as_str)
     }
 
     /// Per engine, the largest evicted-below stamp a peer reported.

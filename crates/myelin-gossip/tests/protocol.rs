@@ -502,6 +502,28 @@ fn a_simulated_cluster_shares_membership_load_and_routes_and_survives_a_death() 
             .map(|load| load.requests)
             == Some(1)
     }));
+
+    // Node 1 leaves: the others know at once (well within one probe period), not after the
+    // failure detector's bound. Names of nodes that sent their state stay known for listings.
+    sim.nodes[1].node.leave();
+    sim.collect(1);
+    sim.nodes[1].alive = false;
+    let node_1 = myelin_gossip::node_key("node-1");
+    assert!(sim.run_until(50, |sim| {
+        sim.nodes[0]
+            .node
+            .members()
+            .iter()
+            .any(|(id, state)| id.node == node_1 && *state == MemberState::Down)
+    }));
+    assert!(sim.nodes[0].node.cluster().peer(node_1).is_none());
+    assert_eq!(
+        sim.nodes[0]
+            .node
+            .cluster()
+            .name(myelin_gossip::node_key("node-2")),
+        Some("node-2")
+    );
 }
 
 #[test]

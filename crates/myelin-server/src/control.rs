@@ -353,6 +353,11 @@ pub async fn run_control(
     while !stop.load(Ordering::Acquire) {
         Timer::new(STOP_POLL_INTERVAL).await;
     }
+    // The data cores have drained: tell the peer cluster this node leaves.
+    let leaving = control.gossip.borrow().clone();
+    if let Some(gossip) = leaving {
+        gossip.leave().await;
+    }
     // Stop every subscriber thread (each notices within its receive timeout).
     control.subscribers.borrow_mut().clear();
     for task in servers {

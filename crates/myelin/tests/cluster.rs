@@ -54,9 +54,20 @@ fn gossip_addr(port: u16) -> String {
 
 /// Starts one node (one data core) in front of `engines`, joining through `seeds`.
 fn start_node(name: &str, port: u16, seeds: &[u16], key: &Path, engines: &[&Engine]) -> Router {
+    start_node_probing(name, port, seeds, key, engines, PROBE_MS)
+}
+
+fn start_node_probing(
+    name: &str,
+    port: u16,
+    seeds: &[u16],
+    key: &Path,
+    engines: &[&Engine],
+    probe_ms: u64,
+) -> Router {
     let listen = gossip_addr(port);
     let key = key.display().to_string();
-    let probe = PROBE_MS.to_string();
+    let probe = probe_ms.to_string();
     let urls: Vec<String> = engines.iter().map(|engine| engine.url()).collect();
     let seeds: Vec<String> = seeds.iter().map(|&seed| gossip_addr(seed)).collect();
     let mut args = vec![
@@ -382,6 +393,31 @@ fn forged_garbage_and_replayed_datagrams_are_counted_and_ignored() {
     assert!(members_up(&node).is_empty());
     assert_eq!(cluster(&node)["node_id"], "solo");
     assert_eq!(complete(&node, &prompt(3, 64)), 0);
+}
+
+#[test]
+fn a_node_stopped_with_sigterm_leaves_the_cluster_at_once() {
+    let key = key_file();
+    let engine = Engine::start(
+        "shared",
+        Behavior::Normal {
+            chunks: 1,
+            interval: Duration::ZERO,
+        },
+    );
+    // Probing every 20 s, the failure detector alone would take over a minute to declare a
+    // dead node down: seeing it down sooner means the node said it was leaving.
+    let ports = [free_udp_port(), free_udp_port()];
+    let a = start_node_probing("a", ports[0], &[], &key, &[&engine], 20_000);
+    let mut b = start_node_probing("b", ports[1], &[ports[0]], &key, &[&engine], 20_000);
+    wait_for("A and B to see each other", || {
+        members_up(&a) == ["b"] && members_up(&b) == ["a"]
+    });
+    b.terminate();
+    assert!(b.wait_exit().success());
+    wait_for("A to see B leave", || {
+        member_state(&a, "b").as_deref() == Some("down")
+    });
 }
 
 #[test]

@@ -170,8 +170,7 @@ async fn tick_loop(control: Rc<Control>, gossip: Rc<Gossip>, stop: Arc<AtomicBoo
     let tick = ANNOUNCE_INTERVAL.min(PEER_LOAD_INTERVAL);
     loop {
         if stop.load(Ordering::Acquire) {
-            gossip.node.borrow_mut().leave();
-            gossip.pump();
+            // run_control says goodbye (Gossip::leave) once this loop has stopped.
             return;
         }
         let now = Instant::now();
@@ -434,6 +433,17 @@ impl Gossip {
         }
     }
 
+    /// Leaves the cluster: the members hear of it at once instead of by failed probes (sent
+    /// before returning, so the executor may stop right after).
+    pub(crate) async fn leave(&self) {
+        let outgoing = {
+            let mut node = self.node.borrow_mut();
+            node.leave();
+            node.take_outgoing()
+        };
+        send_all(self.socket.clone(), outgoing).await;
+    }
+
     /// Sends what the node has to send, starts the timers it asked for, reports membership
     /// changes.
     fn pump(self: &Gossip) {
@@ -504,9 +514,8 @@ impl Gossip {
             .members()
             .into_iter()
             .map(|(id, state)| {
-                let peer = node.cluster().peer(id.node);
                 json!({
-                    "node_id": peer.map(|peer| peer.name.clone()),
+                    "node_id": node.cluster().name(id.node),
                     "address": id.addr.to_string(),
                     "boot": id.boot,
                     "state": state.as_str(),
