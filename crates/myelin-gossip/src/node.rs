@@ -18,8 +18,10 @@ use crate::wire::{ClusterKey, DecodeError, PacketType, ReplayGuard};
 /// Own routes waiting to be announced, at most (the oldest is dropped past it: anti-entropy
 /// still carries it later).
 pub const MAX_ANNOUNCE_QUEUE: usize = 4_096;
-/// Blocks of routes sent in answer to one digest, at most.
+/// Blocks of routes sent in answer to one digest, at most (one longer route goes alone).
 pub const ANTI_ENTROPY_MAX_BLOCKS: usize = 2_400;
+/// Members whose anti-entropy position is kept.
+const MAX_ANSWERED: usize = 1_024;
 
 /// How a node is set up.
 #[derive(Debug, Clone)]
@@ -83,6 +85,9 @@ pub struct GossipNode {
     timers: Vec<(Duration, MembershipTimer)>,
     events: Vec<MemberEvent>,
     next_partner: usize,
+    /// Per member, where the next anti-entropy answer to it starts (see
+    /// [`RouteTable::routes_in`]).
+    answered: HashMap<u64, usize>,
     counters: NodeCounters,
 }
 
@@ -115,6 +120,7 @@ impl GossipNode {
             timers: Vec::new(),
             events: Vec::new(),
             next_partner: 0,
+            answered: HashMap::new(),
             counters: NodeCounters::default(),
         }
     }
@@ -295,7 +301,16 @@ impl GossipNode {
                 };
                 let differing = self.routes.differing_buckets(&digest);
                 if !differing.is_empty() {
-                    let routes = self.routes.routes_in(&differing, ANTI_ENTROPY_MAX_BLOCKS);
+                    let skip = self.answered.get(&header.sender).copied().unwrap_or(0);
+                    let (routes, next) =
+                        self.routes
+                            .routes_in(&differing, ANTI_ENTROPY_MAX_BLOCKS, skip);
+                    if self.answered.len() >= MAX_ANSWERED
+                        && !self.answered.contains_key(&header.sender)
+                    {
+                        self.answered.clear();
+                    }
+                    self.answered.insert(header.sender, next);
                     let payloads =
                         pack_routes(self.config.block_size, &routes, &mut self.next_route_id);
                     for payload in payloads {

@@ -210,24 +210,40 @@ impl RouteTable {
             .collect()
     }
 
-    /// Routes held in `buckets`, most recently used first, at most `max_blocks` blocks.
-    pub fn routes_in(&self, buckets: &[usize], max_blocks: usize) -> Vec<Route> {
+    /// Routes held in `buckets`, most recently used first, at most `max_blocks` blocks,
+    /// starting after the first `skip` of them. Returns the routes and the `skip` of the next
+    /// call (0 once the end was reached): successive answers to a peer walk through every
+    /// route of the buckets that differ, not the same most recent ones again.
+    pub fn routes_in(
+        &self,
+        buckets: &[usize],
+        max_blocks: usize,
+        skip: usize,
+    ) -> (Vec<Route>, usize) {
         let mut wanted = [false; DIGEST_BUCKETS];
         for &bucket in buckets {
             if let Some(slot) = wanted.get_mut(bucket) {
                 *slot = true;
             }
         }
+        let matching = || {
+            self.by_use
+                .values()
+                .rev()
+                .filter(|key| wanted[key.bucket()])
+                .filter_map(|key| Some((key, self.entries.get(key)?)))
+        };
+        let skip = if matching().nth(skip).is_some() {
+            skip
+        } else {
+            0
+        };
         let mut routes = Vec::new();
         let mut blocks = 0;
-        for key in self.by_use.values().rev() {
-            if !wanted[key.bucket()] {
-                continue;
-            }
-            let Some(entry) = self.entries.get(key) else {
-                continue;
-            };
-            if blocks + entry.hashes.len() > max_blocks {
+        let mut next = 0;
+        for (index, (key, entry)) in matching().enumerate().skip(skip) {
+            if !routes.is_empty() && blocks + entry.hashes.len() > max_blocks {
+                next = index;
                 break;
             }
             blocks += entry.hashes.len();
@@ -237,7 +253,7 @@ impl RouteTable {
                 hashes: entry.hashes.clone(),
             });
         }
-        routes
+        (routes, next)
     }
 }
 

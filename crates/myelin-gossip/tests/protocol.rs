@@ -548,3 +548,26 @@ fn state_from_a_non_member_is_refused() {
     );
     assert!(lonely.cluster().peer_load().is_empty());
 }
+
+#[test]
+fn a_late_joiner_gets_every_route_by_anti_entropy_even_beyond_one_exchange() {
+    let mut sim = Sim::new(1);
+    // 300 routes of 100 blocks: over ten times what one anti-entropy answer carries.
+    for route in 0..300u64 {
+        let hashes: Arc<[u64]> = (0..100u64).map(|block| route << 32 | block).collect();
+        sim.nodes[0].node.learned(Route {
+            engine: 5,
+            stamp: route,
+            hashes,
+        });
+    }
+    sim.run_until(500, |_| false);
+    assert_eq!(sim.nodes[0].node.routes().len(), 300);
+    sim.start(1, 1);
+    assert!(
+        sim.run_until(60_000, |sim| sim.nodes[1].node.routes().len() == 300),
+        "the joiner holds {} of 300 routes",
+        sim.nodes[1].node.routes().len()
+    );
+    assert_eq!(sim.nodes[1].learned.len(), 300);
+}
