@@ -246,9 +246,14 @@ impl GossipNode {
         now_ms: u64,
     ) -> Result<Received, DecodeError> {
         let (header, payload) = decode_packet(&self.config.key, packet)?;
-        if header.sender == self.sender.node && header.boot == self.sender.boot {
-            // Our own packet reflected back: nothing to learn.
-            return Ok(Received::Nothing);
+        if header.sender == self.sender.node {
+            if header.boot == self.sender.boot {
+                // Our own packet reflected back: nothing to learn.
+                return Ok(Received::Nothing);
+            }
+            // Another process with this node's id: its packets would corrupt this node's
+            // sequence windows at every peer; ignored here and counted (ids must be unique).
+            return Err(DecodeError::DuplicateNode);
         }
         self.guard.check(&header)?;
         match payload {

@@ -96,6 +96,8 @@ pub enum DecodeError {
     Membership,
     #[error("routes hashed with another block size")]
     BlockSize,
+    #[error("another process uses this node's id")]
+    DuplicateNode,
 }
 
 impl DecodeError {
@@ -114,6 +116,7 @@ impl DecodeError {
             DecodeError::NotMember => "not_member",
             DecodeError::Membership => "membership",
             DecodeError::BlockSize => "block_size",
+            DecodeError::DuplicateNode => "duplicate_node_id",
         }
     }
 }

@@ -527,6 +527,34 @@ fn a_simulated_cluster_shares_membership_load_and_routes_and_survives_a_death() 
 }
 
 #[test]
+fn packets_from_another_process_with_this_node_id_are_refused() {
+    let mut node = GossipNode::new(GossipConfig {
+        node_name: "twin".into(),
+        addr: addr(60),
+        boot: 5,
+        key: key(),
+        params: params(),
+        block_size: 16,
+        seeds: vec![],
+    });
+    let twin = Sender {
+        node: myelin_gossip::node_key("twin"),
+        boot: 6,
+    };
+    let payload = Payload::Digest(DigestPayload {
+        block_size: 16,
+        routes: 0,
+        buckets: vec![0; DIGEST_BUCKETS],
+        reply: false,
+    });
+    let packet = encode_packet(&key(), twin, 1, &payload).unwrap();
+    assert_eq!(
+        node.receive(addr(61), &packet, 0),
+        Err(DecodeError::DuplicateNode)
+    );
+}
+
+#[test]
 fn state_from_a_non_member_is_refused() {
     let mut lonely = GossipNode::new(GossipConfig {
         node_name: "lonely".into(),
