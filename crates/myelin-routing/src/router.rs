@@ -84,7 +84,8 @@ pub struct Decision {
     /// The eligible backend with the longest historical match (None when nobody matched);
     /// among equals, the one undiscounted scoring (see `residency_downgrade`) prefers.
     pub historical_best: Option<BackendId>,
-    /// Expected wait for KV memory on the chosen backend, in tokens (included in the cost).
+    /// Expected wait for KV memory on the chosen backend beyond the least one, in tokens
+    /// (included in the cost).
     pub admission_wait_tokens: f64,
     /// True when the expected wait for KV memory moved the request off the backend that would
     /// have served more of its prompt from cache (the lowest cost without that wait): the
@@ -178,7 +179,7 @@ impl<E: ResidencyEstimator> Router<E> {
     /// - counted_load(b) = max(load(b) − load_bound, min_load), min_load over eligible
     ///   backends: differences within the bound are noise, beyond it they count in full.
     /// - wait(b) = the expected wait for KV memory, in tokens ([`admission_wait_tokens`]; 0
-    ///   when b's memory figures are unknown).
+    ///   when b's memory figures are unknown), beyond the least wait of the eligible backends.
     /// - cost(b) = (prompt_tokens − expected_cached(b)) + counted_load(b) + wait(b).
     ///
     /// `prefix` takes the lowest cost; `least-load` the lowest load; `round-robin` the next id
@@ -244,6 +245,20 @@ impl<E: ResidencyEstimator> Router<E> {
         if candidates.is_empty() {
             self.candidates = candidates;
             return Err(NoBackend { draining, down });
+        }
+        // Waits count beyond the least one: where every engine waits for memory, waiting is
+        // not a reason to leave the cache (and a second home would only fill more memory).
+        let min_wait = candidates
+            .iter()
+            .map(|c| c.wait_tokens)
+            .min_by(f64::total_cmp)
+            .unwrap_or(0.0);
+        if min_wait > 0.0 {
+            for candidate in &mut candidates {
+                candidate.wait_tokens -= min_wait;
+                candidate.cost_tokens -= min_wait;
+                candidate.undiscounted_cost_tokens -= min_wait;
+            }
         }
         candidates.sort_by_key(|candidate| candidate.id);
         let after = self.last_chosen;

@@ -849,3 +849,34 @@ fn a_prefix_whose_home_is_out_of_kv_memory_gets_a_second_home() {
         assert!(!decision.prefix_replication);
     }
 }
+
+#[test]
+fn waits_count_beyond_the_least_one() {
+    let mut shard = shard();
+    let tokens = prompt(8, 3);
+    shard.learn(&tokens, BackendId(0), 1);
+    let mut router = router(Policy::Prefix, ResidencyMode::Off, 0);
+    // Both engines full with the same queue: the cache decides, as without memory figures.
+    let both = [
+        up(0, 0).with_memory(Some(full(3, 4))),
+        up(1, 0).with_memory(Some(full(3, 4))),
+    ];
+    let decision = decide(&mut router, &shard, &tokens, &both);
+    assert_eq!(decision.backend, BackendId(0));
+    assert_eq!(decision.admission_wait_tokens, 0.0);
+    assert!(!decision.prefix_replication);
+    // The other one waits less, by more than the prompt's prefill: it takes the request, and
+    // its cost carries only the difference.
+    let less = [
+        up(0, 0).with_memory(Some(full(3, 4))),
+        up(1, 0).with_memory(Some(full(1, 4))),
+    ];
+    let decision = decide(&mut router, &shard, &tokens, &less);
+    assert_eq!(decision.backend, BackendId(1));
+    assert_eq!(decision.admission_wait_tokens, 0.0);
+    assert!(decision.prefix_replication);
+    let waits = admission_wait_tokens(&full(3, 4), DEFAULT_DECODE_STEP_TOKENS)
+        - admission_wait_tokens(&full(1, 4), DEFAULT_DECODE_STEP_TOKENS);
+    assert_eq!(decision.expected_cost_tokens, 32.0);
+    assert!(waits > 32.0);
+}

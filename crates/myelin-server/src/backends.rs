@@ -47,16 +47,14 @@ pub struct BackendInfo {
 /// output), as used by the load part of routing scores. `admitted_tokens` only grows: every
 /// token this core ever sent the backend (uncached prompt + expected output), the residency
 /// estimate's clock (summed over cores, see `routing_glue`). `decode_tokens` is the part of
-/// `tokens` that is expected output; `started_requests` and `prefix_replications` only grow
-/// (requests ever sent, and those sent as a second home of a prefix whose first home's KV
-/// memory was full).
+/// `tokens` that is expected output; `prefix_replications` only grows (requests sent as a
+/// second home of a prefix whose first home's KV memory was full).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Load {
     pub requests: u32,
     pub tokens: u64,
     pub admitted_tokens: u64,
     pub decode_tokens: u64,
-    pub started_requests: u64,
     pub prefix_replications: u64,
 }
 
@@ -67,7 +65,6 @@ impl Load {
         self.tokens += other.tokens;
         self.admitted_tokens += other.admitted_tokens;
         self.decode_tokens += other.decode_tokens;
-        self.started_requests += other.started_requests;
         self.prefix_replications += other.prefix_replications;
     }
 }

@@ -627,7 +627,6 @@ impl DataCore {
             load.tokens += prefill_tokens + decode_tokens;
             load.admitted_tokens += admitted_prefill_tokens + decode_tokens;
             load.decode_tokens += decode_tokens;
-            load.started_requests += 1;
         });
         if let Some(in_flight) = &in_flight {
             in_flight.increment(1.0);

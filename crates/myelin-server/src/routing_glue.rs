@@ -59,10 +59,9 @@ struct ShardBackend {
     scraped_capacity: Option<u64>,
     /// This core's correction of the capacity from the engine's reuse reports.
     calibration: RoomCalibration,
-    /// The engine's KV utilization and queue at the last scrape that read them, when it came
-    /// in, and the requests routers had started to it by then (those started since are
-    /// counted as waiting, on top of the engine's queue).
-    scraped_memory: Option<(ScrapedMemory, Instant, u64)>,
+    /// The engine's KV utilization and queue at the last scrape that read them, and when it
+    /// came in.
+    scraped_memory: Option<(ScrapedMemory, Instant)>,
 }
 
 /// A backend's residency-estimate figures on one core (admin API).
@@ -246,8 +245,7 @@ impl RoutingShard {
     /// The engine's KV utilization and queue, read by the control core at about `at`.
     pub fn set_scraped_memory(&mut self, id: BackendId, memory: ScrapedMemory, at: Instant) {
         if let Some(entry) = self.backends.get_mut(&id) {
-            let started = entry.load_by_core.iter().map(|l| l.started_requests).sum();
-            entry.scraped_memory = Some((memory, at, started));
+            entry.scraped_memory = Some((memory, at));
         }
     }
 
@@ -442,16 +440,17 @@ impl RoutingShard {
 /// to average over (half of a typical 256-token answer).
 const DEFAULT_REMAINING_OUTPUT_TOKENS: f64 = 128.0;
 
-/// A backend's expected-wait inputs: the engine's last scraped utilization and queue, with the
-/// requests routers started there since counted as waiting (they were not in that queue), and
-/// the output its running requests still owe taken as half of what the routers' in-flight
-/// requests there expect. `None` when never scraped or older than `max_age`.
+/// A backend's expected-wait inputs: the engine's last scraped utilization and queue, and the
+/// output its running requests still owe taken as half of what the routers' in-flight requests
+/// there expect. `None` when never scraped or older than `max_age`. Only the engine's own queue
+/// counts as waiting: requests routers sent since the scrape may well have been admitted, and
+/// counting them as waiting made every busy engine look full (docs/routing.md).
 fn memory_pressure(
     backend: &ShardBackend,
     now: Instant,
     max_age: Duration,
 ) -> Option<MemoryPressure> {
-    let (memory, at, started_then) = backend.scraped_memory?;
+    let (memory, at) = backend.scraped_memory?;
     if now.saturating_duration_since(at) > max_age {
         return None;
     }
@@ -459,7 +458,6 @@ fn memory_pressure(
     for load in &backend.load_by_core {
         total.add(load);
     }
-    let started_since = total.started_requests.saturating_sub(started_then);
     let mean_remaining_output_tokens = if total.requests > 0 {
         total.decode_tokens as f64 / f64::from(total.requests) / 2.0
     } else {
@@ -467,9 +465,7 @@ fn memory_pressure(
     };
     Some(MemoryPressure {
         utilization: memory.utilization,
-        waiting_requests: memory
-            .waiting
-            .saturating_add(u32::try_from(started_since).unwrap_or(u32::MAX)),
+        waiting_requests: memory.waiting,
         running_requests: memory.running,
         mean_remaining_output_tokens,
     })
@@ -545,27 +541,24 @@ mod tests {
             .decide(&shard.lookup(&query), prompt.len(), &[])
             .unwrap();
         assert_eq!((choice.backend, choice.prefix_replication), (home, false));
-        // A request started there since the scrape is taken as waiting: (1 + 1) admissions of
-        // 128 / 6 steps at 300 tokens cost 12,800 tokens, more than prefilling 4,096 elsewhere.
-        shard.set_load(
-            home,
-            0,
-            Load {
-                started_requests: 1,
-                ..Load::default()
-            },
-        );
-        let choice = shard
-            .decide(&shard.lookup(&query), prompt.len(), &[])
-            .unwrap();
-        assert_ne!(choice.backend, home);
-        assert!(choice.prefix_replication);
-        // The engine's own queue counts the same way.
+        // Three requests waiting there: (3 + 1) admissions of 128 / 6 steps at 300 tokens cost
+        // 25,600 tokens, more than prefilling 4,096 elsewhere.
         shard.set_scraped_memory(home, full(3), scraped_at);
         let choice = shard
             .decide(&shard.lookup(&query), prompt.len(), &[])
             .unwrap();
         assert!(choice.prefix_replication && choice.backend != home);
+        // Every engine waiting as long: waiting is no reason to leave the cache.
+        for id in 0..3 {
+            shard.set_scraped_memory(id, full(3), scraped_at);
+        }
+        let choice = shard
+            .decide(&shard.lookup(&query), prompt.len(), &[])
+            .unwrap();
+        assert_eq!((choice.backend, choice.prefix_replication), (home, false));
+        for id in (0..3).filter(|&id| id != home) {
+            shard.set_scraped_memory(id, full(0), scraped_at);
+        }
         // Figures older than three scrape intervals are not trusted: home again.
         let old = scraped_at - shard.memory_max_age - Duration::from_millis(1);
         shard.set_scraped_memory(home, full(3), old);
