@@ -621,3 +621,67 @@ pub(crate) fn cluster_admin(control: &Control, method: &Method) -> Response<Body
     };
     crate::request_path::json_response(StatusCode::OK, &body)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use crate::backend_spec::BackendSpec;
+    use crate::backends::{BackendInfo, BackendState, Load};
+    use crate::config::{FileConfig, RoutingPolicy, ServeArgs, ServeConfig};
+    use crate::routing_glue::RoutingShard;
+
+    /// A data core's routing state (one data core) over backends 0 and 1.
+    fn shard(routing: RoutingPolicy) -> RoutingShard {
+        let args = ServeArgs {
+            backends: vec!["http://a:1".into()],
+            routing: Some(routing),
+            ..ServeArgs::default()
+        };
+        let config = ServeConfig::merge(args, FileConfig::default(), &[0]).unwrap();
+        let mut shard = RoutingShard::new(&config, 1, Instant::now()).unwrap();
+        for id in 0..2 {
+            shard.add_backend(&BackendInfo {
+                id,
+                spec: BackendSpec::parse(&format!("http://b{id}:1")).unwrap(),
+                state: BackendState::Up,
+            });
+        }
+        shard
+    }
+
+    #[test]
+    fn peer_load_is_scored_like_the_cores_own() {
+        let mut shard = shard(RoutingPolicy::LeastLoad);
+        let nothing = crate::routing_glue::LookupAnswer::default();
+        assert_eq!(shard.decide(&nothing, 10, &[]).unwrap().backend, 0);
+        // The slot after the data cores' (here: 1) is the other nodes' load.
+        let peers = Load {
+            requests: 3,
+            tokens: 3_000,
+            ..Load::default()
+        };
+        shard.set_load(0, 1, peers);
+        assert_eq!(shard.decide(&nothing, 10, &[]).unwrap().backend, 1);
+        shard.set_load(0, 1, Load::default());
+        shard.set_load(1, 1, peers);
+        assert_eq!(shard.decide(&nothing, 10, &[]).unwrap().backend, 0);
+    }
+
+    #[test]
+    fn a_peer_route_is_history_like_an_own_one() {
+        let mut shard = shard(RoutingPolicy::Prefix);
+        let prompt: Vec<u32> = (0..320).collect();
+        let query = shard.query(&prompt);
+        let before = shard
+            .decide(&shard.lookup(&query), prompt.len(), &[])
+            .unwrap();
+        let other = 1 - before.backend;
+        shard.learn_peer(query.chain.clone(), other, 0);
+        let after = shard
+            .decide(&shard.lookup(&query), prompt.len(), &[])
+            .unwrap();
+        assert_eq!(after.backend, other);
+        assert_eq!(after.matched_blocks, 20);
+    }
+}
