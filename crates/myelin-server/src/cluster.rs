@@ -224,4 +224,37 @@ mod tests {
         assert_eq!(settings.probe_interval, Duration::from_millis(500));
         let _ = std::fs::remove_dir_all(dir);
     }
+
+    #[test]
+    fn the_config_file_turns_gossip_on() {
+        let dir = std::env::temp_dir().join(format!("myelin-gossip-file-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = dir.join("key");
+        std::fs::write(&key, "0123456789abcdef0123\n").unwrap();
+        let file = dir.join("myelin.toml");
+        std::fs::write(
+            &file,
+            format!(
+                "backend = [\"http://e:1\"]\n\
+                 gossip-listen = \"127.0.0.1:7946\"\n\
+                 peer = [\"127.0.0.1:7947\", \"127.0.0.1:7948\"]\n\
+                 node-id = \"router-a\"\n\
+                 cluster-key-file = \"{}\"\n\
+                 gossip-probe-interval-ms = 250\n",
+                key.display()
+            ),
+        )
+        .unwrap();
+        let args = crate::config::ServeArgs {
+            config: Some(file),
+            ..crate::config::ServeArgs::default()
+        };
+        let config = crate::config::ServeConfig::resolve(args).unwrap();
+        let gossip = config.gossip.expect("gossip on");
+        assert_eq!(gossip.listen, "127.0.0.1:7946".parse().unwrap());
+        assert_eq!(gossip.peers.len(), 2);
+        assert_eq!(gossip.node_id.as_deref(), Some("router-a"));
+        assert_eq!(gossip.probe_interval, Duration::from_millis(250));
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }

@@ -322,7 +322,29 @@ fn forged_garbage_and_replayed_datagrams_are_counted_and_ignored() {
         },
     );
     let port = free_udp_port();
-    let node = start_node("solo", port, &[], &key, &[&engine]);
+    // This node's gossip is configured by environment variables only.
+    let listen = gossip_addr(port);
+    let key_path = key.display().to_string();
+    let url = engine.url();
+    let node = Router::start_raw(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--shards",
+            "1",
+            "--no-pin",
+            "--backend",
+            &url,
+        ],
+        &[
+            ("MYELIN_GOSSIP_LISTEN", &listen),
+            ("MYELIN_CLUSTER_KEY_FILE", &key_path),
+            ("MYELIN_NODE_ID", "solo"),
+        ],
+    );
     let target: SocketAddr = gossip_addr(port).parse().unwrap();
     let socket = UdpSocket::bind("127.0.0.1:0").expect("bind");
 
