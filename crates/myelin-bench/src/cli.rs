@@ -121,6 +121,13 @@ pub struct BenchArgs {
     /// exits 3, "machine too busy"). Needs legs round-robin, prefix+off and prefix+auto.
     #[arg(long)]
     pub ci_gates: bool,
+
+    /// Legs that measure the residency estimate's calibration against the simulator's truth
+    /// (reliability tables, Brier scores, predicted vs reported cached tokens): auto = the
+    /// legs whose router runs the estimate (prefix+estimate, prefix+auto), on = every myelin
+    /// router leg, off = none. Token-id prompts only.
+    #[arg(long, value_enum, default_value_t = crate::calibration::CalibrationMode::Auto)]
+    pub calibration: crate::calibration::CalibrationMode,
 }
 
 /// The benchmarks `myelin bench` runs besides the churn harness.

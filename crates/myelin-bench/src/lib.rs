@@ -6,6 +6,7 @@
 //! residency downgrades, with validity gates. docs/benchmark.md is the user guide.
 
 pub mod blocking_http;
+pub mod calibration;
 pub mod capacity;
 pub mod cli;
 pub mod cluster;

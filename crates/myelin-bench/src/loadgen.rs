@@ -15,6 +15,7 @@ use myelin_http::client::{Pool, PoolConfig};
 use myelin_http::executor::{ExecutorSpec, spawn_executor};
 use myelin_http::sse::SseParser;
 
+use crate::calibration::{CalibrationSetup, Calibrator, LegCalibration, Ticket};
 use crate::engine_tokens::EngineTokenizer;
 use crate::oracle::{CacheOracle, Oracle};
 use crate::record::{Outcome, RequestRecord};
@@ -78,6 +79,8 @@ pub struct LoadOutcome {
     pub harness: HarnessCost,
     /// Wall time from the first send to the end of the last request.
     pub wall: Duration,
+    /// The residency calibration, when the leg measured it (see [`start_calibrated`]).
+    pub calibration: Option<LegCalibration>,
 }
 
 /// Starts the generator on its own executor thread; join the handle for the outcome.
@@ -85,8 +88,18 @@ pub fn start(
     plan: LoadPlan,
     target: Target,
 ) -> std::io::Result<glommio::ExecutorJoinHandle<LoadOutcome>> {
+    start_calibrated(plan, target, None)
+}
+
+/// [`start`], measuring the residency calibration when `calibration` is set (router targets:
+/// the backend comes from `x-myelin-backend`; see [`crate::calibration`]).
+pub fn start_calibrated(
+    plan: LoadPlan,
+    target: Target,
+    calibration: Option<CalibrationSetup>,
+) -> std::io::Result<glommio::ExecutorJoinHandle<LoadOutcome>> {
     spawn_executor(ExecutorSpec::unpinned("myelin-bench-load"), move || {
-        drive(plan, target)
+        drive(plan, target, calibration)
     })
 }
 
@@ -101,6 +114,8 @@ struct Shared {
     oracle: RefCell<Oracle>,
     /// Oracle only: how long each probe of the simulator took, microseconds.
     probe_us: RefCell<Vec<u64>>,
+    /// The residency calibration's replica of the router, when measured.
+    calibration: Option<RefCell<Calibrator>>,
 }
 
 impl Shared {
@@ -123,7 +138,11 @@ impl Drop for FinishOnDrop {
     }
 }
 
-async fn drive(plan: LoadPlan, target: Target) -> LoadOutcome {
+async fn drive(
+    plan: LoadPlan,
+    target: Target,
+    calibration: Option<CalibrationSetup>,
+) -> LoadOutcome {
     let _finish = FinishOnDrop(plan.progress.clone());
     let cpu_at_start = thread_cpu_us();
     let block_size = match &target {
@@ -145,6 +164,9 @@ async fn drive(plan: LoadPlan, target: Target) -> LoadOutcome {
         records: RefCell::new(Vec::new()),
         oracle: RefCell::new(Oracle::new(block_size)),
         probe_us: RefCell::new(Vec::new()),
+        calibration: calibration
+            .and_then(|setup| Calibrator::new(setup).ok())
+            .map(RefCell::new),
     });
 
     let lag_samples = Rc::new(RefCell::new(Vec::new()));
@@ -222,6 +244,10 @@ async fn drive(plan: LoadPlan, target: Target) -> LoadOutcome {
         },
         records,
         wall,
+        calibration: shared
+            .calibration
+            .as_ref()
+            .map(|calibrator| calibrator.borrow().finish()),
     }
 }
 
@@ -297,10 +323,17 @@ async fn exchange(
         outcome: Outcome::Ok,
     };
     plan.progress.sent.fetch_add(1, Ordering::Relaxed);
+    let mut ticket = shared.calibration.as_ref().map(|calibrator| {
+        calibrator
+            .borrow_mut()
+            .on_send(user, seq, &request.tokens, request.output_tokens)
+    });
 
     let timeout = plan.request_timeout;
     let result = or(
-        async { Some(stream_response(shared, &url, body, &mut record, sent_at).await) },
+        async {
+            Some(stream_response(shared, &url, body, &mut record, sent_at, &mut ticket).await)
+        },
         async {
             Timer::new(timeout).await;
             None
@@ -315,6 +348,10 @@ async fn exchange(
     if record.outcome.is_error() {
         plan.progress.errors.fetch_add(1, Ordering::Relaxed);
     }
+    if let (Some(calibrator), Some(ticket)) = (&shared.calibration, ticket) {
+        let reported = record.cached_tokens.filter(|_| !record.outcome.is_error());
+        calibrator.borrow_mut().on_end(ticket, reported);
+    }
     plan.progress.completed.fetch_add(1, Ordering::Relaxed);
     record
 }
@@ -325,6 +362,7 @@ async fn stream_response(
     body: String,
     record: &mut RequestRecord,
     sent_at: Instant,
+    ticket: &mut Option<Ticket>,
 ) -> Result<(), Outcome> {
     let request = http::Request::post(url)
         .header(http::header::CONTENT_TYPE, "application/json")
@@ -344,6 +382,14 @@ async fn stream_response(
         record.backend = Some(backend.to_string());
     }
     let status = response.status();
+    if let (Some(calibrator), Some(ticket), Some(backend), true) = (
+        &shared.calibration,
+        ticket.as_mut(),
+        &record.backend,
+        status.is_success(),
+    ) {
+        calibrator.borrow_mut().on_head(ticket, backend);
+    }
     let mut body = response.into_body();
     if !status.is_success() {
         // Drain the error body so the connection can be reused; the status is what counts.
@@ -357,6 +403,9 @@ async fn stream_response(
         let Ok(data) = frame.into_data() else {
             continue;
         };
+        if let (Some(calibrator), Some(ticket)) = (&shared.calibration, ticket.as_mut()) {
+            calibrator.borrow_mut().on_first_byte(ticket);
+        }
         let now = Instant::now();
         for event in parser.feed(&data) {
             reader.on_event(&event, now).map_err(Outcome::Failed)?;

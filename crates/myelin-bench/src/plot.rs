@@ -30,7 +30,7 @@ pub struct LegSeries {
     pub points: Vec<(f64, f64)>,
 }
 
-fn register_font() -> Result<(), PlotError> {
+pub(crate) fn register_font() -> Result<(), PlotError> {
     static REGISTERED: OnceLock<bool> = OnceLock::new();
     let registered = *REGISTERED.get_or_init(|| {
         plotters::style::register_font("sans-serif", FontStyle::Normal, FONT_BYTES).is_ok()

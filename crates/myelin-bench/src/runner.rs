@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+use crate::calibration::{self, CalibrationMode, CalibrationSetup, LegCalibration};
 use crate::cluster::{ClusterError, start_cluster};
 use crate::engine_tokens::EngineTokenizer;
 use crate::gates;
@@ -129,6 +130,10 @@ struct RunContext {
     workload: Arc<Workload>,
     alphabet: Arc<TokenAlphabet>,
     interrupted: Arc<AtomicBool>,
+    /// Which legs measure the residency calibration (token-id prompts only).
+    calibration: CalibrationMode,
+    /// Every leg run's calibration, in run order.
+    calibrations: std::cell::RefCell<Vec<LegCalibration>>,
 }
 
 /// `myelin bench`.
@@ -196,6 +201,12 @@ fn prepare(args: &BenchArgs) -> Result<RunContext, BenchError> {
         workload: Arc::new(workload),
         alphabet: Arc::new(alphabet),
         interrupted,
+        calibration: if config.prompt == PromptFormat::TokenIds {
+            args.calibration
+        } else {
+            CalibrationMode::Off
+        },
+        calibrations: Default::default(),
         config,
     })
 }
@@ -346,7 +357,11 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
         request_timeout: context.request_timeout,
         progress: progress.clone(),
     };
-    let handle = loadgen::start(plan, target)
+    let calibration = context
+        .calibration
+        .applies_to(leg.kind)
+        .then(|| CalibrationSetup::new(cluster.oracle(), &config.cluster, config.seed));
+    let handle = loadgen::start_calibrated(plan, target, calibration)
         .map_err(io_error("starting", Path::new("the load generator")))?;
 
     let traffic_wall_s = context.workload.traffic_s(config.duration_s) / speedup;
@@ -381,9 +396,14 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
             }
         ));
     }
-    let outcome = handle
+    let mut outcome = handle
         .join()
         .map_err(|error| BenchError::LoadGenerator(error.to_string()))?;
+    if let Some(mut measured) = outcome.calibration.take() {
+        measured.leg = leg.name.clone();
+        measured.repeat = repeat + 1;
+        context.calibrations.borrow_mut().push(measured);
+    }
     bar.finish_and_clear();
 
     let engines_total = cluster.counters();
@@ -485,7 +505,12 @@ fn finish(context: &RunContext, runs: &[LegRun]) -> Result<ExitCode, BenchError>
     let out = &context.out_dir;
 
     let json_path = out.join("report.json");
-    let json = serde_json::to_string_pretty(&report).map_err(|error| BenchError::Io {
+    let calibrations = context.calibrations.borrow();
+    let json = serde_json::to_string_pretty(&calibration::WithCalibration {
+        report: &report,
+        calibration: &calibrations,
+    })
+    .map_err(|error| BenchError::Io {
         what: "serialising",
         path: json_path.display().to_string(),
         source: std::io::Error::other(error),
@@ -553,17 +578,26 @@ fn finish(context: &RunContext, runs: &[LegRun]) -> Result<ExitCode, BenchError>
         &format!("TTFT P99 over time, {} workload", config.name),
     )?;
 
+    let reliability_png = (!calibrations.is_empty()).then(|| out.join("reliability.png"));
+    if let Some(path) = &reliability_png {
+        calibration::reliability_diagram(path, &calibrations)?;
+    }
     let markdown_path = out.join("report.md");
-    let markdown = report::render_markdown(
+    let mut markdown = report::render_markdown(
         &report,
         &[
             ("TTFT CDF", "ttft_cdf.png"),
             ("TTFT P99 over time", "ttft_over_time.png"),
         ],
     );
+    markdown.push_str(&calibration::render_markdown(
+        &calibrations,
+        reliability_png.as_ref().map(|_| "reliability.png"),
+    ));
     std::fs::write(&markdown_path, markdown).map_err(io_error("writing", &markdown_path))?;
 
     print!("{}", report::render_text(&report));
+    print!("{}", calibration::render_text(&calibrations));
     println!(
         "report: {}, {}, {}, plots: {}, {}",
         json_path.display(),

@@ -1,0 +1,1049 @@
+//! Calibration of the residency estimate against the simulator's truth (`--calibration`).
+//!
+//! During a router leg the load generator keeps a replica of what the router knows: a
+//! [`Shard`] learning every successful request's prompt on the backend that served it
+//! (`x-myelin-backend`), stamped with a per-backend admitted-tokens counter counted as the
+//! router counts it, the load each backend carries, and the closed loop the router runs on
+//! the engines' reuse reports (eviction watermark and capacity correction). For a
+//! deterministic sample of requests, at send time, every historically matched block of every
+//! backend gets a predicted probability of residency from four predictors:
+//!
+//! - `pressure`: [`PressureEstimator`], the router's estimate (the block's survival, i.e. the
+//!   product of the conditional probabilities the estimator writes);
+//! - `one_minus_utilization`: 1 − the engine's KV utilization at that instant (Ranvier);
+//! - `ttl_150s`: 1 if the block was last routed there within 150 simulated seconds, else 0
+//!   (the approximate modes of Dynamo and the SGLang gateway);
+//! - `lru_capacity`: 1 if the tokens admitted since the block's stamp plus its depth fit the
+//!   capacity, else 0 (Dynamo's capacity-bounded LRU of what was sent);
+//!
+//! and the truth from the simulator's probe at the same instant: block i is resident iff
+//! (i+1)·B ≤ the engine's cached prefix tokens. Per predictor: a reliability table (buckets
+//! of width 0.1 of the prediction → samples, mean predicted, observed fraction) and the Brier
+//! score. Per request: the replica's expected cached tokens on the chosen backend against the
+//! engine's reported `cached_tokens`. docs/residency.md ("Calibration against the simulator")
+//! has the method and the figures.
+
+use std::fmt::Write as _;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use myelin_routing::{
+    BackendId, BackendMatch, BackendState, BackendView, BlockChain, MatchSegment,
+    PressureEstimator, ReuseProbe, RoomCalibration, Shard, ShardConfig, block_stamps,
+    observe_reuse,
+};
+use plotters::prelude::*;
+use serde::Serialize;
+
+use crate::legs::LegKind;
+use crate::oracle::CacheOracle;
+use crate::plot::PlotError;
+use crate::rng;
+use crate::workload::config::ClusterSettings;
+
+/// Which legs measure calibration (`myelin bench --calibration`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CalibrationMode {
+    /// Legs whose router runs the estimate: prefix+estimate and prefix+auto.
+    Auto,
+    /// Every leg routed by `myelin serve`.
+    On,
+    /// None.
+    Off,
+}
+
+impl CalibrationMode {
+    /// Whether a leg of `kind` measures calibration in this mode.
+    pub fn applies_to(self, kind: LegKind) -> bool {
+        use crate::legs::Residency;
+        match self {
+            CalibrationMode::Off => false,
+            CalibrationMode::On => kind.uses_myelin_router(),
+            CalibrationMode::Auto => {
+                matches!(kind, LegKind::Prefix(Residency::Estimate | Residency::Auto))
+            }
+        }
+    }
+}
+
+/// The fixed TTL of the `ttl_150s` baseline, simulated seconds.
+pub const TTL_S: f64 = 150.0;
+/// One request in this many is sampled (deterministically from the seed).
+pub const SAMPLE_EVERY: u64 = 4;
+/// A bucket needs this many samples for its calibration gap to count.
+pub const MIN_BUCKET_SAMPLES: u64 = 100;
+/// Width of a reliability bucket.
+pub const BUCKET_WIDTH: f64 = 0.1;
+const BUCKETS: usize = 10;
+/// The rng stream of the sampling draw.
+const SAMPLE_STREAM: u64 = 0x6361_6c69;
+
+/// The predictors, in report order: (name, what it is).
+pub const PREDICTORS: [(&str, &str); 4] = [
+    (
+        "pressure",
+        "PressureEstimator (myelin's estimate): survival from the tokens admitted since the block's stamp against the room",
+    ),
+    (
+        "one_minus_utilization",
+        "1 - the engine's KV utilization at that instant (Ranvier)",
+    ),
+    (
+        "ttl_150s",
+        "1 if last routed there within 150 simulated s, else 0 (Dynamo / SGLang gateway approximate mode)",
+    ),
+    (
+        "lru_capacity",
+        "1 if tokens admitted since the stamp + the block's depth <= capacity, else 0 (Dynamo's capacity-bounded LRU)",
+    ),
+];
+
+/// What a leg's calibration needs.
+#[derive(Clone)]
+pub struct CalibrationSetup {
+    pub oracle: Arc<dyn CacheOracle>,
+    pub engines: usize,
+    pub block_size: u32,
+    /// The engines' KV capacity in tokens (kv_blocks × block_size).
+    pub capacity_tokens: u64,
+    pub seed: u64,
+    /// Simulated seconds per wall second.
+    pub speedup: f64,
+    /// One request in this many is sampled.
+    pub sample_every: u64,
+}
+
+impl CalibrationSetup {
+    /// The setup for a leg on `cluster` (the workload's settings) with the simulator's oracle.
+    pub fn new(oracle: Arc<dyn CacheOracle>, cluster: &ClusterSettings, seed: u64) -> Self {
+        Self {
+            oracle,
+            engines: cluster.engines as usize,
+            block_size: cluster.block_size.max(1),
+            capacity_tokens: u64::from(cluster.kv_blocks) * u64::from(cluster.block_size),
+            seed,
+            speedup: cluster.speedup,
+            sample_every: SAMPLE_EVERY,
+        }
+    }
+}
+
+/// One bucket of a reliability table.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Bucket {
+    /// Predictions in `lower..upper` (the last bucket includes 1.0).
+    pub lower: f64,
+    pub upper: f64,
+    /// Block samples.
+    pub samples: u64,
+    /// Distinct (request, backend) pairs those samples come from (blocks of one pair are
+    /// strongly correlated).
+    pub pairs: u64,
+    /// Mean prediction (`None`: no samples).
+    pub mean_predicted: Option<f64>,
+    /// Fraction of the samples truly resident.
+    pub observed: Option<f64>,
+}
+
+impl Bucket {
+    /// |observed − mean predicted|, `None` without samples.
+    pub fn gap(&self) -> Option<f64> {
+        Some((self.observed? - self.mean_predicted?).abs())
+    }
+}
+
+/// One predictor over a leg.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PredictorCalibration {
+    pub name: String,
+    pub description: String,
+    pub samples: u64,
+    /// Mean squared error of the prediction against residency (0 or 1); `None`: no samples.
+    pub brier: Option<f64>,
+    /// Largest |observed − mean predicted| over buckets with at least
+    /// [`MIN_BUCKET_SAMPLES`] samples.
+    pub worst_gap: Option<f64>,
+    pub buckets: Vec<Bucket>,
+}
+
+/// Per request: the replica's expected cached tokens on the chosen backend against what the
+/// engine reported.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct CachedTokensError {
+    /// Successful requests with a reported `cached_tokens`.
+    pub requests: u64,
+    /// Mean |reported − predicted|, tokens.
+    pub mean_absolute_error_tokens: Option<f64>,
+    /// Mean (reported − predicted), tokens: positive when the estimate is pessimistic.
+    pub mean_error_tokens: Option<f64>,
+    pub mean_predicted_tokens: Option<f64>,
+    pub mean_reported_tokens: Option<f64>,
+    /// The same error for history alone (every matched block counted resident).
+    pub history_mean_absolute_error_tokens: Option<f64>,
+}
+
+/// One leg run's calibration (report.json `calibration[]`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LegCalibration {
+    pub leg: String,
+    /// 1-based.
+    pub repeat: u32,
+    pub sample_every: u64,
+    pub sampled_requests: u64,
+    /// (request, backend) pairs with a historical match among the sampled requests.
+    pub sampled_pairs: u64,
+    pub capacity_tokens: u64,
+    pub ttl_s: f64,
+    pub predictors: Vec<PredictorCalibration>,
+    pub cached_tokens: CachedTokensError,
+}
+
+/// Accumulates (prediction, outcome) samples into a reliability table and a Brier score.
+#[derive(Debug, Clone, Default)]
+pub struct Reliability {
+    count: [u64; BUCKETS],
+    pairs: [u64; BUCKETS],
+    last_pair: [Option<u64>; BUCKETS],
+    sum_predicted: [f64; BUCKETS],
+    resident: [u64; BUCKETS],
+    squared_error: f64,
+}
+
+/// The bucket of a prediction (clamped to 0..=1; 1.0 goes in the last bucket, NaN in the first).
+pub fn bucket_of(predicted: f64) -> usize {
+    if predicted.is_nan() {
+        return 0;
+    }
+    // Multiplying (not dividing by the width) puts 0.3 in [0.3, 0.4): 0.3 / 0.1 < 3.
+    ((predicted.clamp(0.0, 1.0) * BUCKETS as f64).floor() as usize).min(BUCKETS - 1)
+}
+
+impl Reliability {
+    /// Adds one sample of pair `pair` (samples of a pair arrive together).
+    pub fn add(&mut self, predicted: f64, resident: bool, pair: u64) {
+        let predicted = if predicted.is_nan() {
+            0.0
+        } else {
+            predicted.clamp(0.0, 1.0)
+        };
+        let bucket = bucket_of(predicted);
+        self.count[bucket] += 1;
+        self.sum_predicted[bucket] += predicted;
+        if resident {
+            self.resident[bucket] += 1;
+        }
+        if self.last_pair[bucket] != Some(pair) {
+            self.last_pair[bucket] = Some(pair);
+            self.pairs[bucket] += 1;
+        }
+        let outcome = if resident { 1.0 } else { 0.0 };
+        self.squared_error += (predicted - outcome) * (predicted - outcome);
+    }
+
+    /// Samples added.
+    pub fn samples(&self) -> u64 {
+        self.count.iter().sum()
+    }
+
+    /// The mean squared error, `None` without samples.
+    pub fn brier(&self) -> Option<f64> {
+        let samples = self.samples();
+        (samples > 0).then(|| self.squared_error / samples as f64)
+    }
+
+    /// The reliability table, every bucket (empty ones with `None` means).
+    pub fn buckets(&self) -> Vec<Bucket> {
+        (0..BUCKETS)
+            .map(|bucket| {
+                let count = self.count[bucket];
+                let mean = |sum: f64| (count > 0).then(|| sum / count as f64);
+                Bucket {
+                    lower: bucket as f64 * BUCKET_WIDTH,
+                    upper: (bucket + 1) as f64 * BUCKET_WIDTH,
+                    samples: count,
+                    pairs: self.pairs[bucket],
+                    mean_predicted: mean(self.sum_predicted[bucket]),
+                    observed: mean(self.resident[bucket] as f64),
+                }
+            })
+            .collect()
+    }
+
+    /// The predictor's summary.
+    pub fn summarize(&self, name: &str, description: &str) -> PredictorCalibration {
+        let buckets = self.buckets();
+        let worst_gap = buckets
+            .iter()
+            .filter(|bucket| bucket.samples >= MIN_BUCKET_SAMPLES)
+            .filter_map(Bucket::gap)
+            .fold(None, |worst: Option<f64>, gap| {
+                Some(worst.map_or(gap, |worst| worst.max(gap)))
+            });
+        PredictorCalibration {
+            name: name.to_string(),
+            description: description.to_string(),
+            samples: self.samples(),
+            brier: self.brier(),
+            worst_gap,
+            buckets,
+        }
+    }
+}
+
+/// A request as the replica follows it, from send to end.
+pub struct Ticket {
+    chain: BlockChain,
+    prompt_tokens: u64,
+    output_tokens: u64,
+    routed: Option<Routed>,
+}
+
+struct Routed {
+    backend: usize,
+    /// Prefill load still counted (until the first byte).
+    prefill_pending: u64,
+    decode: u64,
+    probe: ReuseProbe,
+    /// History's cached tokens on the chosen backend, within the reusable blocks.
+    history_cached: f64,
+}
+
+/// The harness-side replica of the router's history and estimate, and the accumulators.
+pub struct Calibrator {
+    setup: CalibrationSetup,
+    started: Instant,
+    shard: Shard,
+    estimator: PressureEstimator,
+    admitted: Vec<u64>,
+    load: Vec<u64>,
+    rooms: Vec<RoomCalibration>,
+    reliability: [Reliability; 4],
+    sampled_requests: u64,
+    sampled_pairs: u64,
+    errors: ErrorSums,
+    stamps: Vec<u64>,
+    last_routed: Vec<u64>,
+    survivals: Vec<f64>,
+}
+
+#[derive(Default)]
+struct ErrorSums {
+    requests: u64,
+    absolute: f64,
+    signed: f64,
+    predicted: f64,
+    reported: f64,
+    history_absolute: f64,
+}
+
+/// Fills `out` with each of the first `matched_blocks` blocks' last routing time, from the
+/// lookup's use records (like [`block_stamps`]).
+fn block_last_routed(matched: &BackendMatch, segments: &[MatchSegment], out: &mut Vec<u64>) {
+    let blocks = matched.matched_blocks as usize;
+    out.clear();
+    out.resize(blocks, matched.last_routed_ms);
+    for segment in segments.iter().filter(|s| s.backend == matched.backend) {
+        let start = (segment.start_block as usize).min(blocks);
+        let end = (segment.end_block as usize).min(blocks);
+        for at in &mut out[start..end] {
+            *at = segment.last_routed_ms;
+        }
+    }
+}
+
+impl Calibrator {
+    /// A replica with empty history; times count from now.
+    pub fn new(setup: CalibrationSetup) -> Result<Self, myelin_routing::RoutingError> {
+        let shard = Shard::new(ShardConfig {
+            block_size: setup.block_size,
+            ..ShardConfig::default()
+        })?;
+        let engines = setup.engines;
+        let mut rooms = vec![RoomCalibration::default(); engines];
+        for room in &mut rooms {
+            room.set_capacity(Some(setup.capacity_tokens));
+        }
+        Ok(Self {
+            started: Instant::now(),
+            shard,
+            estimator: PressureEstimator::default(),
+            admitted: vec![0; engines],
+            load: vec![0; engines],
+            rooms,
+            reliability: Default::default(),
+            sampled_requests: 0,
+            sampled_pairs: 0,
+            errors: ErrorSums::default(),
+            stamps: Vec::new(),
+            last_routed: Vec::new(),
+            survivals: Vec::new(),
+            setup,
+        })
+    }
+
+    /// The replica's admitted-tokens counter of `backend`.
+    pub fn admitted_tokens(&self, backend: usize) -> u64 {
+        self.admitted.get(backend).copied().unwrap_or(0)
+    }
+
+    /// The replica's eviction watermark of `backend` (0: none).
+    pub fn evicted_below(&self, backend: usize) -> u64 {
+        self.shard.evicted_below(BackendId(backend as u32))
+    }
+
+    /// Simulated milliseconds since the replica started.
+    fn now_ms(&self) -> u64 {
+        (self.started.elapsed().as_secs_f64() * self.setup.speedup * 1000.0) as u64
+    }
+
+    /// Whether request (`user`, `seq`) is sampled.
+    pub fn is_sampled(&self, user: u32, seq: u64) -> bool {
+        let index = (u64::from(user) << 40) ^ seq;
+        rng::draw_below(
+            self.setup.seed,
+            SAMPLE_STREAM,
+            index,
+            self.setup.sample_every.max(1),
+        ) == 0
+    }
+
+    fn view(&self, backend: usize) -> BackendView {
+        BackendView::new(
+            BackendId(backend as u32),
+            BackendState::Up,
+            self.load[backend],
+        )
+        .with_cache(
+            self.rooms[backend].effective_capacity(),
+            self.admitted[backend],
+            self.shard.evicted_below(BackendId(backend as u32)),
+        )
+    }
+
+    /// A request is about to be sent: hashes its prompt and, when it is sampled, scores every
+    /// backend's historical match against the simulator's truth.
+    pub fn on_send(&mut self, user: u32, seq: u64, tokens: &[u32], output_tokens: u32) -> Ticket {
+        let chain = self.shard.chain(tokens);
+        if self.is_sampled(user, seq) {
+            self.sample(&chain, tokens);
+        }
+        Ticket {
+            chain,
+            prompt_tokens: tokens.len() as u64,
+            output_tokens: u64::from(output_tokens),
+            routed: None,
+        }
+    }
+
+    fn sample(&mut self, chain: &BlockChain, tokens: &[u32]) {
+        let now_ms = self.now_ms();
+        let Ok(matched) = self.shard.lookup_chain(chain, now_ms) else {
+            return;
+        };
+        let truths = self.setup.oracle.probe(tokens);
+        let request = self.sampled_requests;
+        self.sampled_requests += 1;
+        let block = u64::from(self.setup.block_size);
+        let ttl_ms = (TTL_S * 1000.0) as u64;
+        for entry in matched
+            .backends
+            .iter()
+            .filter(|entry| entry.matched_blocks > 0)
+        {
+            let backend = entry.backend.0 as usize;
+            let Some(truth) = truths.get(backend) else {
+                continue;
+            };
+            if backend >= self.setup.engines {
+                continue;
+            }
+            self.sampled_pairs += 1;
+            let pair = request * self.setup.engines as u64 + backend as u64;
+            block_stamps(entry, &matched.segments, &mut self.stamps);
+            block_last_routed(entry, &matched.segments, &mut self.last_routed);
+            let view = self.view(backend);
+            let mut survivals = std::mem::take(&mut self.survivals);
+            self.estimator
+                .survivals(&view, self.setup.block_size, &self.stamps, &mut survivals);
+            let free = truth.memory.map(|memory| 1.0 - memory.utilization);
+            let admitted = self.admitted[backend];
+            for (depth, survival) in survivals.iter().enumerate() {
+                let end = (depth as u64 + 1) * block;
+                let resident = end <= truth.cached_tokens;
+                self.reliability[0].add(*survival, resident, pair);
+                if let Some(free) = free {
+                    self.reliability[1].add(free, resident, pair);
+                }
+                let fresh = now_ms.saturating_sub(self.last_routed[depth]) <= ttl_ms;
+                self.reliability[2].add(if fresh { 1.0 } else { 0.0 }, resident, pair);
+                let fits =
+                    admitted.saturating_sub(self.stamps[depth]) + end <= self.setup.capacity_tokens;
+                self.reliability[3].add(if fits { 1.0 } else { 0.0 }, resident, pair);
+            }
+            self.survivals = survivals;
+        }
+    }
+
+    /// The router answered: `backend` (the `x-myelin-backend` header) serves the request. As
+    /// the router does on an answered request: the backend's admitted counter and load grow,
+    /// then the prompt is learned there with the counter as its stamp.
+    pub fn on_head(&mut self, ticket: &mut Ticket, backend: &str) {
+        let Ok(backend) = backend.trim().parse::<usize>() else {
+            return;
+        };
+        if backend >= self.setup.engines || ticket.routed.is_some() {
+            return;
+        }
+        let now_ms = self.now_ms();
+        let block_size = self.setup.block_size;
+        let block = f64::from(block_size);
+        let id = BackendId(backend as u32);
+        let Ok(matched) = self.shard.lookup_chain(&ticket.chain, now_ms) else {
+            return;
+        };
+        self.stamps.clear();
+        if let Some(entry) = matched.backend(id) {
+            block_stamps(entry, &matched.segments, &mut self.stamps);
+        }
+        let view = self.view(backend);
+        let mut survivals = std::mem::take(&mut self.survivals);
+        self.estimator
+            .survivals(&view, block_size, &self.stamps, &mut survivals);
+        let mut probe = ReuseProbe {
+            block_size,
+            stamps: self.stamps.clone(),
+            admitted_tokens: 0,
+            load_tokens: self.load[backend],
+            predicted_cached_tokens: 0.0,
+            room_tokens: self.estimator.room_tokens(&view, block_size),
+            prompt_tokens: ticket.prompt_tokens,
+        };
+        // What the engine can report reusing: the blocks within the prompt's first
+        // `prompt − 1` tokens.
+        let reusable = probe.reusable_blocks() as usize;
+        let expected: f64 = survivals.iter().take(reusable).map(|s| s * block).sum();
+        let history_cached = reusable as f64 * block;
+        self.survivals = survivals;
+        probe.predicted_cached_tokens = expected;
+        let history_tokens = self.stamps.len() as u64 * u64::from(block_size);
+        let admitted_prefill = ticket
+            .prompt_tokens
+            .saturating_sub(history_tokens.max(expected.round() as u64));
+        let prefill = ticket.prompt_tokens.saturating_sub(expected.round() as u64);
+        self.load[backend] += prefill + ticket.output_tokens;
+        self.admitted[backend] += admitted_prefill + ticket.output_tokens;
+        probe.admitted_tokens = self.admitted[backend];
+        let _ = self
+            .shard
+            .learn_chain(&ticket.chain, id, now_ms, self.admitted[backend]);
+        ticket.routed = Some(Routed {
+            backend,
+            prefill_pending: prefill,
+            decode: ticket.output_tokens,
+            probe,
+            history_cached,
+        });
+    }
+
+    /// The first bytes of the answer arrived: the prompt's prefill is done.
+    pub fn on_first_byte(&mut self, ticket: &mut Ticket) {
+        if let Some(routed) = ticket.routed.as_mut() {
+            let load = &mut self.load[routed.backend];
+            *load = load.saturating_sub(routed.prefill_pending);
+            routed.prefill_pending = 0;
+        }
+    }
+
+    /// The request ended (`cached_tokens`: the engine's reuse report, when it succeeded):
+    /// its load goes; the report feeds the closed loop and the predicted-vs-reported error.
+    pub fn on_end(&mut self, ticket: Ticket, cached_tokens: Option<u32>) {
+        let Some(routed) = ticket.routed else {
+            return;
+        };
+        let backend = routed.backend;
+        self.load[backend] =
+            self.load[backend].saturating_sub(routed.prefill_pending + routed.decode);
+        let Some(reported) = cached_tokens.map(u64::from) else {
+            return;
+        };
+        let probe = &routed.probe;
+        let predicted = probe.predicted_cached_tokens;
+        let error = reported as f64 - predicted;
+        self.errors.requests += 1;
+        self.errors.absolute += error.abs();
+        self.errors.signed += error;
+        self.errors.predicted += predicted;
+        self.errors.reported += reported as f64;
+        self.errors.history_absolute += (reported as f64 - routed.history_cached).abs();
+        // The router's closed loop (routing glue and data core): capacity correction,
+        // eviction watermark, and the prefill history missed counted as admitted.
+        let observation = observe_reuse(probe, reported);
+        self.rooms[backend].observe(
+            &self.estimator,
+            &observation,
+            probe.load_tokens,
+            probe.block_size,
+        );
+        if let Some(stamp) = observation.evicted_stamp {
+            self.shard
+                .mark_evicted_below(BackendId(backend as u32), stamp);
+        }
+        let history_cached = (u64::from(probe.reusable_blocks()) * u64::from(probe.block_size))
+            .max(probe.predicted_cached_tokens as u64);
+        self.admitted[backend] += history_cached.saturating_sub(reported);
+    }
+
+    /// The leg's figures (`leg` and `repeat` are set by the caller).
+    pub fn finish(&self) -> LegCalibration {
+        let requests = self.errors.requests;
+        let mean = |sum: f64| (requests > 0).then(|| sum / requests as f64);
+        LegCalibration {
+            leg: String::new(),
+            repeat: 0,
+            sample_every: self.setup.sample_every,
+            sampled_requests: self.sampled_requests,
+            sampled_pairs: self.sampled_pairs,
+            capacity_tokens: self.setup.capacity_tokens,
+            ttl_s: TTL_S,
+            predictors: PREDICTORS
+                .iter()
+                .zip(&self.reliability)
+                .map(|((name, description), reliability)| reliability.summarize(name, description))
+                .collect(),
+            cached_tokens: CachedTokensError {
+                requests,
+                mean_absolute_error_tokens: mean(self.errors.absolute),
+                mean_error_tokens: mean(self.errors.signed),
+                mean_predicted_tokens: mean(self.errors.predicted),
+                mean_reported_tokens: mean(self.errors.reported),
+                history_mean_absolute_error_tokens: mean(self.errors.history_absolute),
+            },
+        }
+    }
+}
+
+fn optional(value: Option<f64>, decimals: usize) -> String {
+    value.map_or("-".into(), |value| format!("{value:.decimals$}"))
+}
+
+/// report.md's calibration section (empty when no leg measured it).
+pub fn render_markdown(calibrations: &[LegCalibration], plot: Option<&str>) -> String {
+    if calibrations.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from("## Residency calibration against the simulator's truth\n\n");
+    out.push_str(&format!(
+        "Every {}th request (drawn from the seed), at send time: each historically matched block of \
+         every backend, predicted residency against the simulator's pool at that instant. A bucket's \
+         gap is |observed - mean predicted|; the worst gap counts buckets with at least {} samples. \
+         Samples are blocks; blocks of one (request, backend) pair are strongly correlated (pairs \
+         column).\n\n",
+        calibrations[0].sample_every, MIN_BUCKET_SAMPLES
+    ));
+    out.push_str(
+        "| leg | repeat | sampled requests | pairs | predictor | samples | Brier | worst gap |\n\
+         |---|---:|---:|---:|---|---:|---:|---:|\n",
+    );
+    for leg in calibrations {
+        for predictor in &leg.predictors {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                leg.leg,
+                leg.repeat,
+                leg.sampled_requests,
+                leg.sampled_pairs,
+                predictor.name,
+                predictor.samples,
+                optional(predictor.brier, 4),
+                optional(predictor.worst_gap, 3),
+            );
+        }
+    }
+    out.push_str(
+        "\nPredicted vs reported cached tokens (the harness replica's expected cached tokens on \
+         the chosen backend; `usage.prompt_tokens_details.cached_tokens`):\n\n\
+         | leg | repeat | requests | MAE (tokens) | mean error (reported - predicted) | mean predicted | mean reported | history-only MAE |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for leg in calibrations {
+        let errors = &leg.cached_tokens;
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            leg.leg,
+            leg.repeat,
+            errors.requests,
+            optional(errors.mean_absolute_error_tokens, 0),
+            optional(errors.mean_error_tokens, 0),
+            optional(errors.mean_predicted_tokens, 0),
+            optional(errors.mean_reported_tokens, 0),
+            optional(errors.history_mean_absolute_error_tokens, 0),
+        );
+    }
+    for leg in calibrations {
+        let _ = write!(
+            out,
+            "\n### Reliability: {} (repeat {})\n\n| bucket |",
+            leg.leg, leg.repeat
+        );
+        for predictor in &leg.predictors {
+            let _ = write!(out, " {} n | predicted | observed |", predictor.name);
+        }
+        out.push_str("\n|---|");
+        for _ in &leg.predictors {
+            out.push_str("---:|---:|---:|");
+        }
+        out.push('\n');
+        for bucket in 0..BUCKETS {
+            let lower = bucket as f64 * BUCKET_WIDTH;
+            let _ = write!(out, "| {lower:.1}-{:.1} |", lower + BUCKET_WIDTH);
+            for predictor in &leg.predictors {
+                let cell = &predictor.buckets[bucket];
+                let _ = write!(
+                    out,
+                    " {} | {} | {} |",
+                    cell.samples,
+                    optional(cell.mean_predicted, 3),
+                    optional(cell.observed, 3)
+                );
+            }
+            out.push('\n');
+        }
+    }
+    if let Some(plot) = plot {
+        let _ = write!(out, "\n![reliability diagram]({plot})\n");
+    }
+    out.push('\n');
+    out
+}
+
+/// One line per leg run for stdout.
+pub fn render_text(calibrations: &[LegCalibration]) -> String {
+    let mut out = String::new();
+    for leg in calibrations {
+        let _ = write!(
+            out,
+            "calibration {} #{}: {} sampled requests, Brier",
+            leg.leg, leg.repeat, leg.sampled_requests
+        );
+        for predictor in &leg.predictors {
+            let _ = write!(
+                out,
+                " {} {} (worst gap {})",
+                predictor.name,
+                optional(predictor.brier, 4),
+                optional(predictor.worst_gap, 3)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "; cached tokens MAE {} (history only {})",
+            optional(leg.cached_tokens.mean_absolute_error_tokens, 0),
+            optional(leg.cached_tokens.history_mean_absolute_error_tokens, 0)
+        );
+    }
+    out
+}
+
+/// The reliability diagram: observed fraction against mean prediction per bucket (buckets
+/// with samples), per predictor and leg run, with the diagonal of perfect calibration.
+pub fn reliability_diagram(path: &Path, calibrations: &[LegCalibration]) -> Result<(), PlotError> {
+    crate::plot::register_font()?;
+    let draw = |message: String| PlotError::Draw {
+        path: path.display().to_string(),
+        message,
+    };
+    let root = BitMapBackend::new(path, (1000, 900)).into_drawing_area();
+    root.fill(&WHITE).map_err(|error| draw(error.to_string()))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "Residency reliability: observed vs predicted (blocks)",
+            ("sans-serif", 26),
+        )
+        .margin(20)
+        .x_label_area_size(55)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0.0..1.0, 0.0..1.0)
+        .map_err(|error| draw(error.to_string()))?;
+    chart
+        .configure_mesh()
+        .x_desc("mean predicted probability of residency (bucket of 0.1)")
+        .y_desc("observed fraction resident")
+        .x_label_formatter(&|value| format!("{value:.1}"))
+        .y_label_formatter(&|value| format!("{value:.1}"))
+        .label_style(("sans-serif", 16))
+        .axis_desc_style(("sans-serif", 18))
+        .draw()
+        .map_err(|error| draw(error.to_string()))?;
+    chart
+        .draw_series(LineSeries::new(
+            vec![(0.0, 0.0), (1.0, 1.0)],
+            BLACK.mix(0.5).stroke_width(1),
+        ))
+        .map_err(|error| draw(error.to_string()))?
+        .label("perfect calibration")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], BLACK.mix(0.5)));
+    let mut index = 0;
+    for leg in calibrations {
+        for predictor in &leg.predictors {
+            let points: Vec<(f64, f64)> = predictor
+                .buckets
+                .iter()
+                .filter_map(|bucket| Some((bucket.mean_predicted?, bucket.observed?)))
+                .collect();
+            if points.is_empty() {
+                continue;
+            }
+            let color = Palette99::pick(index).to_rgba();
+            index += 1;
+            let label = if calibrations.len() > 1 {
+                format!("{} #{}: {}", leg.leg, leg.repeat, predictor.name)
+            } else {
+                predictor.name.clone()
+            };
+            chart
+                .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
+                .map_err(|error| draw(error.to_string()))?
+                .label(label)
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(3))
+                });
+            chart
+                .draw_series(
+                    points
+                        .into_iter()
+                        .map(|point| Circle::new(point, 4, color.filled())),
+                )
+                .map_err(|error| draw(error.to_string()))?;
+        }
+    }
+    chart
+        .configure_series_labels()
+        .label_font(("sans-serif", 14))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()
+        .map_err(|error| draw(error.to_string()))?;
+    root.present().map_err(|error| draw(error.to_string()))
+}
+
+/// report.json: the report with `calibration` added (additive: absent when no leg measured it).
+#[derive(Serialize)]
+pub struct WithCalibration<'a, T: Serialize> {
+    #[serde(flatten)]
+    pub report: &'a T,
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    pub calibration: &'a [LegCalibration],
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use myelin_routing::MemoryPressure;
+
+    use super::*;
+    use crate::oracle::EngineTruth;
+
+    #[test]
+    fn buckets_are_tenths_with_one_in_the_last() {
+        assert_eq!(bucket_of(0.0), 0);
+        assert_eq!(bucket_of(0.099), 0);
+        assert_eq!(bucket_of(0.1), 1);
+        assert_eq!(bucket_of(0.3), 3);
+        assert_eq!(bucket_of(0.7), 7);
+        assert_eq!(bucket_of(0.95), 9);
+        assert_eq!(bucket_of(1.0), 9);
+        assert_eq!(bucket_of(-0.5), 0);
+        assert_eq!(bucket_of(1.5), 9);
+        assert_eq!(bucket_of(f64::NAN), 0);
+    }
+
+    #[test]
+    fn reliability_table_and_brier_score_by_hand() {
+        let mut table = Reliability::default();
+        table.add(0.05, false, 1);
+        table.add(0.05, true, 1);
+        table.add(0.95, true, 2);
+        table.add(1.0, true, 2);
+        table.add(0.55, false, 3);
+        // (0.05² + 0.95² + 0.05² + 0² + 0.55²) / 5 = 1.21 / 5.
+        assert!((table.brier().unwrap() - 0.242).abs() < 1e-12);
+        let buckets = table.buckets();
+        assert_eq!(buckets.len(), 10);
+        assert_eq!(buckets[0].samples, 2);
+        assert_eq!(buckets[0].pairs, 1);
+        assert!((buckets[0].mean_predicted.unwrap() - 0.05).abs() < 1e-12);
+        assert_eq!(buckets[0].observed, Some(0.5));
+        assert!((buckets[0].gap().unwrap() - 0.45).abs() < 1e-12);
+        assert_eq!(buckets[5].observed, Some(0.0));
+        assert_eq!(buckets[9].samples, 2);
+        assert!((buckets[9].mean_predicted.unwrap() - 0.975).abs() < 1e-12);
+        assert_eq!(buckets[9].observed, Some(1.0));
+        assert_eq!(buckets[3].samples, 0);
+        assert_eq!(buckets[3].mean_predicted, None);
+        // No bucket has 100 samples: no gap counts.
+        assert_eq!(table.summarize("p", "").worst_gap, None);
+        assert_eq!(Reliability::default().brier(), None);
+    }
+
+    #[test]
+    fn worst_gap_counts_only_buckets_with_enough_samples() {
+        let mut table = Reliability::default();
+        // 100 samples predicted 0.3, 40 resident: gap 0.1.
+        for sample in 0..100 {
+            table.add(0.3, sample < 40, sample);
+        }
+        // 99 samples predicted 0.9, none resident: gap 0.9, but too few samples.
+        for sample in 0..99 {
+            table.add(0.9, false, 1000 + sample);
+        }
+        let summary = table.summarize("p", "");
+        assert!(
+            (summary.worst_gap.unwrap() - 0.1).abs() < 1e-9,
+            "{summary:?}"
+        );
+        assert_eq!(summary.buckets[3].pairs, 100);
+        assert_eq!(summary.samples, 199);
+        // Brier: 40 x 0.7² + 60 x 0.3² + 99 x 0.9², over 199.
+        let expected = (40.0 * 0.49 + 60.0 * 0.09 + 99.0 * 0.81) / 199.0;
+        assert!((summary.brier.unwrap() - expected).abs() < 1e-12);
+    }
+
+    /// The simulator's truth, set by the test.
+    struct FakeOracle(Mutex<Vec<EngineTruth>>);
+
+    impl CacheOracle for FakeOracle {
+        fn probe(&self, _prompt_tokens: &[u32]) -> Vec<EngineTruth> {
+            self.0.lock().unwrap().clone()
+        }
+    }
+
+    fn truth(cached_tokens: u64, utilization: f64) -> EngineTruth {
+        EngineTruth {
+            cached_tokens,
+            queued_tokens: 0,
+            requests_received: None,
+            memory: Some(MemoryPressure {
+                utilization,
+                waiting_requests: 0,
+                running_requests: 0,
+                mean_remaining_output_tokens: 0.0,
+            }),
+        }
+    }
+
+    fn calibrator(oracle: Arc<FakeOracle>) -> Calibrator {
+        Calibrator::new(CalibrationSetup {
+            oracle,
+            engines: 2,
+            block_size: 4,
+            capacity_tokens: 64,
+            seed: 1,
+            // Simulated time barely moves: every block is within the TTL.
+            speedup: 1.0,
+            sample_every: 1,
+        })
+        .unwrap()
+    }
+
+    fn route(
+        calibrator: &mut Calibrator,
+        seq: u64,
+        tokens: &[u32],
+        output: u32,
+        backend: &str,
+        cached: u32,
+    ) {
+        let mut ticket = calibrator.on_send(0, seq, tokens, output);
+        calibrator.on_head(&mut ticket, backend);
+        calibrator.on_first_byte(&mut ticket);
+        calibrator.on_end(ticket, Some(cached));
+    }
+
+    #[test]
+    fn the_replica_counts_admitted_tokens_and_scores_every_predictor_against_the_truth() {
+        let oracle = Arc::new(FakeOracle(Mutex::new(vec![truth(0, 0.0), truth(0, 0.0)])));
+        let mut calibrator = calibrator(oracle.clone());
+        let prefix: Vec<u32> = (0..32).collect();
+        // First time: nothing matched, nothing sampled; 32 uncached + 8 output tokens admitted.
+        route(&mut calibrator, 0, &prefix, 8, "0", 0);
+        assert_eq!(calibrator.admitted_tokens(0), 40);
+        assert_eq!(calibrator.admitted_tokens(1), 0);
+        let first = calibrator.finish();
+        assert_eq!(first.sampled_requests, 1);
+        assert_eq!(first.sampled_pairs, 0);
+
+        // Again, engine 0 holds all 8 blocks and is a quarter full: no pressure since, so the
+        // estimate says 1.0, and 1 − utilization 0.75.
+        *oracle.0.lock().unwrap() = vec![truth(32, 0.25), truth(0, 0.0)];
+        route(&mut calibrator, 1, &prefix, 8, "0", 28);
+        // History held 8 blocks: only the output is new pressure.
+        assert_eq!(calibrator.admitted_tokens(0), 48);
+        let second = calibrator.finish();
+        assert_eq!(second.sampled_pairs, 1);
+        let pressure = &second.predictors[0];
+        assert_eq!(pressure.name, "pressure");
+        assert_eq!(pressure.samples, 8);
+        assert_eq!(pressure.brier, Some(0.0));
+        assert_eq!(pressure.buckets[9].observed, Some(1.0));
+        let utilization = &second.predictors[1];
+        assert_eq!(utilization.buckets[7].samples, 8);
+        assert!((utilization.brier.unwrap() - 0.0625).abs() < 1e-12);
+        // Predicted 7 reusable blocks (28 tokens: the last block of an aligned prompt is never
+        // reported), the engine reported 28: no error on the second request.
+        assert_eq!(second.cached_tokens.requests, 2);
+        assert_eq!(second.cached_tokens.mean_absolute_error_tokens, Some(0.0));
+
+        // 64 new tokens through engine 0 fill its capacity: the prefix's blocks are past the
+        // LRU edge, and the engine (truth) no longer holds them.
+        let other: Vec<u32> = (100..164).collect();
+        *oracle.0.lock().unwrap() = vec![truth(0, 0.0), truth(0, 0.0)];
+        route(&mut calibrator, 2, &other, 0, "0", 0);
+        assert_eq!(calibrator.admitted_tokens(0), 48 + 64);
+        route(&mut calibrator, 3, &prefix, 8, "1", 0);
+        let third = calibrator.finish();
+        let pressure = &third.predictors[0];
+        // 8 more samples (the sample of `other` matched nothing), all evicted, all predicted
+        // below 0.5: the deterministic edge of block 0 is at 64 − 4 = 60 tokens of pressure.
+        assert_eq!(pressure.samples, 16);
+        let low: u64 = pressure.buckets[..5].iter().map(|b| b.samples).sum();
+        assert_eq!(low, 8, "{pressure:?}");
+        assert!(pressure.brier.unwrap() > 0.0 && pressure.brier.unwrap() < 0.25 / 2.0);
+        // The capacity-bounded LRU is exactly right here, the TTL says "resident" throughout.
+        assert_eq!(third.predictors[3].brier, Some(0.0));
+        assert_eq!(third.predictors[2].brier, Some(0.5));
+        assert_eq!(third.predictors[2].buckets[9].observed, Some(0.5));
+    }
+
+    #[test]
+    fn a_short_reuse_report_under_pressure_sets_the_watermark_and_counts_the_shortfall() {
+        let oracle = Arc::new(FakeOracle(Mutex::new(vec![truth(0, 0.0), truth(0, 0.0)])));
+        let mut calibrator = calibrator(oracle);
+        let prefix: Vec<u32> = (0..32).collect();
+        route(&mut calibrator, 0, &prefix, 0, "0", 0);
+        let stamp = calibrator.admitted_tokens(0);
+        let other: Vec<u32> = (100..164).collect();
+        route(&mut calibrator, 1, &other, 0, "0", 0);
+        assert_eq!(calibrator.evicted_below(0), 0);
+        // History says 7 reusable blocks; the engine reused none, after 64 tokens of pressure
+        // (at least 2 x matched tokens and a quarter of the room): an LRU eviction.
+        let before = calibrator.admitted_tokens(0);
+        let mut ticket = calibrator.on_send(0, 2, &prefix, 0);
+        calibrator.on_head(&mut ticket, "0");
+        calibrator.on_end(ticket, Some(0));
+        assert_eq!(calibrator.evicted_below(0), stamp);
+        // The request's own prompt counted as history had it (nothing new), then the 28
+        // tokens the engine had to prefill beyond history.
+        assert_eq!(calibrator.admitted_tokens(0), before + 28);
+        // Unknown or out-of-range backends are ignored.
+        let mut ticket = calibrator.on_send(0, 3, &prefix, 0);
+        calibrator.on_head(&mut ticket, "fixture-0");
+        calibrator.on_head(&mut ticket, "7");
+        calibrator.on_end(ticket, Some(0));
+        assert_eq!(calibrator.finish().cached_tokens.requests, 3);
+    }
+}

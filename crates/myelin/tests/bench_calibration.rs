@@ -1,0 +1,173 @@
+//! `myelin bench --calibration` end to end with the real binary: a small churn on two simulated
+//! engines with little KV (they evict within seconds), a `prefix+estimate` leg whose router is
+//! this binary. Asserts report.json's `calibration` (reliability tables consistent with their
+//! totals, Brier scores in range, the truth showing both resident and evicted blocks, the
+//! predicted-vs-reported error over the served requests), report.md's section and the
+//! reliability diagram; and that `--calibration off` leaves the field out. No timing
+//! assertions.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+
+const MYELIN: &str = env!("CARGO_BIN_EXE_myelin");
+
+const SMALL_CHURN: &str = r#"
+name = "small-churn"
+kind = "churn"
+api = "completions"
+prompt = "token-ids"
+seed = 7
+users = 6
+duration_s = 40.0
+warmup_s = 5.0
+output_tokens = 20
+
+[cluster]
+engines = 2
+profile = "a100-40gb-llama-3.1-8b"
+speedup = 20.0
+kv_blocks = 128
+block_size = 16
+
+[churn]
+population = 12
+active = 4
+rotate = 2
+rotate_every_s = 5.0
+prefix_tokens = [400, 900]
+suffix_tokens = [8, 32]
+
+[quick]
+"#;
+
+fn scratch_dir(name: &str) -> PathBuf {
+    let directory = std::env::temp_dir().join(format!(
+        "myelin-bench-calibration-{name}-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&directory);
+    std::fs::create_dir_all(&directory).unwrap();
+    directory
+}
+
+fn run_bench(directory: &Path, extra: &[&str]) -> Value {
+    let workload = directory.join("small-churn.toml");
+    std::fs::write(&workload, SMALL_CHURN).unwrap();
+    let out = directory.join("out");
+    let status = Command::new(MYELIN)
+        .args(["bench", "--workload"])
+        .arg(&workload)
+        .args(["--legs", "prefix+estimate", "--no-progress", "--out"])
+        .arg(&out)
+        .args(extra)
+        .status()
+        .unwrap();
+    // Exit 0 (valid) or 3 (machine too busy to judge routing) both mean the run completed.
+    assert!(
+        matches!(status.code(), Some(0 | 1 | 3)),
+        "myelin bench failed to run: {status}"
+    );
+    serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap()
+}
+
+fn number(value: &Value) -> f64 {
+    value
+        .as_f64()
+        .unwrap_or_else(|| panic!("not a number: {value}"))
+}
+
+#[test]
+fn estimate_leg_reports_calibration_against_the_simulator() {
+    let directory = scratch_dir("on");
+    let report = run_bench(&directory, &[]);
+    let calibration = report["calibration"].as_array().expect("calibration[]");
+    assert_eq!(calibration.len(), 1, "{calibration:#?}");
+    let leg = &calibration[0];
+    assert_eq!(leg["leg"], "prefix+estimate");
+    assert_eq!(leg["repeat"], 1);
+    assert!(number(&leg["sampled_requests"]) > 0.0);
+    assert!(number(&leg["sampled_pairs"]) > 0.0);
+    assert_eq!(number(&leg["capacity_tokens"]), 128.0 * 16.0);
+
+    let predictors = leg["predictors"].as_array().unwrap();
+    let names: Vec<&str> = predictors
+        .iter()
+        .map(|predictor| predictor["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "pressure",
+            "one_minus_utilization",
+            "ttl_150s",
+            "lru_capacity"
+        ]
+    );
+    let mut resident_fraction = None;
+    for predictor in predictors {
+        let samples = number(&predictor["samples"]);
+        assert!(samples > 0.0, "{predictor:#}");
+        let brier = number(&predictor["brier"]);
+        assert!((0.0..=1.0).contains(&brier), "{predictor:#}");
+        let buckets = predictor["buckets"].as_array().unwrap();
+        assert_eq!(buckets.len(), 10);
+        let in_buckets: f64 = buckets
+            .iter()
+            .map(|bucket| number(&bucket["samples"]))
+            .sum();
+        assert_eq!(in_buckets, samples, "{predictor:#}");
+        // Every predictor is scored against the same truth: the same fraction resident.
+        let resident: f64 = buckets
+            .iter()
+            .filter(|bucket| number(&bucket["samples"]) > 0.0)
+            .map(|bucket| number(&bucket["observed"]) * number(&bucket["samples"]))
+            .sum::<f64>()
+            / samples;
+        match resident_fraction {
+            None => resident_fraction = Some(resident),
+            Some(first) => assert!((first - resident).abs() < 1e-9, "{first} vs {resident}"),
+        }
+        for bucket in buckets.iter().filter(|b| number(&b["samples"]) > 0.0) {
+            let predicted = number(&bucket["mean_predicted"]);
+            assert!(
+                predicted >= number(&bucket["lower"]) - 1e-9
+                    && predicted <= number(&bucket["upper"]) + 1e-9,
+                "{bucket}"
+            );
+        }
+    }
+    // The engines evict continuously on this workload: the truth has both outcomes.
+    let resident = resident_fraction.unwrap();
+    assert!(
+        resident > 0.0 && resident < 1.0,
+        "resident fraction {resident}"
+    );
+
+    let errors = &leg["cached_tokens"];
+    let served = number(&report["legs"][0]["requests"]);
+    assert!(
+        number(&errors["requests"]) >= served,
+        "{errors} vs {served}"
+    );
+    assert!(number(&errors["mean_absolute_error_tokens"]) >= 0.0);
+    assert!(number(&errors["mean_reported_tokens"]) > 0.0, "{errors}");
+
+    let out = directory.join("out");
+    let markdown = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(markdown.contains("## Residency calibration against the simulator's truth"));
+    assert!(markdown.contains("### Reliability: prefix+estimate (repeat 1)"));
+    let png = std::fs::read(out.join("reliability.png")).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    let _ = std::fs::remove_dir_all(&directory);
+}
+
+#[test]
+fn calibration_off_leaves_the_report_as_it_was() {
+    let directory = scratch_dir("off");
+    let report = run_bench(&directory, &["--calibration", "off"]);
+    assert!(report.get("calibration").is_none(), "{report:#}");
+    assert!(!directory.join("out").join("reliability.png").exists());
+    let _ = std::fs::remove_dir_all(&directory);
+}
