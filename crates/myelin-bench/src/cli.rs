@@ -132,11 +132,17 @@ pub struct BenchArgs {
 
 /// The benchmarks `myelin bench` runs besides the churn harness.
 #[derive(Debug, Clone, clap::Subcommand)]
+// Parsed once per process: the size of the largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum BenchCommand {
     /// Router overhead and scaling on instant engines: req/s, added latency, CPU per request
     /// and shard balance, against the load generator straight to an engine and against
     /// external routers.
     Overhead(crate::overhead::OverheadArgs),
+    /// Memory soak (not in CI): churn through the router for --duration seconds (an hour by
+    /// default) with its RSS sampled every --sample-interval seconds; PASS when no request
+    /// failed and the final RSS is within 10% of its value after the warm-up.
+    Soak(crate::soak::SoakArgs),
 }
 
 impl BenchArgs {
@@ -258,7 +264,7 @@ mod tests {
                 assert!(overhead.quick);
                 assert_eq!(overhead.router_cores, "1");
             }
-            None => panic!("no subcommand"),
+            _ => panic!("not the overhead subcommand"),
         }
         let churn = parse(&["--quick", "--legs", "oracle"]);
         assert!(churn.command.is_none());

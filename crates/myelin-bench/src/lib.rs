@@ -24,6 +24,7 @@ pub mod request_body;
 pub mod rng;
 pub mod router_process;
 pub mod runner;
+pub mod soak;
 pub mod stats;
 pub mod stream;
 pub mod workload;
@@ -32,10 +33,11 @@ pub use cli::{BenchArgs, BenchCommand};
 
 /// Runs `myelin bench`: exit status 0 when every validity gate passed, 1 when a gate failed.
 /// `myelin bench overhead`: 0 unless a request failed or a leg could not run (see
-/// [`overhead::run`]).
+/// [`overhead::run`]). `myelin bench soak`: 0 on PASS, 1 on FAIL (see [`soak`]).
 pub fn run(args: BenchArgs) -> Result<std::process::ExitCode, Box<dyn std::error::Error>> {
     match args.command {
         Some(BenchCommand::Overhead(overhead)) => overhead::run(overhead).map_err(Into::into),
+        Some(BenchCommand::Soak(soak)) => soak::run(soak).map_err(Into::into),
         None => runner::run(args).map_err(Into::into),
     }
 }
