@@ -255,6 +255,9 @@ fn three_nodes_share_routes_and_load_detect_a_death_and_converge_after_a_restart
 
     // C learns a route (to y: x carries A's load) and puts load on y (its next fresh prompt
     // goes to y, the less loaded).
+    wait_for("C to hear of A's load on x", || {
+        peer_requests(c.as_ref().unwrap(), &x_url) >= 3
+    });
     let y_blocks_before = routed_blocks(&a, y);
     let c_long = prompt(2, 4_096);
     assert_eq!(complete(c.as_ref().unwrap(), &c_long), y);
@@ -305,7 +308,11 @@ fn three_nodes_share_routes_and_load_detect_a_death_and_converge_after_a_restart
     });
     wait_for(
         "the restarted C to hold the routes learned before it",
-        || routed_blocks(&c, x) >= blocks && routed_blocks(&c, y) >= blocks,
+        // Everything A holds: its own routes and those it learned from B and the dead C.
+        || {
+            routed_blocks(&c, x) >= routed_blocks(&a, x)
+                && routed_blocks(&c, y) >= routed_blocks(&a, y)
+        },
     );
     assert_eq!(complete(&c, &long), x, "C routes A's prefix to A's engine");
     drop(held);
