@@ -891,3 +891,93 @@ fn the_routers_memory_is_flat_across_the_fault_scenarios() {
         200
     );
 }
+
+/// Garbage on an engine's KV-event socket (wrong frame counts, a bad sequence frame, payloads
+/// that are not msgpack or not an event batch): each message is counted and skipped, the
+/// subscriber keeps going (a valid batch after them is mirrored and the mirror goes live), and
+/// clients are served throughout.
+#[test]
+fn garbage_kv_event_payloads_are_counted_and_skipped() {
+    use myelin_kv_events::wire::{
+        BlockStored, EventBatch, KV_CACHE_SPEC_FULL_ATTENTION, KvEvent, WireVersion, encode_batch,
+    };
+    let engine = Engine::start("a", normal());
+    let context = zmq::Context::new();
+    let publisher = context.socket(zmq::PUB).unwrap();
+    publisher.set_linger(0).unwrap();
+    publisher.bind("tcp://127.0.0.1:*").unwrap();
+    let endpoint = publisher.get_last_endpoint().unwrap().unwrap();
+    let backend = format!("{},kv-events={endpoint}", engine.url());
+    let router = Router::start(&["--backend", &backend]);
+    let decode_errors =
+        || metric_value(&router.metrics(), &["myelin_kv_events_decode_errors_total"]);
+    let seq = |seq: u64| seq.to_be_bytes().to_vec();
+    let garbage: Vec<Vec<Vec<u8>>> = vec![
+        // Not msgpack (0xc1 is never used).
+        vec![b"kv".to_vec(), seq(0), vec![0xc1, 0xc1, 0xc1]],
+        // msgpack, but not an event batch.
+        vec![b"kv".to_vec(), seq(0), vec![0x92, 0x01, 0x02]],
+        // A sequence frame that is not 8 bytes.
+        vec![b"kv".to_vec(), b"seq".to_vec(), vec![0x90]],
+        // One frame.
+        vec![b"not a kv event".to_vec()],
+        // Four frames of noise.
+        vec![vec![0xff; 64], vec![0x00; 3], vec![0x42; 1000], Vec::new()],
+    ];
+    // A SUB socket misses what is published before it connects: send until one is counted.
+    wait_until("the first garbage message to be counted", || {
+        publisher.send_multipart(&garbage[0], 0).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        decode_errors() >= 1.0
+    });
+    // Connected now: every one of these is counted once.
+    let before = decode_errors();
+    for message in &garbage {
+        publisher.send_multipart(message, 0).unwrap();
+    }
+    wait_until("every garbage message to be counted", || {
+        decode_errors() == before + garbage.len() as f64
+    });
+    assert_eq!(
+        router
+            .post_json("/v1/chat/completions", &chat_body("hi", false))
+            .status,
+        200
+    );
+    // A valid batch after the garbage is applied: the subscriber kept going.
+    let batch = EventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![11, 12],
+            parent_block_hash: None,
+            token_ids: (1000..1032).collect(),
+            block_size: 16,
+            lora_id: None,
+            medium: Some("GPU".into()),
+            lora_name: None,
+            group_idx: Some(0),
+            kv_cache_spec_kind: Some(KV_CACHE_SPEC_FULL_ATTENTION.into()),
+            kv_cache_spec_sliding_window: None,
+        })],
+        data_parallel_rank: None,
+    };
+    let payload = encode_batch(&batch, WireVersion::default());
+    publisher
+        .send_multipart([b"kv".to_vec(), seq(0), payload], 0)
+        .unwrap();
+    wait_until("the valid batch to be mirrored", || {
+        let metrics = router.metrics();
+        metric_value(
+            &metrics,
+            &["myelin_kv_events_blocks_total", "event=\"stored\""],
+        ) == 2.0
+            && metric_value(&metrics, &["myelin_kv_events_live"]) == 1.0
+    });
+    assert_eq!(decode_errors(), before + garbage.len() as f64);
+    assert_eq!(
+        router
+            .post_json("/v1/chat/completions", &chat_body("after", true))
+            .status,
+        200
+    );
+}
