@@ -195,6 +195,9 @@ pub struct LegCalibration {
     pub sampled_pairs: u64,
     pub capacity_tokens: u64,
     pub ttl_s: f64,
+    /// Wall time the replica and the sampling took on the load generator's thread, per
+    /// request it saw, microseconds (included in the harness's CPU per request).
+    pub cost_us_per_request: f64,
     pub predictors: Vec<PredictorCalibration>,
     pub cached_tokens: CachedTokensError,
 }
@@ -325,6 +328,9 @@ pub struct Calibrator {
     stamps: Vec<u64>,
     last_routed: Vec<u64>,
     survivals: Vec<f64>,
+    /// Requests seen and the wall time spent on them, microseconds.
+    requests_seen: u64,
+    spent_us: f64,
 }
 
 #[derive(Default)]
@@ -378,6 +384,8 @@ impl Calibrator {
             stamps: Vec::new(),
             last_routed: Vec::new(),
             survivals: Vec::new(),
+            requests_seen: 0,
+            spent_us: 0.0,
             setup,
         })
     }
@@ -424,10 +432,13 @@ impl Calibrator {
     /// A request is about to be sent: hashes its prompt and, when it is sampled, scores every
     /// backend's historical match against the simulator's truth.
     pub fn on_send(&mut self, user: u32, seq: u64, tokens: &[u32], output_tokens: u32) -> Ticket {
+        let started = Instant::now();
         let chain = self.shard.chain(tokens);
         if self.is_sampled(user, seq) {
             self.sample(&chain, tokens);
         }
+        self.requests_seen += 1;
+        self.spent_us += started.elapsed().as_secs_f64() * 1e6;
         Ticket {
             chain,
             prompt_tokens: tokens.len() as u64,
@@ -495,6 +506,12 @@ impl Calibrator {
         if backend >= self.setup.engines || ticket.routed.is_some() {
             return;
         }
+        let started = Instant::now();
+        self.route(ticket, backend);
+        self.spent_us += started.elapsed().as_secs_f64() * 1e6;
+    }
+
+    fn route(&mut self, ticket: &mut Ticket, backend: usize) {
         let now_ms = self.now_ms();
         let block_size = self.setup.block_size;
         let block = f64::from(block_size);
@@ -567,6 +584,7 @@ impl Calibrator {
         let Some(reported) = cached_tokens.map(u64::from) else {
             return;
         };
+        let started = Instant::now();
         let probe = &routed.probe;
         let predicted = probe.predicted_cached_tokens;
         let error = reported as f64 - predicted;
@@ -592,6 +610,7 @@ impl Calibrator {
         let history_cached = (u64::from(probe.reusable_blocks()) * u64::from(probe.block_size))
             .max(probe.predicted_cached_tokens as u64);
         self.admitted[backend] += history_cached.saturating_sub(reported);
+        self.spent_us += started.elapsed().as_secs_f64() * 1e6;
     }
 
     /// The leg's figures (`leg` and `repeat` are set by the caller).
@@ -606,6 +625,7 @@ impl Calibrator {
             sampled_pairs: self.sampled_pairs,
             capacity_tokens: self.setup.capacity_tokens,
             ttl_s: TTL_S,
+            cost_us_per_request: self.spent_us / self.requests_seen.max(1) as f64,
             predictors: PREDICTORS
                 .iter()
                 .zip(&self.reliability)
@@ -642,18 +662,19 @@ pub fn render_markdown(calibrations: &[LegCalibration], plot: Option<&str>) -> S
         calibrations[0].sample_every, MIN_BUCKET_SAMPLES
     ));
     out.push_str(
-        "| leg | repeat | sampled requests | pairs | predictor | samples | Brier | worst gap |\n\
-         |---|---:|---:|---:|---|---:|---:|---:|\n",
+        "| leg | repeat | sampled requests | pairs | cost/request (us) | predictor | samples | Brier | worst gap |\n\
+         |---|---:|---:|---:|---:|---|---:|---:|---:|\n",
     );
     for leg in calibrations {
         for predictor in &leg.predictors {
             let _ = writeln!(
                 out,
-                "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {:.0} | {} | {} | {} | {} |",
                 leg.leg,
                 leg.repeat,
                 leg.sampled_requests,
                 leg.sampled_pairs,
+                leg.cost_us_per_request,
                 predictor.name,
                 predictor.samples,
                 optional(predictor.brier, 4),
@@ -689,7 +710,11 @@ pub fn render_markdown(calibrations: &[LegCalibration], plot: Option<&str>) -> S
             leg.leg, leg.repeat
         );
         for predictor in &leg.predictors {
-            let _ = write!(out, " {} n | predicted | observed |", predictor.name);
+            let _ = write!(
+                out,
+                " {} n (pairs) | predicted | observed |",
+                predictor.name
+            );
         }
         out.push_str("\n|---|");
         for _ in &leg.predictors {
@@ -703,8 +728,9 @@ pub fn render_markdown(calibrations: &[LegCalibration], plot: Option<&str>) -> S
                 let cell = &predictor.buckets[bucket];
                 let _ = write!(
                     out,
-                    " {} | {} | {} |",
+                    " {} ({}) | {} | {} |",
                     cell.samples,
+                    cell.pairs,
                     optional(cell.mean_predicted, 3),
                     optional(cell.observed, 3)
                 );
@@ -725,8 +751,8 @@ pub fn render_text(calibrations: &[LegCalibration]) -> String {
     for leg in calibrations {
         let _ = write!(
             out,
-            "calibration {} #{}: {} sampled requests, Brier",
-            leg.leg, leg.repeat, leg.sampled_requests
+            "calibration {} #{}: {} sampled requests ({:.0} us/request), Brier",
+            leg.leg, leg.repeat, leg.sampled_requests, leg.cost_us_per_request
         );
         for predictor in &leg.predictors {
             let _ = write!(
@@ -747,86 +773,105 @@ pub fn render_text(calibrations: &[LegCalibration]) -> String {
     out
 }
 
-/// The reliability diagram: observed fraction against mean prediction per bucket (buckets
-/// with samples), per predictor and leg run, with the diagonal of perfect calibration.
+/// The reliability diagram: one panel per predictor, observed fraction against mean
+/// prediction per bucket for every leg run, with the diagonal of perfect calibration. Filled
+/// markers: buckets with at least [`MIN_BUCKET_SAMPLES`] samples; hollow: fewer. Binary
+/// predictors (TTL, LRU) have two points and no line.
 pub fn reliability_diagram(path: &Path, calibrations: &[LegCalibration]) -> Result<(), PlotError> {
     crate::plot::register_font()?;
     let draw = |message: String| PlotError::Draw {
         path: path.display().to_string(),
         message,
     };
-    let root = BitMapBackend::new(path, (1000, 900)).into_drawing_area();
+    let root = BitMapBackend::new(path, (1400, 1300)).into_drawing_area();
     root.fill(&WHITE).map_err(|error| draw(error.to_string()))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(
-            "Residency reliability: observed vs predicted (blocks)",
-            ("sans-serif", 26),
+    let root = root
+        .titled(
+            "Residency reliability against the simulator (blocks): observed vs predicted",
+            ("sans-serif", 28),
         )
-        .margin(20)
-        .x_label_area_size(55)
-        .y_label_area_size(70)
-        .build_cartesian_2d(0.0..1.0, 0.0..1.0)
         .map_err(|error| draw(error.to_string()))?;
-    chart
-        .configure_mesh()
-        .x_desc("mean predicted probability of residency (bucket of 0.1)")
-        .y_desc("observed fraction resident")
-        .x_label_formatter(&|value| format!("{value:.1}"))
-        .y_label_formatter(&|value| format!("{value:.1}"))
-        .label_style(("sans-serif", 16))
-        .axis_desc_style(("sans-serif", 18))
-        .draw()
-        .map_err(|error| draw(error.to_string()))?;
-    chart
-        .draw_series(LineSeries::new(
-            vec![(0.0, 0.0), (1.0, 1.0)],
-            BLACK.mix(0.5).stroke_width(1),
-        ))
-        .map_err(|error| draw(error.to_string()))?
-        .label("perfect calibration")
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], BLACK.mix(0.5)));
-    let mut index = 0;
-    for leg in calibrations {
-        for predictor in &leg.predictors {
-            let points: Vec<(f64, f64)> = predictor
+    let panels = root.split_evenly((2, 2));
+    for (index, ((name, _), panel)) in PREDICTORS.iter().zip(panels.iter()).enumerate() {
+        let mut chart = ChartBuilder::on(panel)
+            .caption(*name, ("sans-serif", 22))
+            .margin(15)
+            .x_label_area_size(45)
+            .y_label_area_size(55)
+            .build_cartesian_2d(0.0..1.0, 0.0..1.0)
+            .map_err(|error| draw(error.to_string()))?;
+        chart
+            .configure_mesh()
+            .x_desc("mean predicted (bucket of 0.1)")
+            .y_desc("observed fraction resident")
+            .x_label_formatter(&|value| format!("{value:.1}"))
+            .y_label_formatter(&|value| format!("{value:.1}"))
+            .label_style(("sans-serif", 14))
+            .axis_desc_style(("sans-serif", 15))
+            .draw()
+            .map_err(|error| draw(error.to_string()))?;
+        chart
+            .draw_series(LineSeries::new(
+                vec![(0.0, 0.0), (1.0, 1.0)],
+                BLACK.mix(0.5).stroke_width(1),
+            ))
+            .map_err(|error| draw(error.to_string()))?
+            .label("perfect calibration")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], BLACK.mix(0.5)));
+        for (run, leg) in calibrations.iter().enumerate() {
+            let Some(predictor) = leg.predictors.get(index) else {
+                continue;
+            };
+            let points: Vec<(f64, f64, bool)> = predictor
                 .buckets
                 .iter()
-                .filter_map(|bucket| Some((bucket.mean_predicted?, bucket.observed?)))
+                .filter_map(|bucket| {
+                    Some((
+                        bucket.mean_predicted?,
+                        bucket.observed?,
+                        bucket.samples >= MIN_BUCKET_SAMPLES,
+                    ))
+                })
                 .collect();
             if points.is_empty() {
                 continue;
             }
-            let color = Palette99::pick(index).to_rgba();
-            index += 1;
-            let label = if calibrations.len() > 1 {
-                format!("{} #{}: {}", leg.leg, leg.repeat, predictor.name)
-            } else {
-                predictor.name.clone()
-            };
+            let color = Palette99::pick(run).to_rgba();
+            let label = format!(
+                "{} #{} (Brier {})",
+                leg.leg,
+                leg.repeat,
+                optional(predictor.brier, 4)
+            );
+            let line: Vec<(f64, f64)> = points.iter().map(|&(x, y, _)| (x, y)).collect();
+            let series = if line.len() > 2 { line } else { Vec::new() };
             chart
-                .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
+                .draw_series(LineSeries::new(series, color.stroke_width(2)))
                 .map_err(|error| draw(error.to_string()))?
                 .label(label)
                 .legend(move |(x, y)| {
                     PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(3))
                 });
             chart
-                .draw_series(
-                    points
-                        .into_iter()
-                        .map(|point| Circle::new(point, 4, color.filled())),
-                )
+                .draw_series(points.into_iter().map(|(x, y, enough)| {
+                    let style = if enough {
+                        color.filled()
+                    } else {
+                        color.stroke_width(2)
+                    };
+                    Circle::new((x, y), 5, style)
+                }))
                 .map_err(|error| draw(error.to_string()))?;
         }
+        chart
+            .configure_series_labels()
+            .label_font(("sans-serif", 13))
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperLeft)
+            .draw()
+            .map_err(|error| draw(error.to_string()))?;
     }
-    chart
-        .configure_series_labels()
-        .label_font(("sans-serif", 14))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()
-        .map_err(|error| draw(error.to_string()))?;
     root.present().map_err(|error| draw(error.to_string()))
 }
 
@@ -1017,6 +1062,43 @@ mod tests {
         assert_eq!(third.predictors[3].brier, Some(0.0));
         assert_eq!(third.predictors[2].brier, Some(0.5));
         assert_eq!(third.predictors[2].buckets[9].observed, Some(0.5));
+    }
+
+    #[test]
+    fn report_sections_and_the_diagram_are_written() {
+        let mut table = Reliability::default();
+        for sample in 0..200u32 {
+            table.add(
+                f64::from(sample % 10) / 10.0 + 0.05,
+                sample % 3 == 0,
+                sample.into(),
+            );
+        }
+        let summary = table.summarize("pressure", "");
+        let leg = LegCalibration {
+            leg: "prefix+estimate".into(),
+            repeat: 1,
+            sample_every: 4,
+            sampled_requests: 50,
+            sampled_pairs: 60,
+            capacity_tokens: 64,
+            ttl_s: TTL_S,
+            cost_us_per_request: 3.0,
+            predictors: vec![summary; 4],
+            cached_tokens: CachedTokensError::default(),
+        };
+        let markdown = render_markdown(std::slice::from_ref(&leg), Some("reliability.png"));
+        assert!(markdown.contains("| prefix+estimate | 1 | 50 | 60 | 3 | pressure | 200 |"));
+        assert!(markdown.contains("![reliability diagram](reliability.png)"));
+        assert!(render_markdown(&[], None).is_empty());
+        let path = std::env::temp_dir().join(format!(
+            "myelin-calibration-diagram-{}.png",
+            std::process::id()
+        ));
+        reliability_diagram(&path, &[leg]).unwrap();
+        let png = std::fs::read(&path).unwrap();
+        assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+        let _ = std::fs::remove_file(&path);
     }
 
     #[test]
