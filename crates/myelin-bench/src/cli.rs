@@ -107,6 +107,12 @@ pub struct BenchArgs {
     #[arg(long, value_name = "PATH")]
     pub router_bin: Option<PathBuf>,
 
+    /// An extra `myelin serve` flag for every myelin router leg, e.g.
+    /// `--router-arg=--pending-resident-ms=0` (repeatable; replaces the harness's own setting
+    /// of the same flag).
+    #[arg(long = "router-arg", value_name = "ARG", allow_hyphen_values = true)]
+    pub router_args: Vec<String>,
+
     /// Wall-clock seconds one request may take before it counts as an error.
     #[arg(long, default_value_t = 300)]
     pub request_timeout: u64,

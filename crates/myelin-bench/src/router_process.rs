@@ -77,12 +77,41 @@ pub fn free_port() -> Result<u16, RouterError> {
 }
 
 /// The `myelin serve` arguments for a leg.
+/// The router's time-based settings, scaled to the simulation's clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RouterTiming {
+    /// `--engine-metrics-interval-ms`.
+    pub engine_metrics_interval_ms: u64,
+    /// `--pending-resident-ms`.
+    pub pending_resident_ms: u64,
+}
+
+impl RouterTiming {
+    /// `myelin serve`'s defaults (1 s scrapes, 2 s pending residency) in simulated time: the
+    /// engines run `speedup` times faster than the router's wall clock.
+    pub fn scaled(speedup: f64) -> Self {
+        let scale = |ms: f64| (ms / speedup.max(1e-3)).round().max(10.0) as u64;
+        RouterTiming {
+            engine_metrics_interval_ms: scale(1000.0),
+            pending_resident_ms: scale(2000.0),
+        }
+    }
+}
+
+/// `myelin serve`'s arguments for a router leg; `extra` (`--router-arg`) go last, and a flag
+/// among them replaces the harness's own setting of it.
 pub fn serve_args(
     kind: LegKind,
     port: u16,
     backends: &[BackendEndpoint],
-    engine_metrics_interval_ms: u64,
+    timing: &RouterTiming,
+    extra: &[String],
 ) -> Vec<String> {
+    let overridden = |flag: &str| {
+        extra
+            .iter()
+            .any(|arg| arg == flag || arg.starts_with(&format!("{flag}=")))
+    };
     let mut args: Vec<String> = [
         "serve",
         "--listen",
@@ -93,14 +122,23 @@ pub fn serve_args(
         "--shards",
         "2",
         "--no-pin",
-        // The engines' gauges at the same simulated-time cadence as a real deployment's
-        // default (1 s), whatever the speedup.
-        "--engine-metrics-interval-ms",
-        &engine_metrics_interval_ms.to_string(),
     ]
     .iter()
     .map(|arg| arg.to_string())
     .collect();
+    // Time-based settings at a real deployment's defaults in simulated time.
+    for (flag, ms) in [
+        (
+            "--engine-metrics-interval-ms",
+            timing.engine_metrics_interval_ms,
+        ),
+        ("--pending-resident-ms", timing.pending_resident_ms),
+    ] {
+        if !overridden(flag) {
+            args.push(flag.to_string());
+            args.push(ms.to_string());
+        }
+    }
     args.extend(kind.router_flags().iter().map(|flag| flag.to_string()));
     for backend in backends {
         args.push("--backend".into());
@@ -115,6 +153,7 @@ pub fn serve_args(
             _ => args.push(backend.url.clone()),
         }
     }
+    args.extend(extra.iter().cloned());
     args
 }
 
@@ -125,11 +164,12 @@ impl RouterProcess {
         name: &str,
         kind: LegKind,
         backends: &[BackendEndpoint],
-        engine_metrics_interval_ms: u64,
+        timing: &RouterTiming,
+        extra: &[String],
         log_path: &Path,
     ) -> Result<Self, RouterError> {
         let port = free_port()?;
-        let args = serve_args(kind, port, backends, engine_metrics_interval_ms);
+        let args = serve_args(kind, port, backends, timing, extra);
         let mut command = Command::new(exe);
         command.args(&args);
         let description = format!("{} {}", exe.display(), args.join(" "));
@@ -329,19 +369,58 @@ mod tests {
 
     #[test]
     fn serve_args_name_the_policy_and_kv_events_only_where_used() {
-        let args = serve_args(LegKind::Prefix(Residency::Off), 8000, &backends(), 100).join(" ");
+        let timing = RouterTiming::scaled(10.0);
+        assert_eq!(
+            timing,
+            RouterTiming {
+                engine_metrics_interval_ms: 100,
+                pending_resident_ms: 200
+            }
+        );
+        let args = serve_args(
+            LegKind::Prefix(Residency::Off),
+            8000,
+            &backends(),
+            &timing,
+            &[],
+        )
+        .join(" ");
         assert_eq!(
             args,
             "serve --listen 127.0.0.1:8000 --admin-listen 127.0.0.1:0 --shards 2 --no-pin \
-             --engine-metrics-interval-ms 100 --routing prefix --residency off \
+             --engine-metrics-interval-ms 100 --pending-resident-ms 200 --routing prefix --residency off \
              --backend http://127.0.0.1:9001 --backend http://127.0.0.1:9002"
         );
-        let verified =
-            serve_args(LegKind::Prefix(Residency::Verified), 8000, &backends(), 100).join(" ");
+        let verified = serve_args(
+            LegKind::Prefix(Residency::Verified),
+            8000,
+            &backends(),
+            &timing,
+            &[],
+        )
+        .join(" ");
         assert!(verified.contains(
             "--backend http://127.0.0.1:9001,kv-events=tcp://127.0.0.1:5557,\
                  kv-replay=tcp://127.0.0.1:5558"
         ));
+        // A --router-arg replaces the harness's own setting of the same flag, and goes last.
+        let extra = ["--pending-resident-ms=0".to_string()];
+        let args = serve_args(
+            LegKind::Prefix(Residency::Off),
+            8000,
+            &backends(),
+            &timing,
+            &extra,
+        );
+        assert!(
+            !args.iter().any(|arg| arg == "--pending-resident-ms"),
+            "{args:?}"
+        );
+        assert_eq!(
+            args.last().map(String::as_str),
+            Some("--pending-resident-ms=0")
+        );
+        assert!(args.iter().any(|arg| arg == "--engine-metrics-interval-ms"));
     }
 
     #[test]

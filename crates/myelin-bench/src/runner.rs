@@ -20,7 +20,7 @@ use crate::plot::{self, LegSeries, PlotError};
 use crate::prometheus;
 use crate::record::{LegRecords, write_csv};
 use crate::report::{self, REPORT_SCHEMA_VERSION, Report};
-use crate::router_process::{RouterError, RouterProcess};
+use crate::router_process::{RouterError, RouterProcess, RouterTiming};
 use crate::stats::{self, EngineCounters, LegRun};
 use crate::workload::alphabet::AlphabetError;
 use crate::workload::{
@@ -123,6 +123,8 @@ struct RunContext {
     quick: bool,
     out_dir: PathBuf,
     router_exe: PathBuf,
+    /// `--router-arg`s: extra `myelin serve` flags for myelin legs.
+    router_args: Vec<String>,
     request_timeout: Duration,
     show_progress: bool,
     ci_gates: bool,
@@ -194,6 +196,7 @@ fn prepare(args: &BenchArgs) -> Result<RunContext, BenchError> {
         quick: args.quick,
         out_dir,
         router_exe,
+        router_args: args.router_args.clone(),
         request_timeout: Duration::from_secs(args.request_timeout.max(1)),
         show_progress: !args.no_progress,
         ci_gates: args.ci_gates,
@@ -325,8 +328,8 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
             &leg.name,
             kind,
             &backends,
-            // 1 s of simulated time, the router's default cadence in a real deployment.
-            (1000.0 / config.cluster.speedup).round().max(10.0) as u64,
+            &RouterTiming::scaled(config.cluster.speedup),
+            &context.router_args,
             &log_path,
         )?),
     };

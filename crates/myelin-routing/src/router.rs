@@ -37,6 +37,10 @@ pub struct RouterConfig {
     /// Cost of one decode step in prompt tokens, the unit of the expected wait for KV memory
     /// (see [`admission_wait_tokens`]). 0 = KV memory ignored.
     pub decode_step_tokens: u64,
+    /// A backend that was routed a prompt's matched prefix this recently (ms, the lookup's
+    /// clock) is taken to hold it whatever the residency mode says: it is prefilling it, or
+    /// its KV events for it are still on the way ("pending resident"). 0 = off.
+    pub pending_resident_ms: u64,
 }
 
 impl Default for RouterConfig {
@@ -44,6 +48,7 @@ impl Default for RouterConfig {
         Self {
             load_bound_tokens: DEFAULT_LOAD_BOUND_TOKENS,
             decode_step_tokens: DEFAULT_DECODE_STEP_TOKENS,
+            pending_resident_ms: 0,
         }
     }
 }
@@ -175,7 +180,9 @@ impl<E: ResidencyEstimator> Router<E> {
     /// - expected_cached(b) = Σ_{i<n} B · Π_{j≤i} p_j(b), where p is 1 for `off` over the m(b)
     ///   history blocks; the estimator's probabilities over them for `estimate`; for `verified`
     ///   1 over the verified resident blocks when b's mirror is live, nothing otherwise; `auto`
-    ///   = verified where live, estimate elsewhere. Capped at `prompt_tokens`.
+    ///   = verified where live, estimate elsewhere; in every mode, the m(b) history blocks in
+    ///   full when b was routed them within `pending_resident_ms` (pending resident). Capped at
+    ///   `prompt_tokens`.
     /// - counted_load(b) = max(load(b) − load_bound, min_load), min_load over eligible
     ///   backends: differences within the bound are noise, beyond it they count in full.
     /// - wait(b) = the expected wait for KV memory, in tokens ([`admission_wait_tokens`]; 0
@@ -333,8 +340,13 @@ impl<E: ResidencyEstimator> Router<E> {
             .verified_resident_blocks
             .map(|blocks| f64::from(blocks) * f64::from(block_size));
         let history = f64::from(entry.matched_blocks) * f64::from(block_size);
-        match (self.residency, verified) {
-            (ResidencyMode::Off, _) => history,
+        // Routed there moments ago: being prefilled, or its KV events not arrived yet.
+        let pending = self.config.pending_resident_ms > 0
+            && entry.matched_blocks > 0
+            && matched.looked_up_at_ms.saturating_sub(entry.last_routed_ms)
+                <= self.config.pending_resident_ms;
+        let expected = match (self.residency, verified) {
+            (ResidencyMode::Off, _) => return history,
             (ResidencyMode::Verified, verified) => verified.unwrap_or(0.0),
             (ResidencyMode::Auto, Some(verified)) => verified,
             (ResidencyMode::Estimate | ResidencyMode::Auto, _) => {
@@ -353,6 +365,11 @@ impl<E: ResidencyEstimator> Router<E> {
                 self.probabilities.truncate(entry.matched_blocks as usize);
                 expected_cached_tokens(block_size, &self.probabilities)
             }
+        };
+        if pending {
+            expected.max(history)
+        } else {
+            expected
         }
     }
 }

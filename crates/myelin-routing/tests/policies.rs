@@ -833,6 +833,7 @@ fn a_prefix_whose_home_is_out_of_kv_memory_gets_a_second_home() {
         RouterConfig {
             load_bound_tokens: 0,
             decode_step_tokens: 1,
+            ..RouterConfig::default()
         },
     );
     let mut fresh = self::shard();
@@ -879,4 +880,42 @@ fn waits_count_beyond_the_least_one() {
         - admission_wait_tokens(&full(1, 4), DEFAULT_DECODE_STEP_TOKENS);
     assert_eq!(decision.expected_cost_tokens, 32.0);
     assert!(waits > 32.0);
+}
+
+#[test]
+fn a_prefix_routed_moments_ago_counts_as_resident_in_every_mode() {
+    let mut shard = shard();
+    let tokens = prompt(8, 3);
+    // Routed to backend 0 at 1,000 ms; its mirror is live and shows nothing yet (the engine is
+    // prefilling, its BlockStored events are on the way).
+    shard.learn(&tokens, BackendId(0), 1_000);
+    shard.set_mirror_live(BackendId(0), true);
+    let views = [up(0, 0), up(1, 0)];
+    for pending_resident_ms in [0, 500] {
+        for mode in [ResidencyMode::Verified, ResidencyMode::Auto] {
+            let mut router = Router::new(
+                Policy::Prefix,
+                mode,
+                RouterConfig {
+                    load_bound_tokens: 0,
+                    pending_resident_ms,
+                    ..RouterConfig::default()
+                },
+            );
+            let soon = shard.lookup(&tokens, 1_400);
+            let decision = router.decide(tokens.len() as u64, &soon, &views).unwrap();
+            if pending_resident_ms == 0 {
+                // Only the (empty) mirror counts: nothing cached anywhere.
+                assert_eq!(decision.expected_cached_tokens, 0.0, "{mode:?}");
+            } else {
+                assert_eq!(decision.backend, BackendId(0), "{mode:?}");
+                assert_eq!(decision.expected_cached_tokens, 32.0, "{mode:?}");
+                assert!(!decision.residency_downgrade);
+            }
+            // Past the bound the mirror rules again.
+            let later = shard.lookup(&tokens, 1_501);
+            let decision = router.decide(tokens.len() as u64, &later, &views).unwrap();
+            assert_eq!(decision.expected_cached_tokens, 0.0, "{mode:?}");
+        }
+    }
 }

@@ -46,6 +46,7 @@ impl Defaults {
     pub const LOAD_BOUND_TOKENS: u64 = myelin_routing::DEFAULT_LOAD_BOUND_TOKENS;
     pub const DECODE_STEP_TOKENS: u64 = myelin_routing::DEFAULT_DECODE_STEP_TOKENS;
     pub const ENGINE_METRICS_INTERVAL_MS: u64 = 1000;
+    pub const PENDING_RESIDENT_MS: u64 = 2000;
 }
 
 /// Routing policy (`--routing`).
@@ -329,6 +330,12 @@ pub struct ServeArgs {
     /// utilization, running and waiting requests). [default: 1000]
     #[arg(long, env = "MYELIN_ENGINE_METRICS_INTERVAL_MS", value_name = "MS")]
     pub engine_metrics_interval_ms: Option<u64>,
+
+    /// Prefix policy: a backend routed a prompt's prefix this recently counts as holding it in
+    /// every residency mode ("pending resident": it is prefilling it, or its KV events are on
+    /// the way); 0 turns it off. [default: 2000]
+    #[arg(long, env = "MYELIN_PENDING_RESIDENT_MS", value_name = "MS")]
+    pub pending_resident_ms: Option<u64>,
 }
 
 /// The `--config` file: the same keys as the flags, kebab-case.
@@ -385,6 +392,7 @@ pub struct FileConfig {
     pub load_bound_tokens: Option<u64>,
     pub decode_step_tokens: Option<u64>,
     pub engine_metrics_interval_ms: Option<u64>,
+    pub pending_resident_ms: Option<u64>,
 }
 
 /// A backend in the config file: a spec string or a table.
@@ -455,6 +463,7 @@ pub struct ServeConfig {
     pub load_bound_tokens: u64,
     pub decode_step_tokens: u64,
     pub engine_metrics_interval: Duration,
+    pub pending_resident_ms: u64,
     /// `--fault-drop-control-messages` (tests only; 0 = off).
     pub fault_drop_control_messages: u64,
 }
@@ -871,6 +880,10 @@ impl ServeConfig {
                     .unwrap_or(Defaults::ENGINE_METRICS_INTERVAL_MS)
                     .max(10),
             ),
+            pending_resident_ms: args
+                .pending_resident_ms
+                .or(file.pending_resident_ms)
+                .unwrap_or(Defaults::PENDING_RESIDENT_MS),
             fault_drop_control_messages: args.fault_drop_control_messages.unwrap_or(0),
         })
     }

@@ -139,6 +139,7 @@ impl RoutingShard {
                 RouterConfig {
                     load_bound_tokens: config.load_bound_tokens,
                     decode_step_tokens: config.decode_step_tokens,
+                    pending_resident_ms: config.pending_resident_ms,
                 },
             ),
             residency: config.residency,
