@@ -236,6 +236,9 @@ async fn list(control: &Rc<Control>) -> Response<Body> {
                         "learned": entry.cache.learned,
                         "reuse_reports": entry.cache.reports,
                         "corrections": entry.cache.corrections,
+                        // Tokens admitted to the backend as this core's estimate counts them:
+                        // every data core's and, in a peer cluster, every router's.
+                        "admitted_tokens_clock": entry.cache.admitted_tokens,
                     }));
                 }
             }

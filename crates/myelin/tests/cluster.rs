@@ -141,6 +141,17 @@ fn routed_blocks(router: &Router, id: u64) -> u64 {
         .unwrap_or(0)
 }
 
+/// Tokens admitted to backend `id` as `router`'s (first) data core's residency estimate counts
+/// them.
+fn admitted_clock(router: &Router, id: u64) -> u64 {
+    router
+        .backends()
+        .iter()
+        .find(|backend| backend["id"] == id)
+        .and_then(|backend| backend["residency_estimate"][0]["admitted_tokens_clock"].as_u64())
+        .unwrap_or(0)
+}
+
 /// A prompt of token ids no other call of this test uses.
 fn prompt(seed: u32, tokens: u32) -> Vec<u32> {
     (0..tokens)
@@ -241,6 +252,10 @@ fn three_nodes_share_routes_and_load_detect_a_death_and_converge_after_a_restart
     let x_url = engines[x as usize].url();
     wait_for("B to hear of A's load on x", || {
         peer_requests(&b, &x_url) >= 3
+    });
+    // B's residency estimate counts the tokens A admitted to x (B sent x nothing yet).
+    wait_for("B's estimate to count A's admitted tokens on x", || {
+        admitted_clock(&b, x) >= 3 * 1_000
     });
 
     // ... moves B's choice of a fresh prompt away from x (its first decision, which at equal
