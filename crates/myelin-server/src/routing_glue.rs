@@ -574,6 +574,8 @@ mod tests {
         let args = ServeArgs {
             backends: vec!["http://a:1".into()],
             residency: Some(ResidencyMode::Estimate),
+            // The estimate alone: a prefix routed moments ago would count as pending resident.
+            pending_resident_ms: Some(0),
             ..ServeArgs::default()
         };
         let config = ServeConfig::merge(args, FileConfig::default(), &[0]).unwrap();
