@@ -15,6 +15,10 @@
 //!   (the approximate modes of Dynamo and the SGLang gateway);
 //! - `lru_capacity`: 1 if the tokens admitted since the block's stamp plus its depth fit the
 //!   capacity, else 0 (Dynamo's capacity-bounded LRU of what was sent);
+//! - `pressure_pinned_prompts`, a diagnostic, not what the router does: the same estimator
+//!   with every in-flight request's whole prompt and output counted as pinned (the engine
+//!   holds a running request's prompt blocks until it ends; the router's load counts the
+//!   uncached prefill only until the first token);
 //!
 //! and the truth from the simulator's probe at the same instant: block i is resident iff
 //! (i+1)·B ≤ the engine's cached prefix tokens. Per predictor: a reliability table (buckets
@@ -80,7 +84,7 @@ const BUCKETS: usize = 10;
 const SAMPLE_STREAM: u64 = 0x6361_6c69;
 
 /// The predictors, in report order: (name, what it is).
-pub const PREDICTORS: [(&str, &str); 4] = [
+pub const PREDICTORS: [(&str, &str); 5] = [
     (
         "pressure",
         "PressureEstimator (myelin's estimate): survival from the tokens admitted since the block's stamp against the room",
@@ -96,6 +100,10 @@ pub const PREDICTORS: [(&str, &str); 4] = [
     (
         "lru_capacity",
         "1 if tokens admitted since the stamp + the block's depth <= capacity, else 0 (Dynamo's capacity-bounded LRU)",
+    ),
+    (
+        "pressure_pinned_prompts",
+        "diagnostic, not the router's: PressureEstimator with every in-flight request's whole prompt and output as load",
     ),
 ];
 
@@ -320,14 +328,17 @@ pub struct Calibrator {
     estimator: PressureEstimator,
     admitted: Vec<u64>,
     load: Vec<u64>,
+    /// Per backend: whole prompt + output of every request in flight (the diagnostic).
+    pinned: Vec<u64>,
     rooms: Vec<RoomCalibration>,
-    reliability: [Reliability; 4],
+    reliability: [Reliability; 5],
     sampled_requests: u64,
     sampled_pairs: u64,
     errors: ErrorSums,
     stamps: Vec<u64>,
     last_routed: Vec<u64>,
     survivals: Vec<f64>,
+    pinned_survivals: Vec<f64>,
     /// Requests seen and the wall time spent on them, microseconds.
     requests_seen: u64,
     spent_us: f64,
@@ -376,6 +387,7 @@ impl Calibrator {
             estimator: PressureEstimator::default(),
             admitted: vec![0; engines],
             load: vec![0; engines],
+            pinned: vec![0; engines],
             rooms,
             reliability: Default::default(),
             sampled_requests: 0,
@@ -384,6 +396,7 @@ impl Calibrator {
             stamps: Vec::new(),
             last_routed: Vec::new(),
             survivals: Vec::new(),
+            pinned_survivals: Vec::new(),
             requests_seen: 0,
             spent_us: 0.0,
             setup,
@@ -477,6 +490,15 @@ impl Calibrator {
             let mut survivals = std::mem::take(&mut self.survivals);
             self.estimator
                 .survivals(&view, self.setup.block_size, &self.stamps, &mut survivals);
+            let mut pinned_view = view.clone();
+            pinned_view.load_tokens = self.pinned[backend];
+            let mut pinned = std::mem::take(&mut self.pinned_survivals);
+            self.estimator.survivals(
+                &pinned_view,
+                self.setup.block_size,
+                &self.stamps,
+                &mut pinned,
+            );
             let free = truth.memory.map(|memory| 1.0 - memory.utilization);
             let admitted = self.admitted[backend];
             for (depth, survival) in survivals.iter().enumerate() {
@@ -491,8 +513,10 @@ impl Calibrator {
                 let fits =
                     admitted.saturating_sub(self.stamps[depth]) + end <= self.setup.capacity_tokens;
                 self.reliability[3].add(if fits { 1.0 } else { 0.0 }, resident, pair);
+                self.reliability[4].add(pinned[depth], resident, pair);
             }
             self.survivals = survivals;
+            self.pinned_survivals = pinned;
         }
     }
 
@@ -549,6 +573,7 @@ impl Calibrator {
             .saturating_sub(history_tokens.max(expected.round() as u64));
         let prefill = ticket.prompt_tokens.saturating_sub(expected.round() as u64);
         self.load[backend] += prefill + ticket.output_tokens;
+        self.pinned[backend] += ticket.prompt_tokens + ticket.output_tokens;
         self.admitted[backend] += admitted_prefill + ticket.output_tokens;
         probe.admitted_tokens = self.admitted[backend];
         let _ = self
@@ -581,6 +606,8 @@ impl Calibrator {
         let backend = routed.backend;
         self.load[backend] =
             self.load[backend].saturating_sub(routed.prefill_pending + routed.decode);
+        self.pinned[backend] =
+            self.pinned[backend].saturating_sub(ticket.prompt_tokens + ticket.output_tokens);
         let Some(reported) = cached_tokens.map(u64::from) else {
             return;
         };
@@ -783,7 +810,7 @@ pub fn reliability_diagram(path: &Path, calibrations: &[LegCalibration]) -> Resu
         path: path.display().to_string(),
         message,
     };
-    let root = BitMapBackend::new(path, (1400, 1300)).into_drawing_area();
+    let root = BitMapBackend::new(path, (1950, 1300)).into_drawing_area();
     root.fill(&WHITE).map_err(|error| draw(error.to_string()))?;
     let root = root
         .titled(
@@ -791,7 +818,7 @@ pub fn reliability_diagram(path: &Path, calibrations: &[LegCalibration]) -> Resu
             ("sans-serif", 28),
         )
         .map_err(|error| draw(error.to_string()))?;
-    let panels = root.split_evenly((2, 2));
+    let panels = root.split_evenly((2, 3));
     for (index, ((name, _), panel)) in PREDICTORS.iter().zip(panels.iter()).enumerate() {
         let mut chart = ChartBuilder::on(panel)
             .caption(*name, ("sans-serif", 22))
@@ -1084,7 +1111,7 @@ mod tests {
             capacity_tokens: 64,
             ttl_s: TTL_S,
             cost_us_per_request: 3.0,
-            predictors: vec![summary; 4],
+            predictors: vec![summary; PREDICTORS.len()],
             cached_tokens: CachedTokensError::default(),
         };
         let markdown = render_markdown(std::slice::from_ref(&leg), Some("reliability.png"));
@@ -1099,6 +1126,33 @@ mod tests {
         let png = std::fs::read(&path).unwrap();
         assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
         let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn the_diagnostic_counts_whole_prompts_in_flight_as_pinned() {
+        let oracle = Arc::new(FakeOracle(Mutex::new(vec![truth(32, 0.0), truth(0, 0.0)])));
+        let mut calibrator = calibrator(oracle);
+        let prefix: Vec<u32> = (0..32).collect();
+        route(&mut calibrator, 0, &prefix, 8, "0", 0);
+        // A 48-token prompt in flight on engine 0, past its first token: the router's load is
+        // its 8 output tokens, but the engine pins all 56.
+        let other: Vec<u32> = (200..248).collect();
+        let mut in_flight = calibrator.on_send(0, 1, &other, 8);
+        calibrator.on_head(&mut in_flight, "0");
+        calibrator.on_first_byte(&mut in_flight);
+        let mut again = calibrator.on_send(0, 2, &prefix, 8);
+        let sampled = calibrator.finish();
+        let (pressure, pinned) = (&sampled.predictors[0], &sampled.predictors[4]);
+        assert_eq!(pinned.name, "pressure_pinned_prompts");
+        assert_eq!((pressure.samples, pinned.samples), (8, 8));
+        // Every block is resident (truth): the smaller room of the diagnostic predicts less.
+        assert!(
+            pinned.brier.unwrap() > pressure.brier.unwrap(),
+            "{pinned:?} vs {pressure:?}"
+        );
+        calibrator.on_head(&mut again, "0");
+        calibrator.on_end(again, Some(28));
+        calibrator.on_end(in_flight, Some(0));
     }
 
     #[test]

@@ -102,7 +102,8 @@ fn estimate_leg_reports_calibration_against_the_simulator() {
             "pressure",
             "one_minus_utilization",
             "ttl_150s",
-            "lru_capacity"
+            "lru_capacity",
+            "pressure_pinned_prompts"
         ]
     );
     let mut resident_fraction = None;
