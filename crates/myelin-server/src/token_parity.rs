@@ -7,11 +7,18 @@
 //! `GET /admin/backends`, and the first one per backend is logged with both counts and the
 //! likely cause.
 //!
-//! The record is process-wide behind a mutex: it is touched only when counts differ (never on
-//! a healthy request path) and when the admin API lists backends.
+//! The record is process-wide, one slot per backend, touched only when counts differ (never on
+//! a healthy request path) and when the admin API lists backends. The request path never waits
+//! on a lock for it, even when every answer differs (a misconfigured deployment): each data
+//! core keeps its own handle on a backend's slot (the process-wide map is locked once per
+//! backend and core), the count and the metric are atomics, and the last mismatch is replaced
+//! only when its lock is free at once (under contention a core's mismatch may not become the
+//! shown "last"; it is still counted).
 
+use std::cell::RefCell;
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
@@ -82,7 +89,48 @@ pub struct BackendParity {
     pub last: Option<Mismatch>,
 }
 
-static RECORD: Mutex<Option<HashMap<String, BackendParity>>> = Mutex::new(None);
+/// One backend's record.
+struct Slot {
+    mismatches: AtomicU64,
+    last: Mutex<Option<Mismatch>>,
+    counter: metrics::Counter,
+}
+
+static SLOTS: Mutex<Option<HashMap<String, Arc<Slot>>>> = Mutex::new(None);
+
+thread_local! {
+    /// This thread's handles on the slots it has used.
+    static HANDLES: RefCell<HashMap<String, Arc<Slot>>> = RefCell::new(HashMap::new());
+}
+
+/// `backend`'s slot, created on its first mismatch in the process.
+fn slot(backend: &str) -> Arc<Slot> {
+    HANDLES.with(|handles| {
+        if let Some(slot) = handles.borrow().get(backend) {
+            return slot.clone();
+        }
+        let slot = SLOTS
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .get_or_insert_with(HashMap::new)
+            .entry(backend.to_string())
+            .or_insert_with(|| {
+                Arc::new(Slot {
+                    mismatches: AtomicU64::new(0),
+                    last: Mutex::new(None),
+                    counter: metrics::counter!(
+                        crate::metrics::TOKENIZATION_MISMATCH_TOTAL,
+                        "backend" => backend.to_string()
+                    ),
+                })
+            })
+            .clone();
+        handles
+            .borrow_mut()
+            .insert(backend.to_string(), slot.clone());
+        slot
+    })
+}
 
 /// Compares the router's count with the engine's for one answered request of `backend`
 /// (its label: the URL the metrics use). Returns whether they differ; on a difference counts
@@ -91,11 +139,8 @@ pub fn check(backend: &str, router_tokens: u64, engine_tokens: u64, kind: Prompt
     if router_tokens == engine_tokens {
         return false;
     }
-    metrics::counter!(
-        crate::metrics::TOKENIZATION_MISMATCH_TOTAL,
-        "backend" => backend.to_string()
-    )
-    .increment(1);
+    let slot = slot(backend);
+    slot.counter.increment(1);
     let mismatch = Mismatch {
         router_tokens,
         engine_tokens,
@@ -104,18 +149,10 @@ pub fn check(backend: &str, router_tokens: u64, engine_tokens: u64, kind: Prompt
             .duration_since(UNIX_EPOCH)
             .map_or(0, |since| since.as_millis() as u64),
     };
-    let first = {
-        let mut record = RECORD
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let parity = record
-            .get_or_insert_with(HashMap::new)
-            .entry(backend.to_string())
-            .or_default();
-        parity.mismatches += 1;
-        parity.last = Some(mismatch.clone());
-        parity.mismatches == 1
-    };
+    let first = slot.mismatches.fetch_add(1, Ordering::Relaxed) == 0;
+    if let Ok(mut last) = slot.last.try_lock() {
+        *last = Some(mismatch.clone());
+    }
     if first {
         eprintln!(
             "myelin: WARNING tokenization mismatch on backend {backend}: the router counted {} \
@@ -136,12 +173,19 @@ pub fn check(backend: &str, router_tokens: u64, engine_tokens: u64, kind: Prompt
 
 /// The parity record of `backend` (by its label), for `GET /admin/backends`.
 pub fn of(backend: &str) -> BackendParity {
-    RECORD
+    let slot = SLOTS
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
         .as_ref()
-        .and_then(|record| record.get(backend).cloned())
-        .unwrap_or_default()
+        .and_then(|slots| slots.get(backend).cloned());
+    slot.map_or_else(BackendParity::default, |slot| BackendParity {
+        mismatches: slot.mismatches.load(Ordering::Relaxed),
+        last: slot
+            .last
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone(),
+    })
 }
 
 #[cfg(test)]
@@ -172,5 +216,25 @@ mod tests {
         assert_eq!(json["api"], "completions");
         assert!(json["likely_cause"].as_str().unwrap().contains("BOS"));
         assert_eq!(of("http://another:2").mismatches, 0);
+    }
+
+    #[test]
+    fn mismatches_from_many_threads_are_all_counted() {
+        let backend = "http://parity-threads:1";
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                std::thread::spawn(move || {
+                    for _ in 0..250 {
+                        assert!(check(backend, 10, 11, PromptKind::Completion));
+                    }
+                })
+            })
+            .collect();
+        for thread in threads {
+            thread.join().unwrap();
+        }
+        let parity = of(backend);
+        assert_eq!(parity.mismatches, 1000);
+        assert_eq!(parity.last.map(|last| last.engine_tokens), Some(11));
     }
 }
