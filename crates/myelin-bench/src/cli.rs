@@ -113,6 +113,17 @@ pub struct BenchArgs {
     #[arg(long = "router-arg", value_name = "ARG", allow_hyphen_values = true)]
     pub router_args: Vec<String>,
 
+    /// `myelin serve` nodes per myelin router leg, all in front of the same engines: closed-loop
+    /// user u sends to node u % N, open-loop and trace request i to node i % N. With N > 1 the
+    /// nodes form a peer cluster over UDP gossip on loopback (a random key in the output
+    /// directory) unless --no-gossip.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub router_nodes: u32,
+
+    /// With --router-nodes above 1: run the nodes independently, without gossip.
+    #[arg(long)]
+    pub no_gossip: bool,
+
     /// Wall-clock seconds one request may take before it counts as an error.
     #[arg(long, default_value_t = 300)]
     pub request_timeout: u64,

@@ -42,6 +42,9 @@ pub struct LoadProgress {
 pub enum Target {
     /// Every request to one router.
     Router { base_url: String },
+    /// Several router nodes (a peer cluster, or independent routers) in front of the same
+    /// engines: see [`router_node`] for which request goes to which.
+    Routers { base_urls: Vec<String> },
     /// The harness picks the engine per request from the simulator's truth.
     Oracle {
         engine_urls: Vec<String>,
@@ -147,7 +150,7 @@ async fn drive(
     let cpu_at_start = thread_cpu_us();
     let block_size = match &target {
         Target::Oracle { block_size, .. } => *block_size,
-        Target::Router { .. } => 16,
+        Target::Router { .. } | Target::Routers { .. } => 16,
     };
     let users_hint = match plan.workload.arrival() {
         Arrival::ClosedLoop { users } => users as usize,
@@ -251,6 +254,18 @@ async fn drive(
     }
 }
 
+/// Which of `nodes` router nodes a request goes to: closed-loop user `u` always to node
+/// `u % nodes` (a user's conversation stays on one node, as behind a sticky load balancer);
+/// open-loop (and trace) request `i` (its `seq`) to node `i % nodes`.
+pub fn router_node(user: u32, seq: u64, open_loop: bool, nodes: usize) -> usize {
+    let nodes = nodes.max(1);
+    if open_loop {
+        (seq % nodes as u64) as usize
+    } else {
+        user as usize % nodes
+    }
+}
+
 async fn sleep_until(deadline: Instant) {
     let now = Instant::now();
     if deadline > now {
@@ -275,6 +290,10 @@ async fn exchange(
     let sent_at_us = sent_at.duration_since(shared.started).as_micros() as u64;
     let (url, chosen_engine) = match &shared.target {
         Target::Router { base_url } => (format!("{base_url}{path}"), None),
+        Target::Routers { base_urls } => {
+            let node = router_node(user, seq, planned_send_s.is_some(), base_urls.len());
+            (format!("{}{path}", base_urls[node]), None)
+        }
         Target::Oracle {
             engine_urls,
             oracle,
@@ -445,4 +464,26 @@ fn thread_cpu_us() -> u64 {
         return 0;
     }
     now.tv_sec as u64 * 1_000_000 + now.tv_nsec as u64 / 1_000
+}
+
+#[cfg(test)]
+mod tests {
+    use super::router_node;
+
+    #[test]
+    fn users_stay_on_one_node_and_open_loop_requests_rotate() {
+        // Closed loop: user u on node u % N, whatever its request number.
+        for seq in [0, 1, 7] {
+            let nodes: Vec<usize> = (0..7)
+                .map(|user| router_node(user, seq, false, 3))
+                .collect();
+            assert_eq!(nodes, [0, 1, 2, 0, 1, 2, 0]);
+        }
+        // Open loop and traces: request i (its seq; user is 0) on node i % N.
+        let nodes: Vec<usize> = (0..5).map(|seq| router_node(0, seq, true, 2)).collect();
+        assert_eq!(nodes, [0, 1, 0, 1, 0]);
+        // One node (or a degenerate 0) takes everything.
+        assert!((0..5).all(|user| router_node(user, 3, false, 1) == 0));
+        assert_eq!(router_node(4, 4, true, 0), 0);
+    }
 }

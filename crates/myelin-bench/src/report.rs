@@ -31,6 +31,10 @@ pub struct Report<'a> {
     /// Trace replays: lines left out, on every leg alike, because prompt plus output exceed
     /// the engines' context length (`null` for other workloads).
     pub skipped_over_context: Option<SkippedOverContext>,
+    /// `myelin serve` nodes per myelin router leg (`--router-nodes`; 1 = a single router).
+    pub router_nodes: u32,
+    /// Whether those nodes formed a peer cluster over gossip (false with one node).
+    pub gossip: bool,
     pub legs: &'a [LegSummary],
     /// Pairs of legs whose TTFT P50 or P99 ranges across repeats overlap (empty with one
     /// repeat: one run has no range).
@@ -486,14 +490,26 @@ fn skipped_line(report: &Report<'_>) -> Option<String> {
 }
 
 /// The text printed on stdout at the end of a run.
+/// "1 router node", "3 router nodes, gossip on" or "3 router nodes, gossip off".
+pub fn router_nodes_words(report: &Report<'_>) -> String {
+    match report.router_nodes {
+        0 | 1 => "1 router node".to_string(),
+        nodes => format!(
+            "{nodes} router nodes, gossip {}",
+            if report.gossip { "on" } else { "off" }
+        ),
+    }
+}
+
 pub fn render_text(report: &Report<'_>) -> String {
     let mut out = String::new();
     out.push_str(&format!(
-        "\nworkload {} | {} | {} engines | {} | speedup {} | times in simulated ms\n\n",
+        "\nworkload {} | {} | {} engines | {} | {} | speedup {} | times in simulated ms\n\n",
         report.workload.name,
         report.traffic,
         report.workload.cluster.engines,
         report.workload.cluster.profile,
+        router_nodes_words(report),
         report.speedup
     ));
     if let Some(line) = skipped_line(report) {
@@ -532,7 +548,7 @@ pub fn render_markdown(report: &Report<'_>, plots: &[(&str, &str)]) -> String {
     let workload = report.workload;
     let mut out = format!(
         "# myelin bench: {}\n\n{}\n\n- command: `{}`\n- generated: {} (myelin {})\n- cluster: {} simulated engines, \
-         profile `{}`, {} KV blocks of {} tokens each, speedup {}\n- traffic: {}; duration {} s, warm-up {} s \
+         profile `{}`, {} KV blocks of {} tokens each, speedup {}\n- routers: {}\n- traffic: {}; duration {} s, warm-up {} s \
          (simulated), repeats: {}\n- latencies in simulated milliseconds (wall time x speedup); rates per simulated \
          second\n\n",
         workload.name,
@@ -545,6 +561,7 @@ pub fn render_markdown(report: &Report<'_>, plots: &[(&str, &str)]) -> String {
         workload.cluster.kv_blocks,
         workload.cluster.block_size,
         report.speedup,
+        router_nodes_words(report),
         report.traffic,
         workload.duration_s,
         workload.warmup_s,
@@ -667,6 +684,8 @@ mod tests {
             quick: false,
             workload: &workload,
             traffic: "60 closed-loop users".into(),
+            router_nodes: 1,
+            gossip: false,
             skipped_over_context: None,
             legs: &legs,
             overlaps: &[],
@@ -736,6 +755,8 @@ mod tests {
             quick: false,
             workload: &workload,
             traffic: "60 closed-loop users".into(),
+            router_nodes: 1,
+            gossip: false,
             skipped_over_context: None,
             legs: &legs,
             overlaps: &overlaps,

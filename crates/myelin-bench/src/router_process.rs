@@ -3,7 +3,8 @@
 //! process is started in its own process group and only that group is signalled.
 
 use std::fs::File;
-use std::net::TcpListener;
+use std::io::Read;
+use std::net::{TcpListener, UdpSocket};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -84,16 +85,19 @@ pub struct RouterTiming {
     pub engine_metrics_interval_ms: u64,
     /// `--pending-resident-ms`.
     pub pending_resident_ms: u64,
+    /// `--gossip-probe-interval-ms` (peer clusters only).
+    pub gossip_probe_interval_ms: u64,
 }
 
 impl RouterTiming {
-    /// `myelin serve`'s defaults (1 s scrapes, 2 s pending residency) in simulated time: the
-    /// engines run `speedup` times faster than the router's wall clock.
+    /// `myelin serve`'s defaults (1 s scrapes, 2 s pending residency, 500 ms gossip probes) in
+    /// simulated time: the engines run `speedup` times faster than the router's wall clock.
     pub fn scaled(speedup: f64) -> Self {
         let scale = |ms: f64| (ms / speedup.max(1e-3)).round().max(10.0) as u64;
         RouterTiming {
             engine_metrics_interval_ms: scale(1000.0),
             pending_resident_ms: scale(2000.0),
+            gossip_probe_interval_ms: scale(500.0),
         }
     }
 }
@@ -158,18 +162,24 @@ pub fn serve_args(
 }
 
 impl RouterProcess {
-    /// Starts `myelin serve` for a router leg and waits until it is healthy.
+    /// Starts `myelin serve` for a router leg (with `node_args`, a peer-cluster node's own
+    /// flags: see [`node_args`]) and waits until it is healthy.
+    #[allow(clippy::too_many_arguments)]
     pub fn start_myelin(
         exe: &Path,
         name: &str,
         kind: LegKind,
         backends: &[BackendEndpoint],
         timing: &RouterTiming,
+        node_args: &[String],
         extra: &[String],
         log_path: &Path,
     ) -> Result<Self, RouterError> {
         let port = free_port()?;
-        let args = serve_args(kind, port, backends, timing, extra);
+        let mut args = serve_args(kind, port, backends, timing, extra);
+        // A node's own flags (its gossip) before the `--router-arg`s, which stay last.
+        let at = args.len() - extra.len();
+        args.splice(at..at, node_args.iter().cloned());
         let mut command = Command::new(exe);
         command.args(&args);
         let description = format!("{} {}", exe.display(), args.join(" "));
@@ -340,6 +350,74 @@ impl Drop for RouterProcess {
     }
 }
 
+/// Distinct loopback UDP ports nobody listens on right now (all bound at once, then freed).
+pub fn free_udp_ports(count: usize) -> Result<Vec<u16>, RouterError> {
+    let sockets = (0..count)
+        .map(|_| UdpSocket::bind("127.0.0.1:0").map_err(RouterError::Port))
+        .collect::<Result<Vec<_>, _>>()?;
+    sockets
+        .iter()
+        .map(|socket| {
+            socket
+                .local_addr()
+                .map(|address| address.port())
+                .map_err(RouterError::Port)
+        })
+        .collect()
+}
+
+/// Writes a fresh random cluster key (32 bytes from /dev/urandom, hex: 64 characters) to
+/// `path`.
+pub fn write_cluster_key(path: &Path) -> Result<(), RouterError> {
+    let log_error = |source| RouterError::Log {
+        path: path.display().to_string(),
+        source,
+    };
+    let mut bytes = [0u8; 32];
+    File::open("/dev/urandom")
+        .and_then(|mut random| random.read_exact(&mut bytes))
+        .map_err(log_error)?;
+    let hex: String = bytes.iter().map(|byte| format!("{byte:02x}")).collect();
+    std::fs::write(path, hex + "\n").map_err(log_error)
+}
+
+/// How the nodes of a several-node router leg find each other.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Gossip {
+    /// Every node's gossip UDP port on 127.0.0.1, by node index.
+    pub ports: Vec<u16>,
+    /// The cluster key file, the same for every node.
+    pub key_file: PathBuf,
+    /// `--gossip-probe-interval-ms`.
+    pub probe_interval_ms: u64,
+}
+
+/// Node `index`'s own `myelin serve` flags: with gossip, its gossip address, every other
+/// node as a `--peer`, `--node-id node<index>`, the key file and the probe interval; without,
+/// none (the nodes run independently).
+pub fn node_args(index: usize, gossip: Option<&Gossip>) -> Vec<String> {
+    let Some(gossip) = gossip else {
+        return Vec::new();
+    };
+    let mut args = vec![
+        "--gossip-listen".to_string(),
+        format!("127.0.0.1:{}", gossip.ports[index]),
+        "--node-id".to_string(),
+        format!("node{index}"),
+        "--cluster-key-file".to_string(),
+        gossip.key_file.display().to_string(),
+        "--gossip-probe-interval-ms".to_string(),
+        gossip.probe_interval_ms.to_string(),
+    ];
+    for (other, port) in gossip.ports.iter().enumerate() {
+        if other != index {
+            args.push("--peer".to_string());
+            args.push(format!("127.0.0.1:{port}"));
+        }
+    }
+    args
+}
+
 /// The last `lines` lines of a log file.
 fn log_tail(path: &Path, lines: usize) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
@@ -374,7 +452,8 @@ mod tests {
             timing,
             RouterTiming {
                 engine_metrics_interval_ms: 100,
-                pending_resident_ms: 200
+                pending_resident_ms: 200,
+                gossip_probe_interval_ms: 50,
             }
         );
         let args = serve_args(
@@ -421,6 +500,53 @@ mod tests {
             Some("--pending-resident-ms=0")
         );
         assert!(args.iter().any(|arg| arg == "--engine-metrics-interval-ms"));
+    }
+
+    #[test]
+    fn every_node_gossips_on_its_own_port_with_the_others_as_peers() {
+        let dir = std::env::temp_dir().join(format!("myelin-bench-key-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let key_file = dir.join("cluster.key");
+        write_cluster_key(&key_file).unwrap();
+        let key = std::fs::read_to_string(&key_file).unwrap();
+        assert_eq!(key.trim().len(), 64, "{key}");
+        assert!(key.trim().chars().all(|c| c.is_ascii_hexdigit()), "{key}");
+        let ports = free_udp_ports(3).unwrap();
+        let mut distinct = ports.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), 3, "{ports:?}");
+        let gossip = Gossip {
+            ports: ports.clone(),
+            key_file: key_file.clone(),
+            probe_interval_ms: RouterTiming::scaled(10.0).gossip_probe_interval_ms,
+        };
+        let value = |args: &[String], flag: &str| -> Vec<String> {
+            args.windows(2)
+                .filter(|pair| pair[0] == flag)
+                .map(|pair| pair[1].clone())
+                .collect()
+        };
+        for index in 0..3 {
+            let args = node_args(index, Some(&gossip));
+            assert_eq!(
+                value(&args, "--gossip-listen"),
+                [format!("127.0.0.1:{}", ports[index])]
+            );
+            assert_eq!(value(&args, "--node-id"), [format!("node{index}")]);
+            assert_eq!(
+                value(&args, "--cluster-key-file"),
+                [key_file.display().to_string()]
+            );
+            assert_eq!(value(&args, "--gossip-probe-interval-ms"), ["50"]);
+            let peers: Vec<String> = (0..3)
+                .filter(|other| *other != index)
+                .map(|other| format!("127.0.0.1:{}", ports[other]))
+                .collect();
+            assert_eq!(value(&args, "--peer"), peers);
+        }
+        assert!(node_args(1, None).is_empty());
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[test]

@@ -20,7 +20,9 @@ use crate::plot::{self, LegSeries, PlotError};
 use crate::prometheus;
 use crate::record::{LegRecords, write_csv};
 use crate::report::{self, REPORT_SCHEMA_VERSION, Report};
-use crate::router_process::{RouterError, RouterProcess, RouterTiming};
+use crate::router_process::{
+    Gossip, RouterError, RouterProcess, RouterTiming, free_udp_ports, node_args, write_cluster_key,
+};
 use crate::stats::{self, EngineCounters, LegRun};
 use crate::workload::alphabet::AlphabetError;
 use crate::workload::{
@@ -125,6 +127,10 @@ struct RunContext {
     router_exe: PathBuf,
     /// `--router-arg`s: extra `myelin serve` flags for myelin legs.
     router_args: Vec<String>,
+    /// `myelin serve` nodes per myelin router leg (`--router-nodes`).
+    router_nodes: u32,
+    /// With several nodes and gossip on: the cluster key file (in the output directory).
+    gossip_key: Option<PathBuf>,
     request_timeout: Duration,
     show_progress: bool,
     ci_gates: bool,
@@ -190,6 +196,14 @@ fn prepare(args: &BenchArgs) -> Result<RunContext, BenchError> {
         args.router_bin.as_deref(),
     )
     .map_err(|(what, path, source)| io_error(what, &path)(source))?;
+    let router_nodes = args.router_nodes.max(1);
+    let gossip_key = if router_nodes > 1 && !args.no_gossip {
+        let path = out_dir.join("cluster.key");
+        write_cluster_key(&path)?;
+        Some(path)
+    } else {
+        None
+    };
     Ok(RunContext {
         legs,
         repeat: args.repeat.max(1),
@@ -197,6 +211,8 @@ fn prepare(args: &BenchArgs) -> Result<RunContext, BenchError> {
         out_dir,
         router_exe,
         router_args: args.router_args.clone(),
+        router_nodes,
+        gossip_key,
         request_timeout: Duration::from_secs(args.request_timeout.max(1)),
         show_progress: !args.no_progress,
         ci_gates: args.ci_gates,
@@ -218,11 +234,18 @@ fn run_all_legs(context: &RunContext) -> Result<Vec<LegRun>, BenchError> {
     let config = &context.config;
     let traffic_s = context.workload.traffic_s(config.duration_s);
     eprintln!(
-        "myelin bench: workload {} ({}), {} engines, speedup {}, {:.0} simulated s of traffic per leg \
-         (~{:.0} wall s), legs: {}{}; output in {}",
+        "myelin bench: workload {} ({}), {} engines, {}, speedup {}, {:.0} simulated s of traffic \
+         per leg (~{:.0} wall s), legs: {}{}; output in {}",
         config.name,
         context.workload.describe(),
         config.cluster.engines,
+        match (context.router_nodes, &context.gossip_key) {
+            (1, _) => "1 router node".to_string(),
+            (nodes, key) => format!(
+                "{nodes} router nodes, gossip {}",
+                if key.is_some() { "on" } else { "off" }
+            ),
+        },
         config.cluster.speedup,
         traffic_s,
         traffic_s / config.cluster.speedup,
@@ -315,29 +338,60 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
             .out_dir
             .join("logs")
             .join(format!("{}-{}.log", file_safe(&leg.name), repeat + 1));
-    let router = match leg.kind {
-        LegKind::Oracle => None,
-        LegKind::External => Some(RouterProcess::start_external(
+    let timing = RouterTiming::scaled(config.cluster.speedup);
+    let routers: Vec<RouterProcess> = match leg.kind {
+        LegKind::Oracle => Vec::new(),
+        LegKind::External => vec![RouterProcess::start_external(
             &leg.name,
             leg.command.as_deref().unwrap_or_default(),
             &backends,
             &log_path,
-        )?),
-        kind => Some(RouterProcess::start_myelin(
+        )?],
+        kind if context.router_nodes <= 1 => vec![RouterProcess::start_myelin(
             &context.router_exe,
             &leg.name,
             kind,
             &backends,
-            &RouterTiming::scaled(config.cluster.speedup),
+            &timing,
+            &[],
             &context.router_args,
             &log_path,
-        )?),
+        )?],
+        kind => {
+            // Several nodes in front of the same engines; a node that fails to start fails the
+            // leg with its log, and the nodes already started stop when dropped.
+            let nodes = context.router_nodes as usize;
+            let gossip = match &context.gossip_key {
+                Some(key_file) => Some(Gossip {
+                    ports: free_udp_ports(nodes)?,
+                    key_file: key_file.clone(),
+                    probe_interval_ms: timing.gossip_probe_interval_ms,
+                }),
+                None => None,
+            };
+            let mut started = Vec::with_capacity(nodes);
+            for index in 0..nodes {
+                let node_log = context.out_dir.join("logs").join(format!(
+                    "{}-{}-node{index}.log",
+                    file_safe(&leg.name),
+                    repeat + 1
+                ));
+                started.push(RouterProcess::start_myelin(
+                    &context.router_exe,
+                    &format!("{} node{index}", leg.name),
+                    kind,
+                    &backends,
+                    &timing,
+                    &node_args(index, gossip.as_ref()),
+                    &context.router_args,
+                    &node_log,
+                )?);
+            }
+            started
+        }
     };
-    let target = match &router {
-        Some(router) => Target::Router {
-            base_url: router.base_url().to_string(),
-        },
-        None => Target::Oracle {
+    let target = match routers.as_slice() {
+        [] => Target::Oracle {
             engine_urls: backends.iter().map(|backend| backend.url.clone()).collect(),
             oracle: cluster.oracle(),
             block_size: cluster.block_size(),
@@ -345,6 +399,15 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
                 PromptFormat::TokenIds => None,
                 PromptFormat::Text => Some(Arc::new(EngineTokenizer::bundled()?)),
             },
+        },
+        [router] => Target::Router {
+            base_url: router.base_url().to_string(),
+        },
+        nodes => Target::Routers {
+            base_urls: nodes
+                .iter()
+                .map(|router| router.base_url().to_string())
+                .collect(),
         },
     };
     let progress = Arc::new(LoadProgress::default());
@@ -375,7 +438,7 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
     while !progress.finished.load(Ordering::Acquire) {
         if context.interrupted.load(Ordering::Relaxed) {
             bar.abandon_with_message("interrupted");
-            drop(router);
+            drop(routers);
             return Err(BenchError::Interrupted);
         }
         std::thread::sleep(PROGRESS_TICK);
@@ -411,19 +474,27 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
 
     let engines_total = cluster.counters();
     let engines_measured = engines_total.since(&at_warmup.unwrap_or_default());
-    let router_metrics = match (&router, leg.kind.uses_myelin_router()) {
-        (Some(router), true) => router.scrape_metrics(),
-        _ => None,
+    // Every node's /metrics (the nodes that answered): counters are summed over them.
+    let router_metrics: Vec<String> = if leg.kind.uses_myelin_router() {
+        routers
+            .iter()
+            .filter_map(RouterProcess::scrape_metrics)
+            .collect()
+    } else {
+        Vec::new()
     };
     // A counter that never moved may not be exported yet: a scrape without it means 0.
     let counter = |name| {
-        router_metrics
-            .as_deref()
-            .map(|text| prometheus::sum_count(text, name).unwrap_or(0))
+        (!router_metrics.is_empty()).then(|| {
+            router_metrics
+                .iter()
+                .map(|text| prometheus::sum_count(text, name).unwrap_or(0))
+                .sum::<u64>()
+        })
     };
     let downgrades = counter(DOWNGRADES_METRIC);
     let replications = counter(REPLICATIONS_METRIC);
-    if let Some(router) = router {
+    for router in routers {
         router.stop();
     }
     cluster.stop();
@@ -500,6 +571,8 @@ fn finish(context: &RunContext, runs: &[LegRun]) -> Result<ExitCode, BenchError>
         workload: config,
         traffic: context.workload.describe(),
         skipped_over_context: context.workload.skipped_over_context().cloned(),
+        router_nodes: context.router_nodes,
+        gossip: context.gossip_key.is_some(),
         legs: &summaries,
         overlaps: &overlaps,
         gates: &gates,
