@@ -76,7 +76,7 @@ pub use residency::{
     expected_cached_tokens, observe_reuse,
 };
 pub use router::{
-    DEFAULT_DECODE_STEP_TOKENS, DEFAULT_LOAD_BOUND_TOKENS, Decision, MEMORY_FULL_UTILIZATION,
-    Router, RouterConfig, admission_wait_tokens,
+    DEFAULT_DECODE_STEP_TOKENS, DEFAULT_LOAD_BOUND_TOKENS, DEFAULT_MAX_PREFIX_HOMES, Decision,
+    MEMORY_FULL_UTILIZATION, Router, RouterConfig, admission_wait_tokens,
 };
 pub use shard::{BackendMatch, BlockCounts, PrefixMatch, Shard, ShardConfig};

@@ -20,6 +20,11 @@ pub const DEFAULT_LOAD_BOUND_TOKENS: u64 = 2048;
 /// 2,048 tokens per 146 ms (docs/routing.md, "KV memory").
 pub const DEFAULT_DECODE_STEP_TOKENS: u64 = 300;
 
+/// Homes a prefix gets at most because of KV-memory waits, unless configured: a hot prefix
+/// copied to more engines fills more of the cluster's memory, which is what makes engines wait
+/// in the first place. Chosen, not measured: three of the eight engines of a typical host.
+pub const DEFAULT_MAX_PREFIX_HOMES: u32 = 3;
+
 /// KV utilization from which an engine with requests waiting is taken to wait for memory
 /// (rather than for its token budget, which the load already counts). Not 1.0: a waiting
 /// request needs free blocks for its next prefill chunk (up to the step budget, 128 blocks of
@@ -41,6 +46,9 @@ pub struct RouterConfig {
     /// clock) is taken to hold it whatever the residency mode says: it is prefilling it, or
     /// its KV events for it are still on the way ("pending resident"). 0 = off.
     pub pending_resident_ms: u64,
+    /// Most homes a prefix gets because of KV-memory waits (backends holding at least half of
+    /// its longest match); beyond it, waits count only among its homes. 0 = no bound.
+    pub max_prefix_homes: u32,
 }
 
 impl Default for RouterConfig {
@@ -49,6 +57,7 @@ impl Default for RouterConfig {
             load_bound_tokens: DEFAULT_LOAD_BOUND_TOKENS,
             decode_step_tokens: DEFAULT_DECODE_STEP_TOKENS,
             pending_resident_ms: 0,
+            max_prefix_homes: DEFAULT_MAX_PREFIX_HOMES,
         }
     }
 }
@@ -186,7 +195,9 @@ impl<E: ResidencyEstimator> Router<E> {
     /// - counted_load(b) = max(load(b) − load_bound, min_load), min_load over eligible
     ///   backends: differences within the bound are noise, beyond it they count in full.
     /// - wait(b) = the expected wait for KV memory, in tokens ([`admission_wait_tokens`]; 0
-    ///   when b's memory figures are unknown), beyond the least wait of the eligible backends.
+    ///   when b's memory figures are unknown), beyond the least wait of the eligible backends;
+    ///   when the prefix has `max_prefix_homes` homes (backends with at least half the longest
+    ///   match) or more, a home's wait counts beyond the least wait among the homes only.
     /// - cost(b) = (prompt_tokens − expected_cached(b)) + counted_load(b) + wait(b).
     ///
     /// `prefix` takes the lowest cost; `least-load` the lowest load; `round-robin` the next id
@@ -255,16 +266,38 @@ impl<E: ResidencyEstimator> Router<E> {
         }
         // Waits count beyond the least one: where every engine waits for memory, waiting is
         // not a reason to leave the cache (and a second home would only fill more memory).
-        let min_wait = candidates
+        let least_wait = |candidates: &[Candidate], of: &dyn Fn(&Candidate) -> bool| {
+            candidates
+                .iter()
+                .filter(|c| of(c))
+                .map(|c| c.wait_tokens)
+                .min_by(f64::total_cmp)
+                .unwrap_or(0.0)
+        };
+        let min_wait = least_wait(&candidates, &|_| true);
+        // A prefix with `max_prefix_homes` homes already (backends holding at least half its
+        // longest match) gets no more for memory: its homes' waits count only among
+        // themselves, so the least-waiting home competes with the others on cache and load
+        // alone (load can still move it, as without memory figures).
+        let longest = candidates
             .iter()
-            .map(|c| c.wait_tokens)
-            .min_by(f64::total_cmp)
-            .unwrap_or(0.0);
-        if min_wait > 0.0 {
-            for candidate in &mut candidates {
-                candidate.wait_tokens -= min_wait;
-                candidate.cost_tokens -= min_wait;
-                candidate.undiscounted_cost_tokens -= min_wait;
+            .map(|c| c.matched_blocks)
+            .max()
+            .unwrap_or(0);
+        let is_home = |c: &Candidate| longest > 0 && c.matched_blocks * 2 >= longest;
+        let homes = candidates.iter().filter(|c| is_home(c)).count();
+        let home_wait = (self.config.max_prefix_homes > 0
+            && homes >= self.config.max_prefix_homes as usize)
+            .then(|| least_wait(&candidates, &is_home));
+        for candidate in &mut candidates {
+            let base = match home_wait {
+                Some(home_wait) if is_home(candidate) => home_wait,
+                _ => min_wait,
+            };
+            if base > 0.0 {
+                candidate.wait_tokens -= base;
+                candidate.cost_tokens -= base;
+                candidate.undiscounted_cost_tokens -= base;
             }
         }
         candidates.sort_by_key(|candidate| candidate.id);

@@ -919,3 +919,51 @@ fn a_prefix_routed_moments_ago_counts_as_resident_in_every_mode() {
         }
     }
 }
+
+#[test]
+fn a_prefix_with_its_share_of_homes_gets_no_more_for_memory() {
+    let mut shard = shard();
+    let tokens = prompt(8, 3);
+    for home in 0..3 {
+        shard.learn(&tokens, BackendId(home), 1);
+    }
+    // Three homes, all full with queues of 3 to 5; backend 3 is idle and holds nothing.
+    let views = [
+        up(0, 0).with_memory(Some(full(5, 4))),
+        up(1, 0).with_memory(Some(full(3, 4))),
+        up(2, 0).with_memory(Some(full(4, 4))),
+        up(3, 0),
+    ];
+    let config = |max_prefix_homes| RouterConfig {
+        load_bound_tokens: 0,
+        max_prefix_homes,
+        ..RouterConfig::default()
+    };
+    // Unbounded: the idle engine becomes a fourth home.
+    let mut unbounded = Router::new(Policy::Prefix, ResidencyMode::Off, config(0));
+    let decision = decide(&mut unbounded, &shard, &tokens, &views);
+    assert_eq!(decision.backend, BackendId(3));
+    assert!(decision.prefix_replication);
+    // At most 3 homes: the least-waiting home takes it, its wait counted as 0.
+    let mut bounded = Router::new(Policy::Prefix, ResidencyMode::Off, config(3));
+    let decision = decide(&mut bounded, &shard, &tokens, &views);
+    assert_eq!(decision.backend, BackendId(1));
+    assert!(!decision.prefix_replication);
+    assert_eq!(decision.admission_wait_tokens, 0.0);
+    // A bound above the homes there are changes nothing.
+    let mut roomy = Router::new(Policy::Prefix, ResidencyMode::Off, config(4));
+    assert_eq!(
+        decide(&mut roomy, &shard, &tokens, &views).backend,
+        BackendId(3)
+    );
+    // Load still moves it: a home loaded beyond the prompt's prefill loses to the idle engine.
+    let loaded = [
+        up(0, 500).with_memory(Some(full(5, 4))),
+        up(1, 500).with_memory(Some(full(3, 4))),
+        up(2, 500).with_memory(Some(full(4, 4))),
+        up(3, 0),
+    ];
+    let decision = decide(&mut bounded, &shard, &tokens, &loaded);
+    assert_eq!(decision.backend, BackendId(3));
+    assert!(!decision.prefix_replication, "moved by load, not by memory");
+}

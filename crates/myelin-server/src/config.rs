@@ -47,6 +47,7 @@ impl Defaults {
     pub const DECODE_STEP_TOKENS: u64 = myelin_routing::DEFAULT_DECODE_STEP_TOKENS;
     pub const ENGINE_METRICS_INTERVAL_MS: u64 = 1000;
     pub const PENDING_RESIDENT_MS: u64 = 2000;
+    pub const MAX_PREFIX_HOMES: u32 = myelin_routing::DEFAULT_MAX_PREFIX_HOMES;
 }
 
 /// Routing policy (`--routing`).
@@ -336,6 +337,11 @@ pub struct ServeArgs {
     /// the way); 0 turns it off. [default: 2000]
     #[arg(long, env = "MYELIN_PENDING_RESIDENT_MS", value_name = "MS")]
     pub pending_resident_ms: Option<u64>,
+
+    /// Prefix policy: most homes a prefix gets because engines holding it wait for KV memory
+    /// (backends holding at least half of its longest match); 0 = no bound. [default: 3]
+    #[arg(long, env = "MYELIN_MAX_PREFIX_HOMES", value_name = "N")]
+    pub max_prefix_homes: Option<u32>,
 }
 
 /// The `--config` file: the same keys as the flags, kebab-case.
@@ -393,6 +399,7 @@ pub struct FileConfig {
     pub decode_step_tokens: Option<u64>,
     pub engine_metrics_interval_ms: Option<u64>,
     pub pending_resident_ms: Option<u64>,
+    pub max_prefix_homes: Option<u32>,
 }
 
 /// A backend in the config file: a spec string or a table.
@@ -464,6 +471,7 @@ pub struct ServeConfig {
     pub decode_step_tokens: u64,
     pub engine_metrics_interval: Duration,
     pub pending_resident_ms: u64,
+    pub max_prefix_homes: u32,
     /// `--fault-drop-control-messages` (tests only; 0 = off).
     pub fault_drop_control_messages: u64,
 }
@@ -884,6 +892,10 @@ impl ServeConfig {
                 .pending_resident_ms
                 .or(file.pending_resident_ms)
                 .unwrap_or(Defaults::PENDING_RESIDENT_MS),
+            max_prefix_homes: args
+                .max_prefix_homes
+                .or(file.max_prefix_homes)
+                .unwrap_or(Defaults::MAX_PREFIX_HOMES),
             fault_drop_control_messages: args.fault_drop_control_messages.unwrap_or(0),
         })
     }

@@ -140,6 +140,7 @@ impl RoutingShard {
                     load_bound_tokens: config.load_bound_tokens,
                     decode_step_tokens: config.decode_step_tokens,
                     pending_resident_ms: config.pending_resident_ms,
+                    max_prefix_homes: config.max_prefix_homes,
                 },
             ),
             residency: config.residency,
