@@ -102,6 +102,36 @@ impl RouterTiming {
     }
 }
 
+/// [`serve_args`] for one node of a several-node leg: its own flags ([`node_args`]) before the
+/// `--router-arg`s, which stay last; a `--router-arg` setting one of the node's flags replaces
+/// it (node flags come in pairs: flag, value).
+pub fn node_serve_args(
+    kind: LegKind,
+    port: u16,
+    backends: &[BackendEndpoint],
+    timing: &RouterTiming,
+    node_args: &[String],
+    extra: &[String],
+) -> Vec<String> {
+    let mut args = serve_args(kind, port, backends, timing, extra);
+    let at = args.len() - extra.len();
+    let own: Vec<String> = node_args
+        .chunks(2)
+        .filter(|pair| !overridden(extra, &pair[0]))
+        .flatten()
+        .cloned()
+        .collect();
+    args.splice(at..at, own);
+    args
+}
+
+/// Whether `extra` (`--router-arg`s) sets `flag`.
+fn overridden(extra: &[String], flag: &str) -> bool {
+    extra
+        .iter()
+        .any(|arg| arg == flag || arg.starts_with(&format!("{flag}=")))
+}
+
 /// `myelin serve`'s arguments for a router leg; `extra` (`--router-arg`) go last, and a flag
 /// among them replaces the harness's own setting of it.
 pub fn serve_args(
@@ -111,11 +141,7 @@ pub fn serve_args(
     timing: &RouterTiming,
     extra: &[String],
 ) -> Vec<String> {
-    let overridden = |flag: &str| {
-        extra
-            .iter()
-            .any(|arg| arg == flag || arg.starts_with(&format!("{flag}=")))
-    };
+    let overridden = |flag: &str| overridden(extra, flag);
     let mut args: Vec<String> = [
         "serve",
         "--listen",
@@ -176,10 +202,7 @@ impl RouterProcess {
         log_path: &Path,
     ) -> Result<Self, RouterError> {
         let port = free_port()?;
-        let mut args = serve_args(kind, port, backends, timing, extra);
-        // A node's own flags (its gossip) before the `--router-arg`s, which stay last.
-        let at = args.len() - extra.len();
-        args.splice(at..at, node_args.iter().cloned());
+        let args = node_serve_args(kind, port, backends, timing, node_args, extra);
         let mut command = Command::new(exe);
         command.args(&args);
         let description = format!("{} {}", exe.display(), args.join(" "));
@@ -546,6 +569,20 @@ mod tests {
             assert_eq!(value(&args, "--peer"), peers);
         }
         assert!(node_args(1, None).is_empty());
+        // In the full command line: before the --router-args, and replaced by one of them.
+        let extra = ["--gossip-probe-interval-ms=200".to_string()];
+        let args = node_serve_args(
+            LegKind::Prefix(Residency::Auto),
+            8000,
+            &backends(),
+            &RouterTiming::scaled(10.0),
+            &node_args(2, Some(&gossip)),
+            &extra,
+        );
+        assert!(!args.iter().any(|arg| arg == "--gossip-probe-interval-ms"));
+        assert_eq!(value(&args, "--node-id"), ["node2"]);
+        assert_eq!(value(&args, "--peer").len(), 2);
+        assert_eq!(args.last(), extra.last());
         let _ = std::fs::remove_dir_all(dir);
     }
 
