@@ -120,7 +120,7 @@ impl Oracle {
                 // Requests in transit join the engine's waiting queue.
                 let in_transit = self.in_transit(engine, truth.requests_received) as u32;
                 let memory = truth.memory.map(|memory| MemoryPressure {
-                    waiting_requests: memory.waiting_requests + in_transit,
+                    waiting_requests: memory.waiting_requests.saturating_add(in_transit),
                     ..memory
                 });
                 BackendView::new(

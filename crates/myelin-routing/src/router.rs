@@ -77,8 +77,12 @@ pub fn admission_wait_tokens(memory: &MemoryPressure, decode_step_tokens: u64) -
     {
         return 0.0;
     }
-    let remaining = memory.mean_remaining_output_tokens.max(1.0);
-    let steps = f64::from(memory.waiting_requests + 1) * remaining
+    // An engine's figures are not trusted to be sane: the wait stays finite.
+    let remaining = match memory.mean_remaining_output_tokens {
+        tokens if tokens.is_nan() => 1.0,
+        tokens => tokens.clamp(1.0, 1e6),
+    };
+    let steps = (f64::from(memory.waiting_requests) + 1.0) * remaining
         / f64::from(memory.running_requests.max(1));
     steps * decode_step_tokens as f64
 }

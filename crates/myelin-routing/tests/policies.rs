@@ -967,3 +967,33 @@ fn a_prefix_with_its_share_of_homes_gets_no_more_for_memory() {
     assert_eq!(decision.backend, BackendId(3));
     assert!(!decision.prefix_replication, "moved by load, not by memory");
 }
+
+#[test]
+fn absurd_engine_figures_give_a_finite_wait() {
+    // An engine's metrics are not trusted to be sane: no overflow, no NaN, no infinity.
+    let absurd = MemoryPressure {
+        utilization: 7.0,
+        waiting_requests: u32::MAX,
+        running_requests: 0,
+        mean_remaining_output_tokens: f64::INFINITY,
+    };
+    let wait = admission_wait_tokens(&absurd, u64::MAX);
+    assert!(wait.is_finite() && wait > 0.0, "{wait}");
+    let unknown = MemoryPressure {
+        mean_remaining_output_tokens: f64::NAN,
+        ..absurd
+    };
+    assert!(admission_wait_tokens(&unknown, 300).is_finite());
+    // Every engine absurd: the waits cancel out and the decision is still well defined.
+    let mut shard = shard();
+    let tokens = prompt(8, 3);
+    shard.learn(&tokens, BackendId(0), 1);
+    let mut router = router(Policy::Prefix, ResidencyMode::Off, 0);
+    let views = [
+        up(0, 0).with_memory(Some(absurd)),
+        up(1, 0).with_memory(Some(absurd)),
+    ];
+    let decision = decide(&mut router, &shard, &tokens, &views);
+    assert_eq!(decision.backend, BackendId(0));
+    assert!(decision.expected_cost_tokens.is_finite());
+}
