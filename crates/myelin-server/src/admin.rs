@@ -380,11 +380,6 @@ async fn respond(control: &Rc<Control>, op: AdminOp) -> Response<Body> {
     }
 }
 
-/// `value` to 3 decimals (admin figures that are estimates).
-fn round3(value: f64) -> f64 {
-    (value * 1000.0).round() / 1000.0
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -425,4 +420,9 @@ mod tests {
             StatusCode::NOT_FOUND
         );
     }
+}
+
+/// `value` to 3 decimals (admin figures that are estimates).
+fn round3(value: f64) -> f64 {
+    (value * 1000.0).round() / 1000.0
 }
