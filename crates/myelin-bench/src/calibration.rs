@@ -4,21 +4,21 @@
 //! [`Shard`] learning every successful request's prompt on the backend that served it
 //! (`x-myelin-backend`), stamped with a per-backend admitted-tokens counter counted as the
 //! router counts it, the load each backend carries, and the closed loop the router runs on
-//! the engines' reuse reports (eviction watermark, capacity correction and reliability curve).
-//! For a
+//! the engines' reuse reports (eviction watermark and capacity correction). For a
 //! deterministic sample of requests, at send time, every historically matched block of every
 //! backend gets a predicted probability of residency from four predictors:
 //!
 //! - `pressure`: [`PressureEstimator`], the router's estimate (the block's survival, i.e. the
-//!   product of the conditional probabilities the estimator writes, through the reliability
-//!   curve the closed loop learns);
+//!   product of the conditional probabilities the estimator writes);
 //! - `one_minus_utilization`: 1 − the engine's KV utilization at that instant (Ranvier);
 //! - `ttl_150s`: 1 if the block was last routed there within 150 simulated seconds, else 0
 //!   (the approximate modes of Dynamo and the SGLang gateway);
 //! - `lru_capacity`: 1 if the tokens admitted since the block's stamp plus its depth fit the
 //!   capacity, else 0 (Dynamo's capacity-bounded LRU of what was sent);
-//! - `pressure_model`: the same estimate before the reliability curve (the model alone), to
-//!   show what the curve changes;
+//! - `pressure_pinned_prompts`, a diagnostic, not what the router does: the same estimator
+//!   with every in-flight request's whole prompt and output counted as pinned (the engine
+//!   holds a running request's prompt blocks until it ends; the router's load counts the
+//!   uncached prefill only until the first token);
 //!
 //! and the truth from the simulator's probe at the same instant: block i is resident iff
 //! (i+1)·B ≤ the engine's cached prefix tokens. Per predictor: a reliability table (buckets
@@ -34,8 +34,8 @@ use std::time::Instant;
 
 use myelin_routing::{
     BackendId, BackendMatch, BackendState, BackendView, BlockChain, MatchSegment,
-    PressureEstimator, ReliabilityMap, ReuseProbe, RoomCalibration, Shard, ShardConfig,
-    SurvivalCurve, block_stamps, observe_reuse,
+    PressureEstimator, ReuseProbe, RoomCalibration, Shard, ShardConfig, block_stamps,
+    observe_reuse,
 };
 use plotters::prelude::*;
 use serde::Serialize;
@@ -102,8 +102,8 @@ pub const PREDICTORS: [(&str, &str); 5] = [
         "1 if tokens admitted since the stamp + the block's depth <= capacity, else 0 (Dynamo's capacity-bounded LRU)",
     ),
     (
-        "pressure_model",
-        "the same estimate before the reliability curve the closed loop learns (the model alone)",
+        "pressure_pinned_prompts",
+        "diagnostic, not the router's: PressureEstimator with every in-flight request's whole prompt and output as load",
     ),
 ];
 
@@ -328,9 +328,9 @@ pub struct Calibrator {
     estimator: PressureEstimator,
     admitted: Vec<u64>,
     load: Vec<u64>,
+    /// Per backend: whole prompt + output of every request in flight (the diagnostic).
+    pinned: Vec<u64>,
     rooms: Vec<RoomCalibration>,
-    /// The closed loop's reliability map; its curve is `estimator`'s.
-    curve: ReliabilityMap,
     reliability: [Reliability; 5],
     sampled_requests: u64,
     sampled_pairs: u64,
@@ -338,7 +338,7 @@ pub struct Calibrator {
     stamps: Vec<u64>,
     last_routed: Vec<u64>,
     survivals: Vec<f64>,
-    model_survivals: Vec<f64>,
+    pinned_survivals: Vec<f64>,
     /// Requests seen and the wall time spent on them, microseconds.
     requests_seen: u64,
     spent_us: f64,
@@ -387,8 +387,8 @@ impl Calibrator {
             estimator: PressureEstimator::default(),
             admitted: vec![0; engines],
             load: vec![0; engines],
+            pinned: vec![0; engines],
             rooms,
-            curve: ReliabilityMap::default(),
             reliability: Default::default(),
             sampled_requests: 0,
             sampled_pairs: 0,
@@ -396,7 +396,7 @@ impl Calibrator {
             stamps: Vec::new(),
             last_routed: Vec::new(),
             survivals: Vec::new(),
-            model_survivals: Vec::new(),
+            pinned_survivals: Vec::new(),
             requests_seen: 0,
             spent_us: 0.0,
             setup,
@@ -490,16 +490,14 @@ impl Calibrator {
             let mut survivals = std::mem::take(&mut self.survivals);
             self.estimator
                 .survivals(&view, self.setup.block_size, &self.stamps, &mut survivals);
-            let model = PressureEstimator {
-                curve: SurvivalCurve::IDENTITY,
-                ..self.estimator
-            };
-            let mut model_survivals = std::mem::take(&mut self.model_survivals);
-            model.survivals(
-                &view,
+            let mut pinned_view = view.clone();
+            pinned_view.load_tokens = self.pinned[backend];
+            let mut pinned = std::mem::take(&mut self.pinned_survivals);
+            self.estimator.survivals(
+                &pinned_view,
                 self.setup.block_size,
                 &self.stamps,
-                &mut model_survivals,
+                &mut pinned,
             );
             let free = truth.memory.map(|memory| 1.0 - memory.utilization);
             let admitted = self.admitted[backend];
@@ -515,10 +513,10 @@ impl Calibrator {
                 let fits =
                     admitted.saturating_sub(self.stamps[depth]) + end <= self.setup.capacity_tokens;
                 self.reliability[3].add(if fits { 1.0 } else { 0.0 }, resident, pair);
-                self.reliability[4].add(model_survivals[depth], resident, pair);
+                self.reliability[4].add(pinned[depth], resident, pair);
             }
             self.survivals = survivals;
-            self.model_survivals = model_survivals;
+            self.pinned_survivals = pinned;
         }
     }
 
@@ -560,7 +558,6 @@ impl Calibrator {
             load_tokens: self.load[backend],
             predicted_cached_tokens: 0.0,
             room_tokens: self.estimator.room_tokens(&view, block_size),
-            evicted_below_stamp: view.evicted_below_stamp,
             prompt_tokens: ticket.prompt_tokens,
         };
         // What the engine can report reusing: the blocks within the prompt's first
@@ -576,6 +573,7 @@ impl Calibrator {
             .saturating_sub(history_tokens.max(expected.round() as u64));
         let prefill = ticket.prompt_tokens.saturating_sub(expected.round() as u64);
         self.load[backend] += prefill + ticket.output_tokens;
+        self.pinned[backend] += ticket.prompt_tokens + ticket.output_tokens;
         self.admitted[backend] += admitted_prefill + ticket.output_tokens;
         probe.admitted_tokens = self.admitted[backend];
         let _ = self
@@ -608,6 +606,8 @@ impl Calibrator {
         let backend = routed.backend;
         self.load[backend] =
             self.load[backend].saturating_sub(routed.prefill_pending + routed.decode);
+        self.pinned[backend] =
+            self.pinned[backend].saturating_sub(ticket.prompt_tokens + ticket.output_tokens);
         let Some(reported) = cached_tokens.map(u64::from) else {
             return;
         };
@@ -622,8 +622,7 @@ impl Calibrator {
         self.errors.reported += reported as f64;
         self.errors.history_absolute += (reported as f64 - routed.history_cached).abs();
         // The router's closed loop (routing glue and data core): capacity correction,
-        // reliability curve, eviction watermark, and the prefill history missed counted as
-        // admitted.
+        // eviction watermark, and the prefill history missed counted as admitted.
         let observation = observe_reuse(probe, reported);
         self.rooms[backend].observe(
             &self.estimator,
@@ -631,8 +630,6 @@ impl Calibrator {
             probe.load_tokens,
             probe.block_size,
         );
-        self.curve.observe(&self.estimator, probe, reported);
-        self.estimator.curve = self.curve.curve();
         if let Some(stamp) = observation.evicted_stamp {
             self.shard
                 .mark_evicted_below(BackendId(backend as u32), stamp);
@@ -1132,39 +1129,30 @@ mod tests {
     }
 
     #[test]
-    fn reuse_reports_teach_the_curve_that_the_router_estimate_goes_through() {
-        // Capacity 64 tokens, blocks of 4: after 30 tokens of other traffic the model gives a
-        // 32-token prefix's 7 reusable blocks survivals of about 0.94 down to 0.56.
+    fn the_diagnostic_counts_whole_prompts_in_flight_as_pinned() {
         let oracle = Arc::new(FakeOracle(Mutex::new(vec![truth(32, 0.0), truth(0, 0.0)])));
         let mut calibrator = calibrator(oracle);
         let prefix: Vec<u32> = (0..32).collect();
-        let other = |round: u32| -> Vec<u32> { (1000 + round * 100..1030 + round * 100).collect() };
-        // The engine keeps more than the model says: every time, it reports the whole prefix
-        // reused.
-        for round in 0..30u32 {
-            let seq = u64::from(round) * 2;
-            route(&mut calibrator, seq, &prefix, 0, "0", 28);
-            route(&mut calibrator, seq + 1, &other(round), 0, "0", 0);
-        }
-        assert_eq!(calibrator.evicted_below(0), 0);
-        assert!(
-            calibrator.curve.reports() >= 29,
-            "{}",
-            calibrator.curve.reports()
-        );
-        let curve = calibrator.curve.curve();
-        assert!(curve.apply(0.75) > 0.9, "{curve:?}");
-        assert!(calibrator.estimator.curve == curve);
-        // Every sample (the truth: engine 0 holds the prefix): the router's estimate, through
-        // the curve, scores better than the model alone.
+        route(&mut calibrator, 0, &prefix, 8, "0", 0);
+        // A 48-token prompt in flight on engine 0, past its first token: the router's load is
+        // its 8 output tokens, but the engine pins all 56.
+        let other: Vec<u32> = (200..248).collect();
+        let mut in_flight = calibrator.on_send(0, 1, &other, 8);
+        calibrator.on_head(&mut in_flight, "0");
+        calibrator.on_first_byte(&mut in_flight);
+        let mut again = calibrator.on_send(0, 2, &prefix, 8);
         let sampled = calibrator.finish();
-        let (pressure, model) = (&sampled.predictors[0], &sampled.predictors[4]);
-        assert_eq!(model.name, "pressure_model");
-        assert_eq!(pressure.samples, model.samples);
+        let (pressure, pinned) = (&sampled.predictors[0], &sampled.predictors[4]);
+        assert_eq!(pinned.name, "pressure_pinned_prompts");
+        assert_eq!((pressure.samples, pinned.samples), (8, 8));
+        // Every block is resident (truth): the smaller room of the diagnostic predicts less.
         assert!(
-            pressure.brier.unwrap() < model.brier.unwrap(),
-            "{pressure:?} vs {model:?}"
+            pinned.brier.unwrap() > pressure.brier.unwrap(),
+            "{pinned:?} vs {pressure:?}"
         );
+        calibrator.on_head(&mut again, "0");
+        calibrator.on_end(again, Some(28));
+        calibrator.on_end(in_flight, Some(0));
     }
 
     #[test]

@@ -72,8 +72,7 @@ pub use replica::{MirrorChange, WriteOp};
 pub use residency::{
     CALIBRATION_RATE, CALIBRATION_SCALE_BOUNDS, DEFAULT_MIN_ROOM_FRACTION, DEFAULT_SHARPNESS,
     EstimateInput, MISS_MIN_ROOM_FRACTION, PlaceholderEstimator, PressureEstimator,
-    RELIABILITY_BINS, RELIABILITY_DECAY, RELIABILITY_PRIOR, ReliabilityMap, ResidencyEstimator,
-    ResidencyMode, ReuseObservation, ReuseProbe, RoomCalibration, SurvivalCurve, block_stamps,
+    ResidencyEstimator, ResidencyMode, ReuseObservation, ReuseProbe, RoomCalibration, block_stamps,
     expected_cached_tokens, observe_reuse,
 };
 pub use router::{

@@ -136,10 +136,6 @@ impl ResidencyEstimator for PlaceholderEstimator {
 ///
 /// Unknown capacity: every block 1.0 (history only, like residency `off`) until the closed loop
 /// learns a capacity (see [`RoomCalibration`]).
-///
-/// The survival is then passed through [`PressureEstimator::curve`], the reliability map the
-/// closed loop learns from the engines' reuse reports ([`ReliabilityMap`]; the identity until
-/// reports arrive).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PressureEstimator {
     /// k: how sharp the LRU edge is (larger: closer to a step at Δ = h).
@@ -147,8 +143,6 @@ pub struct PressureEstimator {
     /// Floor of the room as a fraction of capacity (a backend whose load exceeds its cache
     /// still keeps the prefixes of what it is running).
     pub min_room_fraction: f64,
-    /// Maps the model's survival to the observed frequency of residency (monotone).
-    pub curve: SurvivalCurve,
 }
 
 /// Default sharpness of [`PressureEstimator`].
@@ -161,7 +155,6 @@ impl Default for PressureEstimator {
         Self {
             sharpness: DEFAULT_SHARPNESS,
             min_room_fraction: DEFAULT_MIN_ROOM_FRACTION,
-            curve: SurvivalCurve::IDENTITY,
         }
     }
 }
@@ -199,8 +192,7 @@ impl PressureEstimator {
         if survival.is_nan() { 0.0 } else { survival }
     }
 
-    /// Marginal survival S_i of every block given its stamp (non-increasing in depth), through
-    /// [`Self::curve`].
+    /// Marginal survival S_i of every block given its stamp (non-increasing in depth).
     pub fn survivals(
         &self,
         view: &BackendView,
@@ -213,251 +205,19 @@ impl PressureEstimator {
             out.resize(stamps.len(), 1.0);
             return;
         };
-        model_survivals(
-            self,
-            room,
-            block_size,
-            view.admitted_tokens,
-            view.evicted_below_stamp,
-            stamps,
-            out,
-        );
-        for survival in out.iter_mut() {
-            *survival = self.curve.apply(*survival);
-        }
-    }
-}
-
-/// The model's survivals (before the curve): 0 below the watermark, the sigmoid of pressure
-/// against headroom elsewhere, made non-increasing in depth.
-fn model_survivals(
-    estimator: &PressureEstimator,
-    room: f64,
-    block_size: u32,
-    admitted_tokens: u64,
-    evicted_below_stamp: u64,
-    stamps: &[u64],
-    out: &mut Vec<f64>,
-) {
-    let block = f64::from(block_size);
-    let mut previous = 1.0f64;
-    for (depth, &stamp) in stamps.iter().enumerate() {
-        let survival = if stamp < evicted_below_stamp {
-            0.0
-        } else {
-            let pressure = admitted_tokens.saturating_sub(stamp);
-            let headroom = (room - (depth as f64 + 1.0) * block).max(block);
-            estimator.survival(pressure, headroom)
-        };
-        previous = previous.min(survival);
-        out.push(previous);
-    }
-}
-
-/// Bins of the [`ReliabilityMap`] over the model's survival, 0.1 wide.
-pub const RELIABILITY_BINS: usize = 10;
-/// Weight of the identity in each bin, in requests: a bin with fewer reports stays near the
-/// model's own value.
-pub const RELIABILITY_PRIOR: f64 = 4.0;
-/// Each report multiplies the weight of everything seen before by this (a window of about
-/// 1 / (1 − decay) = 2,000 reports), so the map follows a workload that changes.
-pub const RELIABILITY_DECAY: f64 = 0.9995;
-
-impl Default for SurvivalCurve {
-    fn default() -> Self {
-        Self::IDENTITY
-    }
-}
-
-/// A monotone map from the model's survival to the probability of residency: piecewise linear
-/// through (0, 0), one knot per bin of the [`ReliabilityMap`], and (1, 1). A survival of
-/// exactly 0 (below the eviction watermark) or 1 (no pressure since the block's use) is kept.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct SurvivalCurve {
-    /// Knot positions (model survival), increasing.
-    xs: [f64; RELIABILITY_BINS + 2],
-    /// Knot values (probability), non-decreasing.
-    ys: [f64; RELIABILITY_BINS + 2],
-}
-
-impl SurvivalCurve {
-    /// The identity: the model's survival as it is.
-    pub const IDENTITY: SurvivalCurve = {
-        let mut xs = [0.0; RELIABILITY_BINS + 2];
-        let mut i = 1;
-        while i <= RELIABILITY_BINS {
-            xs[i] = (i as f64 - 0.5) / RELIABILITY_BINS as f64;
-            i += 1;
-        }
-        xs[RELIABILITY_BINS + 1] = 1.0;
-        SurvivalCurve { xs, ys: xs }
-    };
-
-    /// The probability the curve gives a model survival `raw` (clamped to 0..=1).
-    pub fn apply(&self, raw: f64) -> f64 {
-        if raw.is_nan() || raw <= 0.0 {
-            return 0.0;
-        }
-        if raw >= 1.0 {
-            return 1.0;
-        }
-        let upper = self
-            .xs
-            .partition_point(|&x| x < raw)
-            .clamp(1, self.xs.len() - 1);
-        let (x0, x1) = (self.xs[upper - 1], self.xs[upper]);
-        let (y0, y1) = (self.ys[upper - 1], self.ys[upper]);
-        let t = if x1 > x0 { (raw - x0) / (x1 - x0) } else { 1.0 };
-        (y0 + t * (y1 - y0)).clamp(0.0, 1.0)
-    }
-
-    /// Knots as (model survival, probability), (0, 0) and (1, 1) included.
-    pub fn knots(&self) -> impl Iterator<Item = (f64, f64)> + '_ {
-        self.xs.iter().copied().zip(self.ys.iter().copied())
-    }
-}
-
-/// Reliability of the model's survival, learned online from reuse reports: per bin of the
-/// model's survival, how often the blocks it scored there were reused. One report adds weight 1
-/// to each bin its blocks fall in, shared among them (a request's blocks are correlated: they
-/// count as one observation per bin, not hundreds). [`Self::curve`] turns it into the
-/// [`SurvivalCurve`] the estimator applies: each bin's observed frequency, shrunk towards the
-/// identity by [`RELIABILITY_PRIOR`], made monotone (pool adjacent violators).
-///
-/// What it corrects: the shape of the model's LRU edge (how sharp, where), which the room
-/// correction ([`RoomCalibration`]) cannot, as it moves the edge but not its width.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ReliabilityMap {
-    weight: [f64; RELIABILITY_BINS],
-    reused: [f64; RELIABILITY_BINS],
-    model: [f64; RELIABILITY_BINS],
-    reports: u64,
-    curve: SurvivalCurve,
-    survivals: Vec<f64>,
-}
-
-impl Default for ReliabilityMap {
-    fn default() -> Self {
-        Self {
-            weight: [0.0; RELIABILITY_BINS],
-            reused: [0.0; RELIABILITY_BINS],
-            model: [0.0; RELIABILITY_BINS],
-            reports: 0,
-            curve: SurvivalCurve::IDENTITY,
-            survivals: Vec::new(),
-        }
-    }
-}
-
-fn reliability_bin(survival: f64) -> usize {
-    ((survival * RELIABILITY_BINS as f64) as usize).min(RELIABILITY_BINS - 1)
-}
-
-impl ReliabilityMap {
-    /// Sets a reuse report against the model's survivals of the probe's blocks (recomputed
-    /// from the probe: what the model said when the request was routed, before any curve).
-    /// Blocks below the eviction watermark (already known gone), blocks under no pressure
-    /// (survival 1) and probes of a backend of unknown capacity teach nothing and are skipped.
-    pub fn observe(
-        &mut self,
-        estimator: &PressureEstimator,
-        probe: &ReuseProbe,
-        reported_cached_tokens: u64,
-    ) {
-        let Some(room) = probe.room_tokens else {
-            return;
-        };
-        let block = u64::from(probe.block_size.max(1));
-        let reusable = probe.reusable_blocks() as usize;
-        let reported = reported_cached_tokens.saturating_add(1) / block;
-        let mut survivals = std::mem::take(&mut self.survivals);
-        survivals.clear();
-        model_survivals(
-            estimator,
-            room,
-            probe.block_size.max(1),
-            probe.admitted_tokens,
-            probe.evicted_below_stamp,
-            &probe.stamps[..reusable.min(probe.stamps.len())],
-            &mut survivals,
-        );
-        let mut blocks = [0u32; RELIABILITY_BINS];
-        let mut reused = [0u32; RELIABILITY_BINS];
-        let mut model = [0.0f64; RELIABILITY_BINS];
-        for (depth, &survival) in survivals.iter().enumerate() {
-            if survival <= 0.0 || survival >= 1.0 {
-                continue;
-            }
-            let bin = reliability_bin(survival);
-            blocks[bin] += 1;
-            reused[bin] += u32::from((depth as u64) < reported);
-            model[bin] += survival;
-        }
-        self.survivals = survivals;
-        if blocks.iter().all(|&count| count == 0) {
-            return;
-        }
-        self.reports += 1;
-        for bin in 0..RELIABILITY_BINS {
-            self.weight[bin] *= RELIABILITY_DECAY;
-            self.reused[bin] *= RELIABILITY_DECAY;
-            self.model[bin] *= RELIABILITY_DECAY;
-            if blocks[bin] > 0 {
-                let count = f64::from(blocks[bin]);
-                self.weight[bin] += 1.0;
-                self.reused[bin] += f64::from(reused[bin]) / count;
-                self.model[bin] += model[bin] / count;
-            }
-        }
-        self.curve = self.fit();
-    }
-
-    /// Reports that taught the map something.
-    pub fn reports(&self) -> u64 {
-        self.reports
-    }
-
-    /// The curve the estimator should apply.
-    pub fn curve(&self) -> SurvivalCurve {
-        self.curve
-    }
-
-    fn fit(&self) -> SurvivalCurve {
-        let mut curve = SurvivalCurve::IDENTITY;
-        // Per bin: the mean model survival (the knot's x) and the observed frequency shrunk
-        // towards it (the knot's y), then pool adjacent violators over the bins' weights.
-        let mut blocks: Vec<(f64, f64, usize)> = Vec::with_capacity(RELIABILITY_BINS);
-        for bin in 0..RELIABILITY_BINS {
-            let center = curve.xs[bin + 1];
-            let weight = self.weight[bin];
-            let x = if weight > 1e-9 {
-                self.model[bin] / weight
+        let block = f64::from(block_size);
+        let mut previous = 1.0f64;
+        for (depth, &stamp) in stamps.iter().enumerate() {
+            let survival = if stamp < view.evicted_below_stamp {
+                0.0
             } else {
-                center
+                let pressure = view.admitted_tokens.saturating_sub(stamp);
+                let headroom = (room - (depth as f64 + 1.0) * block).max(block);
+                self.survival(pressure, headroom)
             };
-            let y = (self.reused[bin] + RELIABILITY_PRIOR * x) / (weight + RELIABILITY_PRIOR);
-            curve.xs[bin + 1] = x;
-            let pooled_weight = weight + RELIABILITY_PRIOR;
-            blocks.push((y * pooled_weight, pooled_weight, 1));
-            while blocks.len() > 1 {
-                let last = blocks[blocks.len() - 1];
-                let before = blocks[blocks.len() - 2];
-                if before.0 / before.1 <= last.0 / last.1 {
-                    break;
-                }
-                blocks.pop();
-                let merged = blocks.last_mut().expect("two blocks");
-                *merged = (merged.0 + last.0, merged.1 + last.1, merged.2 + last.2);
-            }
+            previous = previous.min(survival);
+            out.push(previous);
         }
-        let mut bin = 1;
-        for (sum, weight, bins) in blocks {
-            for _ in 0..bins {
-                curve.ys[bin] = (sum / weight).clamp(0.0, 1.0);
-                bin += 1;
-            }
-        }
-        curve
     }
 }
 
@@ -511,8 +271,6 @@ pub struct ReuseProbe {
     pub predicted_cached_tokens: f64,
     /// The estimator's room for the backend at decision time (`None`: capacity unknown).
     pub room_tokens: Option<f64>,
-    /// The backend's eviction watermark at decision time (stamps below it scored 0).
-    pub evicted_below_stamp: u64,
     /// The prompt's length in tokens (0: unknown). An engine computes at least a prompt's last
     /// token, so it never reports the last block of a block-aligned prompt as reused (vLLM
     /// looks for hits in the first `prompt − 1` tokens).

@@ -185,11 +185,6 @@ impl<E: ResidencyEstimator> Router<E> {
         &self.estimator
     }
 
-    /// The estimator, to update what it learns (the closed loop's reliability curve).
-    pub fn estimator_mut(&mut self) -> &mut E {
-        &mut self.estimator
-    }
-
     /// Picks a backend for a prompt of `prompt_tokens` tokens.
     ///
     /// Only `Up` backends are eligible (draining and down ones never get new requests). For

@@ -4,9 +4,8 @@
 
 use myelin_routing::{
     BackendId, BackendMatch, BackendState, BackendView, MatchSegment, Policy, PrefixMatch,
-    PressureEstimator, ReliabilityMap, ResidencyMode, ReuseProbe, RoomCalibration, Router,
-    RouterConfig, Shard, ShardConfig, SurvivalCurve, WriteOp, block_stamps, expected_cached_tokens,
-    observe_reuse,
+    PressureEstimator, ResidencyMode, ReuseProbe, RoomCalibration, Router, RouterConfig, Shard,
+    ShardConfig, WriteOp, block_stamps, expected_cached_tokens, observe_reuse,
 };
 use proptest::prelude::*;
 
@@ -185,7 +184,6 @@ fn make_probe(stamps: Vec<u64>, admitted: u64) -> ReuseProbe {
         load_tokens: 0,
         predicted_cached_tokens: 0.0,
         room_tokens: None,
-        evicted_below_stamp: 0,
         prompt_tokens: 0,
     }
 }
@@ -283,122 +281,7 @@ fn calibration_moves_towards_the_implied_room_and_learns_an_unknown_capacity() {
     assert_eq!(unknown.effective_capacity(), Some(7_000));
 }
 
-/// A probe of `blocks` blocks on a backend of room 4,096 tokens, block i last used
-/// `pressure · (i+1) / blocks` tokens ago (deeper blocks older, as in a tree).
-fn aged_probe(blocks: usize, pressure: u64) -> ReuseProbe {
-    let stamps = (0..blocks as u64)
-        .map(|i| pressure - pressure * (i + 1) / blocks as u64)
-        .collect();
-    ReuseProbe {
-        room_tokens: Some(4096.0),
-        ..make_probe(stamps, pressure)
-    }
-}
-
-#[test]
-fn an_empty_reliability_map_is_the_identity_and_keeps_0_and_1() {
-    let map = ReliabilityMap::default();
-    assert_eq!(map.curve(), SurvivalCurve::IDENTITY);
-    for raw in [0.0, 0.05, 0.3, 0.5, 0.77, 0.95, 1.0] {
-        assert!((map.curve().apply(raw) - raw).abs() < 1e-12, "{raw}");
-    }
-    assert_eq!(map.curve().apply(f64::NAN), 0.0);
-    assert_eq!(map.curve().apply(-1.0), 0.0);
-    assert_eq!(map.curve().apply(2.0), 1.0);
-}
-
-#[test]
-fn reliability_map_learns_an_engine_that_evicts_sooner_than_the_model() {
-    let estimator = PressureEstimator::default();
-    let mut map = ReliabilityMap::default();
-    // 16 blocks under up to 6,000 tokens of pressure against 4,096 tokens of room: the model
-    // says about 1 down to 0.14. The engine reports only the first block reused.
-    let probe = aged_probe(16, 6000);
-    let mut model = Vec::new();
-    let view = view(Some(4096), 6000, 0);
-    estimator.survivals(&view, BLOCK, &probe.stamps, &mut model);
-    assert!(model[1] > 0.9 && model[15] < 0.3, "{model:?}");
-    for _ in 0..200 {
-        map.observe(&estimator, &probe, u64::from(BLOCK));
-    }
-    assert_eq!(map.reports(), 200);
-    let curve = map.curve();
-    // Blocks 1-15 were never reused: wherever the model put them below its top bin (which
-    // they share with block 0, always reused), the curve is near 0 now.
-    assert!(model.iter().filter(|&&raw| raw < 0.9).count() >= 10);
-    for &raw in model[1..].iter().filter(|&&raw| raw < 0.9) {
-        assert!(curve.apply(raw) < 0.1, "{raw} -> {}", curve.apply(raw));
-    }
-    // Block 0 was always reused, but it shares its bin with blocks that were not: the curve
-    // stays monotone and below the model there too.
-    assert!(curve.apply(model[0]) <= model[0]);
-    // The estimator applies the curve it is given.
-    let corrected = PressureEstimator { curve, ..estimator };
-    let mut after = Vec::new();
-    corrected.survivals(&view, BLOCK, &probe.stamps, &mut after);
-    assert!(after[5] < model[5] / 2.0, "{after:?} vs {model:?}");
-}
-
-#[test]
-fn reliability_map_skips_what_teaches_nothing_and_forgets_slowly() {
-    let estimator = PressureEstimator::default();
-    let mut map = ReliabilityMap::default();
-    // Unknown capacity, no pressure (survival 1), below the watermark (survival 0): nothing.
-    map.observe(&estimator, &make_probe(vec![0; 8], 3000), 0);
-    map.observe(
-        &estimator,
-        &ReuseProbe {
-            room_tokens: Some(4096.0),
-            ..make_probe(vec![0; 8], 0)
-        },
-        0,
-    );
-    let below = ReuseProbe {
-        evicted_below_stamp: 6000,
-        ..aged_probe(8, 6000)
-    };
-    map.observe(&estimator, &below, 0);
-    assert_eq!(map.reports(), 0);
-    assert_eq!(map.curve(), SurvivalCurve::IDENTITY);
-    // Taught "never reused", then far more often "always reused": the newer reports win.
-    let probe = aged_probe(16, 6000);
-    for _ in 0..100 {
-        map.observe(&estimator, &probe, 0);
-    }
-    let low = map.curve().apply(0.5);
-    assert!(low < 0.1, "{low}");
-    for _ in 0..3000 {
-        map.observe(&estimator, &probe, 16 * u64::from(BLOCK));
-    }
-    let high = map.curve().apply(0.5);
-    assert!(high > 0.9, "{high}");
-}
-
 proptest! {
-    #[test]
-    fn reliability_curve_is_monotone_and_bounded(
-        reports in proptest::collection::vec((1usize..40, 0u64..20_000, 0u64..800), 1..80),
-        raws in proptest::collection::vec(0.0f64..=1.0, 2..30),
-    ) {
-        let estimator = PressureEstimator::default();
-        let mut map = ReliabilityMap::default();
-        for (blocks, pressure, reported) in reports {
-            map.observe(&estimator, &aged_probe(blocks, pressure), reported);
-        }
-        let curve = map.curve();
-        let mut raws = raws;
-        raws.sort_by(f64::total_cmp);
-        let mapped: Vec<f64> = raws.iter().map(|&raw| curve.apply(raw)).collect();
-        for value in &mapped {
-            prop_assert!((0.0..=1.0).contains(value));
-        }
-        for pair in mapped.windows(2) {
-            prop_assert!(pair[0] <= pair[1] + 1e-12, "{:?}", mapped);
-        }
-        prop_assert_eq!(curve.apply(0.0), 0.0);
-        prop_assert_eq!(curve.apply(1.0), 1.0);
-    }
-
     #[test]
     fn probabilities_are_bounded_and_survival_monotone(
         capacity in proptest::option::of(1u64..2_000_000),

@@ -239,15 +239,6 @@ async fn list(control: &Rc<Control>) -> Response<Body> {
                         // Tokens admitted to the backend as this core's estimate counts them:
                         // every data core's and, in a peer cluster, every router's.
                         "admitted_tokens_clock": entry.cache.admitted_tokens,
-                        // The core's reliability curve (model survival -> probability), learned
-                        // from every backend's reuse reports on that core.
-                        "reliability_reports": entry.cache.reliability_reports,
-                        "reliability_curve": entry
-                            .cache
-                            .reliability_curve
-                            .knots()
-                            .map(|(x, y)| [round3(x), round3(y)])
-                            .collect::<Vec<_>>(),
                     }));
                 }
             }
@@ -420,9 +411,4 @@ mod tests {
             StatusCode::NOT_FOUND
         );
     }
-}
-
-/// `value` to 3 decimals (admin figures that are estimates).
-fn round3(value: f64) -> f64 {
-    (value * 1000.0).round() / 1000.0
 }

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 pub use myelin_routing::BlockCounts;
 use myelin_routing::{
-    BackendView, BlockChain, MemoryPressure, Policy, PrefixMatch, ReliabilityMap, ReuseObservation,
-    ReuseProbe, RoomCalibration, Router, RouterConfig, Shard, ShardConfig, SurvivalCurve, WriteOp,
+    BackendView, BlockChain, MemoryPressure, Policy, PrefixMatch, ReuseObservation, ReuseProbe,
+    RoomCalibration, Router, RouterConfig, Shard, ShardConfig, WriteOp,
 };
 
 use crate::backends::{BackendId, BackendInfo, BackendState, Load};
@@ -78,9 +78,6 @@ pub struct CacheFigures {
     pub corrections: u64,
     /// Tokens admitted to the backend, summed over cores as this core last heard.
     pub admitted_tokens: u64,
-    /// This core's reliability curve (shared by its backends) and the reports that taught it.
-    pub reliability_curve: SurvivalCurve,
-    pub reliability_reports: u64,
 }
 
 /// One data core's routing state: its replica of the prefix tree and mirror, its router
@@ -91,9 +88,6 @@ pub struct RoutingShard {
     router: Router,
     residency: ResidencyMode,
     backends: BTreeMap<BackendId, ShardBackend>,
-    /// What this core's reuse reports say of the estimate's reliability (its curve is the
-    /// router's estimator's).
-    reliability: ReliabilityMap,
     views: Vec<BackendView>,
     clock_origin: Instant,
     /// Scraped KV figures older than this are not trusted (three scrape intervals).
@@ -151,7 +145,6 @@ impl RoutingShard {
             ),
             residency: config.residency,
             backends: BTreeMap::new(),
-            reliability: ReliabilityMap::default(),
             views: Vec::new(),
             clock_origin,
             memory_max_age: config.engine_metrics_interval * 3,
@@ -312,7 +305,6 @@ impl RoutingShard {
             load_tokens,
             predicted_cached_tokens: choice.expected_cached_tokens as f64,
             room_tokens,
-            evicted_below_stamp: self.shard.evicted_below(myelin_routing::BackendId(id)),
             prompt_tokens,
         })
     }
@@ -336,9 +328,6 @@ impl RoutingShard {
                 probe.block_size,
             );
         }
-        self.reliability
-            .observe(&estimator, probe, reported_cached_tokens);
-        self.router.estimator_mut().curve = self.reliability.curve();
         let write = observation.evicted_stamp.map(|stamp| WriteOp::Evicted {
             backend: myelin_routing::BackendId(id),
             stamp,
@@ -362,8 +351,6 @@ impl RoutingShard {
             reports,
             corrections,
             admitted_tokens: self.admitted_tokens(id),
-            reliability_curve: self.reliability.curve(),
-            reliability_reports: self.reliability.reports(),
         }
     }
 
@@ -652,12 +639,6 @@ mod tests {
             "{figures:?}"
         );
         assert!(figures.correction > 1.0);
-        // And the reliability curve, which the router's estimator now applies: blocks the
-        // model gave almost no chance were reused (2 of 10), so that bin of the curve rises.
-        assert_eq!(figures.reliability_reports, 1);
-        let low = figures.reliability_curve.apply(0.005);
-        assert!(low > 0.01, "{figures:?}");
-        assert_eq!(shard.router.estimator().curve, figures.reliability_curve);
         // A scraped capacity replaces the configured one.
         shard.set_scraped_capacity(0, Some(24_000));
         assert_eq!(

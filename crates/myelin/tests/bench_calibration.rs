@@ -103,7 +103,7 @@ fn estimate_leg_reports_calibration_against_the_simulator() {
             "one_minus_utilization",
             "ttl_150s",
             "lru_capacity",
-            "pressure_model"
+            "pressure_pinned_prompts"
         ]
     );
     let mut resident_fraction = None;
