@@ -152,6 +152,10 @@ pub struct Bucket {
     pub mean_predicted: Option<f64>,
     /// Fraction of the samples truly resident.
     pub observed: Option<f64>,
+    /// The gap a perfectly calibrated predictor would stay under 95% of the time with this
+    /// bucket's samples: 1.96 · sqrt(p(1 − p) / pairs), p the mean prediction, counting each
+    /// (request, backend) pair as one independent outcome (its blocks move together).
+    pub noise_95: Option<f64>,
 }
 
 impl Bucket {
@@ -159,7 +163,19 @@ impl Bucket {
     pub fn gap(&self) -> Option<f64> {
         Some((self.observed? - self.mean_predicted?).abs())
     }
+
+    /// Whether the gap exceeds both the target tolerance ([`GAP_TOLERANCE`]) and the
+    /// sampling noise: the predictor is off here by more than this sample can explain.
+    pub fn beyond_noise(&self) -> bool {
+        match (self.gap(), self.noise_95) {
+            (Some(gap), Some(noise)) => gap > noise.max(GAP_TOLERANCE),
+            _ => false,
+        }
+    }
 }
+
+/// Calibration tolerance per bucket (issue 10's target: within 0.02 of perfect calibration).
+pub const GAP_TOLERANCE: f64 = 0.02;
 
 /// One predictor over a leg.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -172,6 +188,11 @@ pub struct PredictorCalibration {
     /// Largest |observed − mean predicted| over buckets with at least
     /// [`MIN_BUCKET_SAMPLES`] samples.
     pub worst_gap: Option<f64>,
+    /// Of those buckets: how many are within [`GAP_TOLERANCE`], and how many are off by more
+    /// than both the tolerance and their sampling noise ([`Bucket::beyond_noise`]).
+    pub buckets_counted: u32,
+    pub buckets_within_tolerance: u32,
+    pub buckets_beyond_noise: u32,
     pub buckets: Vec<Bucket>,
 }
 
@@ -269,13 +290,18 @@ impl Reliability {
             .map(|bucket| {
                 let count = self.count[bucket];
                 let mean = |sum: f64| (count > 0).then(|| sum / count as f64);
+                let pairs = self.pairs[bucket];
+                let mean_predicted = mean(self.sum_predicted[bucket]);
                 Bucket {
                     lower: bucket as f64 * BUCKET_WIDTH,
                     upper: (bucket + 1) as f64 * BUCKET_WIDTH,
                     samples: count,
-                    pairs: self.pairs[bucket],
-                    mean_predicted: mean(self.sum_predicted[bucket]),
+                    pairs,
+                    mean_predicted,
                     observed: mean(self.resident[bucket] as f64),
+                    noise_95: mean_predicted
+                        .filter(|_| pairs > 0)
+                        .map(|p| 1.96 * (p * (1.0 - p) / pairs as f64).sqrt()),
                 }
             })
             .collect()
@@ -284,19 +310,30 @@ impl Reliability {
     /// The predictor's summary.
     pub fn summarize(&self, name: &str, description: &str) -> PredictorCalibration {
         let buckets = self.buckets();
-        let worst_gap = buckets
+        let counted: Vec<&Bucket> = buckets
             .iter()
             .filter(|bucket| bucket.samples >= MIN_BUCKET_SAMPLES)
-            .filter_map(Bucket::gap)
+            .collect();
+        let worst_gap = counted
+            .iter()
+            .filter_map(|bucket| bucket.gap())
             .fold(None, |worst: Option<f64>, gap| {
                 Some(worst.map_or(gap, |worst| worst.max(gap)))
             });
+        let count = |keep: &dyn Fn(&Bucket) -> bool| {
+            counted.iter().filter(|bucket| keep(bucket)).count() as u32
+        };
         PredictorCalibration {
             name: name.to_string(),
             description: description.to_string(),
             samples: self.samples(),
             brier: self.brier(),
             worst_gap,
+            buckets_counted: counted.len() as u32,
+            buckets_within_tolerance: count(&|bucket| {
+                bucket.gap().is_some_and(|gap| gap <= GAP_TOLERANCE)
+            }),
+            buckets_beyond_noise: count(&Bucket::beyond_noise),
             buckets,
         }
     }
@@ -685,18 +722,20 @@ pub fn render_markdown(calibrations: &[LegCalibration], plot: Option<&str>) -> S
          every backend, predicted residency against the simulator's pool at that instant. A bucket's \
          gap is |observed - mean predicted|; the worst gap counts buckets with at least {} samples. \
          Samples are blocks; blocks of one (request, backend) pair are strongly correlated (pairs \
-         column).\n\n",
-        calibrations[0].sample_every, MIN_BUCKET_SAMPLES
+         column). Of the counted buckets: how many are within {} of the diagonal, and how many are \
+         off by more than both {} and their sampling noise (1.96 sqrt(p(1-p)/pairs): what a \
+         perfectly calibrated predictor could show with that many pairs).\n\n",
+        calibrations[0].sample_every, MIN_BUCKET_SAMPLES, GAP_TOLERANCE, GAP_TOLERANCE
     ));
     out.push_str(
-        "| leg | repeat | sampled requests | pairs | cost/request (us) | predictor | samples | Brier | worst gap |\n\
-         |---|---:|---:|---:|---:|---|---:|---:|---:|\n",
+        "| leg | repeat | sampled requests | pairs | cost/request (us) | predictor | samples | Brier | worst gap | buckets counted | within tolerance | off beyond noise |\n\
+         |---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|\n",
     );
     for leg in calibrations {
         for predictor in &leg.predictors {
             let _ = writeln!(
                 out,
-                "| {} | {} | {} | {} | {:.0} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} |",
                 leg.leg,
                 leg.repeat,
                 leg.sampled_requests,
@@ -706,6 +745,9 @@ pub fn render_markdown(calibrations: &[LegCalibration], plot: Option<&str>) -> S
                 predictor.samples,
                 optional(predictor.brier, 4),
                 optional(predictor.worst_gap, 3),
+                predictor.buckets_counted,
+                predictor.buckets_within_tolerance,
+                predictor.buckets_beyond_noise,
             );
         }
     }
@@ -739,13 +781,13 @@ pub fn render_markdown(calibrations: &[LegCalibration], plot: Option<&str>) -> S
         for predictor in &leg.predictors {
             let _ = write!(
                 out,
-                " {} n (pairs) | predicted | observed |",
+                " {} n (pairs) | predicted | observed | noise |",
                 predictor.name
             );
         }
         out.push_str("\n|---|");
         for _ in &leg.predictors {
-            out.push_str("---:|---:|---:|");
+            out.push_str("---:|---:|---:|---:|");
         }
         out.push('\n');
         for bucket in 0..BUCKETS {
@@ -755,11 +797,17 @@ pub fn render_markdown(calibrations: &[LegCalibration], plot: Option<&str>) -> S
                 let cell = &predictor.buckets[bucket];
                 let _ = write!(
                     out,
-                    " {} ({}) | {} | {} |",
+                    " {} ({}) | {} | {}{} | {} |",
                     cell.samples,
                     cell.pairs,
                     optional(cell.mean_predicted, 3),
-                    optional(cell.observed, 3)
+                    optional(cell.observed, 3),
+                    if cell.samples >= MIN_BUCKET_SAMPLES && cell.beyond_noise() {
+                        " (off)"
+                    } else {
+                        ""
+                    },
+                    optional(cell.noise_95, 3)
                 );
             }
             out.push('\n');
@@ -784,10 +832,12 @@ pub fn render_text(calibrations: &[LegCalibration]) -> String {
         for predictor in &leg.predictors {
             let _ = write!(
                 out,
-                " {} {} (worst gap {})",
+                " {} {} (worst gap {}, {}/{} buckets off beyond noise)",
                 predictor.name,
                 optional(predictor.brier, 4),
-                optional(predictor.worst_gap, 3)
+                optional(predictor.worst_gap, 3),
+                predictor.buckets_beyond_noise,
+                predictor.buckets_counted
             );
         }
         let _ = writeln!(
@@ -983,6 +1033,36 @@ mod tests {
         // Brier: 40 x 0.7² + 60 x 0.3² + 99 x 0.9², over 199.
         let expected = (40.0 * 0.49 + 60.0 * 0.09 + 99.0 * 0.81) / 199.0;
         assert!((summary.brier.unwrap() - expected).abs() < 1e-12);
+        // 100 independent pairs at 0.3: a calibrated predictor stays within
+        // 1.96·sqrt(0.21/100) ≈ 0.090 of the diagonal; 0.1 is beyond that and the tolerance.
+        let noise = summary.buckets[3].noise_95.unwrap();
+        assert!((noise - 1.96 * 0.0021f64.sqrt()).abs() < 1e-9, "{noise}");
+        assert!(summary.buckets[3].beyond_noise());
+        assert_eq!(
+            (
+                summary.buckets_counted,
+                summary.buckets_within_tolerance,
+                summary.buckets_beyond_noise
+            ),
+            (1, 0, 1)
+        );
+        // The same samples from 5 pairs of 20 blocks: the noise is ±0.40, so the same gap is
+        // not evidence of miscalibration (but still outside the tolerance).
+        let mut few_pairs = Reliability::default();
+        for sample in 0..100u64 {
+            few_pairs.add(0.3, sample < 40, sample / 20);
+        }
+        let summary = few_pairs.summarize("p", "");
+        assert_eq!(summary.buckets[3].pairs, 5);
+        assert!(!summary.buckets[3].beyond_noise());
+        assert_eq!(
+            (
+                summary.buckets_counted,
+                summary.buckets_within_tolerance,
+                summary.buckets_beyond_noise
+            ),
+            (1, 0, 0)
+        );
     }
 
     /// The simulator's truth, set by the test.

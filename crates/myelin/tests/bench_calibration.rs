@@ -6,70 +6,18 @@
 //! reliability diagram; and that `--calibration off` leaves the field out. No timing
 //! assertions.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+#[path = "support/bench.rs"]
+mod bench;
+
+use std::path::Path;
 
 use serde_json::Value;
 
-const MYELIN: &str = env!("CARGO_BIN_EXE_myelin");
-
-const SMALL_CHURN: &str = r#"
-name = "small-churn"
-kind = "churn"
-api = "completions"
-prompt = "token-ids"
-seed = 7
-users = 6
-duration_s = 40.0
-warmup_s = 5.0
-output_tokens = 20
-
-[cluster]
-engines = 2
-profile = "a100-40gb-llama-3.1-8b"
-speedup = 20.0
-kv_blocks = 128
-block_size = 16
-
-[churn]
-population = 12
-active = 4
-rotate = 2
-rotate_every_s = 5.0
-prefix_tokens = [400, 900]
-suffix_tokens = [8, 32]
-
-[quick]
-"#;
-
-fn scratch_dir(name: &str) -> PathBuf {
-    let directory = std::env::temp_dir().join(format!(
-        "myelin-bench-calibration-{name}-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&directory);
-    std::fs::create_dir_all(&directory).unwrap();
-    directory
-}
-
+/// Two engines of 128 blocks: they evict within seconds.
 fn run_bench(directory: &Path, extra: &[&str]) -> Value {
-    let workload = directory.join("small-churn.toml");
-    std::fs::write(&workload, SMALL_CHURN).unwrap();
-    let out = directory.join("out");
-    let status = Command::new(MYELIN)
-        .args(["bench", "--workload"])
-        .arg(&workload)
-        .args(["--legs", "prefix+estimate", "--no-progress", "--out"])
-        .arg(&out)
-        .args(extra)
-        .status()
-        .unwrap();
-    // Exit 0 (valid) or 3 (machine too busy to judge routing) both mean the run completed.
-    assert!(
-        matches!(status.code(), Some(0 | 1 | 3)),
-        "myelin bench failed to run: {status}"
-    );
-    serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap()
+    let mut args = vec!["--legs", "prefix+estimate"];
+    args.extend_from_slice(extra);
+    bench::run_bench(directory, &bench::small_churn(40.0, 128), &args).1
 }
 
 fn number(value: &Value) -> f64 {
@@ -80,7 +28,7 @@ fn number(value: &Value) -> f64 {
 
 #[test]
 fn estimate_leg_reports_calibration_against_the_simulator() {
-    let directory = scratch_dir("on");
+    let directory = bench::scratch_dir("bench-calibration-on");
     let report = run_bench(&directory, &[]);
     let calibration = report["calibration"].as_array().expect("calibration[]");
     assert_eq!(calibration.len(), 1, "{calibration:#?}");
@@ -166,7 +114,7 @@ fn estimate_leg_reports_calibration_against_the_simulator() {
 
 #[test]
 fn calibration_off_leaves_the_report_as_it_was() {
-    let directory = scratch_dir("off");
+    let directory = bench::scratch_dir("bench-calibration-off");
     let report = run_bench(&directory, &["--calibration", "off"]);
     assert!(report.get("calibration").is_none(), "{report:#}");
     assert!(!directory.join("out").join("reliability.png").exists());

@@ -4,23 +4,16 @@
 //! fields and values, the plots, and that no router outlives its leg or a Ctrl-C. Timing
 //! never goes into an assertion; waits are bounded polls.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-const MYELIN: &str = env!("CARGO_BIN_EXE_myelin");
+#[path = "support/bench.rs"]
+mod bench;
 
-fn scratch_dir(name: &str) -> PathBuf {
-    let directory = std::env::temp_dir().join(format!(
-        "myelin-bench-overhead-{name}-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&directory);
-    std::fs::create_dir_all(&directory).unwrap();
-    directory
-}
+use bench::MYELIN;
 
 /// The minimal run: 0.5 s closed loop, 20 open-loop requests, 1 router core, two shapes.
 fn minimal_args(out: &Path) -> Vec<String> {
@@ -111,7 +104,7 @@ fn live_processes_with(needle: &str) -> Vec<u32> {
 
 #[test]
 fn overhead_minimal_run_writes_a_sane_report_and_plots() {
-    let directory = scratch_dir("minimal");
+    let directory = bench::scratch_dir("bench-overhead-minimal");
     let out = directory.join("out");
     let output = Command::new(MYELIN)
         .args(minimal_args(&out))
@@ -238,7 +231,7 @@ fn overhead_minimal_run_writes_a_sane_report_and_plots() {
 
 #[test]
 fn ctrl_c_stops_the_router_and_exits_non_zero() {
-    let directory = scratch_dir("interrupt");
+    let directory = bench::scratch_dir("bench-overhead-interrupt");
     let out = directory.join("out");
     let mut args = minimal_args(&out);
     // Only the myelin leg, long enough to be interrupted in the middle.

@@ -4,79 +4,24 @@
 //! count and gossip flag, the downgrade counter summed over the nodes' /metrics, that every
 //! request was served with its backend recorded, and one log per node. No timing assertions.
 
+#[path = "support/bench.rs"]
+mod bench;
+
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use serde_json::Value;
 
-const MYELIN: &str = env!("CARGO_BIN_EXE_myelin");
-
-const SMALL_CHURN: &str = r#"
-name = "small-churn"
-kind = "churn"
-api = "completions"
-prompt = "token-ids"
-seed = 7
-users = 6
-duration_s = 30.0
-warmup_s = 5.0
-output_tokens = 20
-
-[cluster]
-engines = 2
-profile = "a100-40gb-llama-3.1-8b"
-speedup = 20.0
-kv_blocks = 256
-block_size = 16
-
-[churn]
-population = 12
-active = 4
-rotate = 2
-rotate_every_s = 5.0
-prefix_tokens = [400, 900]
-suffix_tokens = [8, 32]
-
-[quick]
-"#;
-
-fn scratch_dir(name: &str) -> PathBuf {
-    let directory =
-        std::env::temp_dir().join(format!("myelin-bench-nodes-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&directory);
-    std::fs::create_dir_all(&directory).unwrap();
-    directory
-}
-
 fn run_bench(directory: &Path, extra: &[&str]) -> (PathBuf, Value) {
-    let workload = directory.join("small-churn.toml");
-    std::fs::write(&workload, SMALL_CHURN).unwrap();
-    let out = directory.join("out");
-    let status = Command::new(MYELIN)
-        .args(["bench", "--workload"])
-        .arg(&workload)
-        .args([
-            "--legs",
-            "prefix+auto",
-            "--router-nodes",
-            "2",
-            "--calibration",
-            "off",
-            "--no-progress",
-            "--out",
-        ])
-        .arg(&out)
-        .args(extra)
-        .status()
-        .unwrap();
-    // 0 (valid), 1 (a gate failed) or 3 (machine too busy): the run completed.
-    assert!(
-        matches!(status.code(), Some(0 | 1 | 3)),
-        "myelin bench failed to run: {status}"
-    );
-    let report =
-        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
-    (out, report)
+    let mut args = vec![
+        "--legs",
+        "prefix+auto",
+        "--router-nodes",
+        "2",
+        "--calibration",
+        "off",
+    ];
+    args.extend_from_slice(extra);
+    bench::run_bench(directory, &bench::small_churn(30.0, 256), &args)
 }
 
 fn check_served_by_both_nodes(out: &Path, report: &Value) {
@@ -111,7 +56,7 @@ fn check_served_by_both_nodes(out: &Path, report: &Value) {
 
 #[test]
 fn two_nodes_with_gossip_share_the_users_and_a_cluster_key() {
-    let directory = scratch_dir("gossip");
+    let directory = bench::scratch_dir("bench-nodes-gossip");
     let (out, report) = run_bench(&directory, &[]);
     check_served_by_both_nodes(&out, &report);
     assert_eq!(report["gossip"], true, "{report:#}");
@@ -122,7 +67,7 @@ fn two_nodes_with_gossip_share_the_users_and_a_cluster_key() {
 
 #[test]
 fn two_nodes_without_gossip_run_independently() {
-    let directory = scratch_dir("alone");
+    let directory = bench::scratch_dir("bench-nodes-alone");
     let (out, report) = run_bench(&directory, &["--no-gossip"]);
     check_served_by_both_nodes(&out, &report);
     assert_eq!(report["gossip"], false, "{report:#}");
