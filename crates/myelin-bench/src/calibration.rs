@@ -15,9 +15,10 @@
 //!   (the approximate modes of Dynamo and the SGLang gateway);
 //! - `lru_capacity`: 1 if the tokens admitted since the block's stamp plus its depth fit the
 //!   capacity, else 0 (Dynamo's capacity-bounded LRU of what was sent);
-//! - `pressure_pinned_prompts`, a diagnostic, not what the router does: the same estimator
-//!   with every in-flight request's whole prompt and output counted as pinned (the engine
-//!   holds a running request's prompt blocks until it ends; the router's load counts the
+//! - `pressure_pinned_blocks`, a diagnostic, not what the router does: the same estimator
+//!   with the distinct prompt blocks of the requests in flight on the backend (each block
+//!   once, however many prompts share it) and their output tokens counted as pinned (the
+//!   engine holds a running request's blocks until it ends; the router's load counts the
 //!   uncached prefill only until the first token);
 //!
 //! and the truth from the simulator's probe at the same instant: block i is resident iff
@@ -27,6 +28,7 @@
 //! engine's reported `cached_tokens`. docs/residency.md ("Calibration against the simulator")
 //! has the method and the figures.
 
+use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::path::Path;
 use std::sync::Arc;
@@ -102,8 +104,8 @@ pub const PREDICTORS: [(&str, &str); 5] = [
         "1 if tokens admitted since the stamp + the block's depth <= capacity, else 0 (Dynamo's capacity-bounded LRU)",
     ),
     (
-        "pressure_pinned_prompts",
-        "diagnostic, not the router's: PressureEstimator with every in-flight request's whole prompt and output as load",
+        "pressure_pinned_blocks",
+        "diagnostic, not the router's: PressureEstimator with the distinct prompt blocks and the output tokens of the requests in flight as load",
     ),
 ];
 
@@ -366,7 +368,9 @@ pub struct Calibrator {
     admitted: Vec<u64>,
     load: Vec<u64>,
     /// Per backend: whole prompt + output of every request in flight (the diagnostic).
-    pinned: Vec<u64>,
+    pinned_blocks: Vec<HashMap<u64, u32>>,
+    /// Per backend: output tokens of the requests in flight (the diagnostic).
+    pinned_output: Vec<u64>,
     rooms: Vec<RoomCalibration>,
     reliability: [Reliability; 5],
     sampled_requests: u64,
@@ -424,7 +428,8 @@ impl Calibrator {
             estimator: PressureEstimator::default(),
             admitted: vec![0; engines],
             load: vec![0; engines],
-            pinned: vec![0; engines],
+            pinned_blocks: vec![HashMap::new(); engines],
+            pinned_output: vec![0; engines],
             rooms,
             reliability: Default::default(),
             sampled_requests: 0,
@@ -448,6 +453,13 @@ impl Calibrator {
     /// The replica's eviction watermark of `backend` (0: none).
     pub fn evicted_below(&self, backend: usize) -> u64 {
         self.shard.evicted_below(BackendId(backend as u32))
+    }
+
+    /// What the diagnostic counts as pinned on `backend`: the distinct prompt blocks of the
+    /// requests in flight there, in tokens, plus their output tokens.
+    pub fn pinned_tokens(&self, backend: usize) -> u64 {
+        self.pinned_blocks[backend].len() as u64 * u64::from(self.setup.block_size)
+            + self.pinned_output[backend]
     }
 
     /// Simulated milliseconds since the replica started.
@@ -528,7 +540,7 @@ impl Calibrator {
             self.estimator
                 .survivals(&view, self.setup.block_size, &self.stamps, &mut survivals);
             let mut pinned_view = view.clone();
-            pinned_view.load_tokens = self.pinned[backend];
+            pinned_view.load_tokens = self.pinned_tokens(backend);
             let mut pinned = std::mem::take(&mut self.pinned_survivals);
             self.estimator.survivals(
                 &pinned_view,
@@ -610,7 +622,10 @@ impl Calibrator {
             .saturating_sub(history_tokens.max(expected.round() as u64));
         let prefill = ticket.prompt_tokens.saturating_sub(expected.round() as u64);
         self.load[backend] += prefill + ticket.output_tokens;
-        self.pinned[backend] += ticket.prompt_tokens + ticket.output_tokens;
+        for &hash in ticket.chain.hashes() {
+            *self.pinned_blocks[backend].entry(hash).or_default() += 1;
+        }
+        self.pinned_output[backend] += ticket.output_tokens;
         self.admitted[backend] += admitted_prefill + ticket.output_tokens;
         probe.admitted_tokens = self.admitted[backend];
         let _ = self
@@ -643,8 +658,17 @@ impl Calibrator {
         let backend = routed.backend;
         self.load[backend] =
             self.load[backend].saturating_sub(routed.prefill_pending + routed.decode);
-        self.pinned[backend] =
-            self.pinned[backend].saturating_sub(ticket.prompt_tokens + ticket.output_tokens);
+        let pinned = &mut self.pinned_blocks[backend];
+        for hash in ticket.chain.hashes() {
+            if let Some(count) = pinned.get_mut(hash) {
+                *count -= 1;
+                if *count == 0 {
+                    pinned.remove(hash);
+                }
+            }
+        }
+        self.pinned_output[backend] =
+            self.pinned_output[backend].saturating_sub(ticket.output_tokens);
         let Some(reported) = cached_tokens.map(u64::from) else {
             return;
         };
@@ -1209,22 +1233,31 @@ mod tests {
     }
 
     #[test]
-    fn the_diagnostic_counts_whole_prompts_in_flight_as_pinned() {
+    fn the_diagnostic_counts_each_block_in_flight_once() {
         let oracle = Arc::new(FakeOracle(Mutex::new(vec![truth(32, 0.0), truth(0, 0.0)])));
         let mut calibrator = calibrator(oracle);
         let prefix: Vec<u32> = (0..32).collect();
         route(&mut calibrator, 0, &prefix, 8, "0", 0);
-        // A 48-token prompt in flight on engine 0, past its first token: the router's load is
-        // its 8 output tokens, but the engine pins all 56.
-        let other: Vec<u32> = (200..248).collect();
-        let mut in_flight = calibrator.on_send(0, 1, &other, 8);
-        calibrator.on_head(&mut in_flight, "0");
-        calibrator.on_first_byte(&mut in_flight);
-        let mut again = calibrator.on_send(0, 2, &prefix, 8);
+        assert_eq!(calibrator.pinned_tokens(0), 0);
+        // Two 48-token prompts in flight on engine 0, past their first token, sharing their
+        // first 32 tokens: the router's load is their 16 output tokens; the engine pins
+        // 32 + 16 + 16 distinct prompt tokens and the outputs.
+        let first: Vec<u32> = (200..248).collect();
+        let second: Vec<u32> = (200..232).chain(300..316).collect();
+        let mut in_flight = Vec::new();
+        for (seq, prompt) in [(1, &first), (2, &second)] {
+            let mut ticket = calibrator.on_send(0, seq, prompt, 8);
+            calibrator.on_head(&mut ticket, "0");
+            calibrator.on_first_byte(&mut ticket);
+            in_flight.push(ticket);
+        }
+        assert_eq!(calibrator.pinned_tokens(0), 64 + 16);
+        let mut again = calibrator.on_send(0, 3, &prefix, 8);
         let sampled = calibrator.finish();
         let (pressure, pinned) = (&sampled.predictors[0], &sampled.predictors[4]);
-        assert_eq!(pinned.name, "pressure_pinned_prompts");
-        assert_eq!((pressure.samples, pinned.samples), (8, 8));
+        assert_eq!(pinned.name, "pressure_pinned_blocks");
+        // 8 blocks of the second prompt (shared with the first) and the 8 of the prefix.
+        assert_eq!((pressure.samples, pinned.samples), (16, 16));
         // Every block is resident (truth): the smaller room of the diagnostic predicts less.
         assert!(
             pinned.brier.unwrap() > pressure.brier.unwrap(),
@@ -1232,7 +1265,12 @@ mod tests {
         );
         calibrator.on_head(&mut again, "0");
         calibrator.on_end(again, Some(28));
-        calibrator.on_end(in_flight, Some(0));
+        let second = in_flight.pop().unwrap();
+        calibrator.on_end(second, Some(28));
+        // The shared blocks stay pinned while the first prompt runs.
+        assert_eq!(calibrator.pinned_tokens(0), 48 + 8);
+        calibrator.on_end(in_flight.pop().unwrap(), Some(0));
+        assert_eq!(calibrator.pinned_tokens(0), 0);
     }
 
     #[test]

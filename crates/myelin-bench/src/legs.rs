@@ -1,8 +1,10 @@
 //! Legs: the router configurations a run compares (`--legs`, `--external`), and the order in
 //! which repeats run them.
 
-/// The legs `myelin bench` runs by default.
-pub const DEFAULT_LEGS: &str = "round-robin,least-load,prefix+off,oracle";
+/// The legs `myelin bench` runs by default: the residency comparison (cache-blind, history
+/// alone, the estimate, the KV-event mirror, auto, the router fed the truth).
+pub const DEFAULT_LEGS: &str =
+    "round-robin,prefix+off,prefix+estimate,prefix+verified,prefix+auto,oracle";
 
 /// Every leg name `--legs` accepts.
 pub const KNOWN_LEGS: &[&str] = &[
@@ -214,8 +216,22 @@ mod tests {
     fn default_legs_parse_in_order() {
         let legs = parse_legs(DEFAULT_LEGS).unwrap();
         let names: Vec<&str> = legs.iter().map(|leg| leg.name.as_str()).collect();
-        assert_eq!(names, ["round-robin", "least-load", "prefix+off", "oracle"]);
-        assert!(legs.iter().all(|leg| !leg.kind.weights_residency()));
+        assert_eq!(
+            names,
+            [
+                "round-robin",
+                "prefix+off",
+                "prefix+estimate",
+                "prefix+verified",
+                "prefix+auto",
+                "oracle"
+            ]
+        );
+        let weighting: Vec<bool> = legs
+            .iter()
+            .map(|leg| leg.kind.weights_residency())
+            .collect();
+        assert_eq!(weighting, [false, false, true, true, true, false]);
     }
 
     #[test]
