@@ -367,7 +367,8 @@ pub struct Calibrator {
     estimator: PressureEstimator,
     admitted: Vec<u64>,
     load: Vec<u64>,
-    /// Per backend: whole prompt + output of every request in flight (the diagnostic).
+    /// Per backend: each prompt block of the requests in flight, with how many hold it (the
+    /// diagnostic).
     pinned_blocks: Vec<HashMap<u64, u32>>,
     /// Per backend: output tokens of the requests in flight (the diagnostic).
     pinned_output: Vec<u64>,
