@@ -51,7 +51,7 @@ fn estimate_leg_reports_calibration_against_the_simulator() {
             "one_minus_utilization",
             "ttl_150s",
             "lru_capacity",
-            "pressure_pinned_prompts"
+            "pressure_pinned_blocks"
         ]
     );
     let mut resident_fraction = None;
@@ -85,7 +85,18 @@ fn estimate_leg_reports_calibration_against_the_simulator() {
                     && predicted <= number(&bucket["upper"]) + 1e-9,
                 "{bucket}"
             );
+            // The sampling noise of a calibrated predictor with this many pairs.
+            let pairs = number(&bucket["pairs"]);
+            let noise = number(&bucket["noise_95"]);
+            let expected = 1.96 * (predicted * (1.0 - predicted) / pairs).sqrt();
+            assert!((noise - expected).abs() < 1e-9, "{bucket}");
         }
+        // Bucket counts: those within tolerance and those off beyond noise are among the
+        // counted ones.
+        let counted = number(&predictor["buckets_counted"]);
+        assert!(counted <= 10.0, "{predictor:#}");
+        assert!(number(&predictor["buckets_within_tolerance"]) <= counted);
+        assert!(number(&predictor["buckets_beyond_noise"]) <= counted);
     }
     // The engines evict continuously on this workload: the truth has both outcomes.
     let resident = resident_fraction.unwrap();
