@@ -19,6 +19,24 @@ use support::{chat_body, request};
 /// machine, still a deadline.
 const STARTUP_DEADLINE: Duration = Duration::from_secs(90);
 
+/// Runs `start` again while the copy is "text file busy": another test thread forking at the
+/// moment the copy's file was still open for writing holds that descriptor until its child
+/// execs, and an exec of the copy meanwhile fails with ETXTBSY. Bounded by a deadline.
+fn while_busy<T>(mut start: impl FnMut() -> std::io::Result<T>) -> std::io::Result<T> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match start() {
+            Err(error)
+                if error.kind() == std::io::ErrorKind::ExecutableFileBusy
+                    && Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            result => return result,
+        }
+    }
+}
+
 /// An empty directory holding only a copy of the binary; removed when dropped.
 struct Lonely {
     dir: PathBuf,
@@ -91,8 +109,8 @@ fn assert_outside_repository(dir: &Path) {
 fn a_copied_binary_serves_with_its_embedded_tokenizer() {
     let lonely = Lonely::new("serve");
     assert_outside_repository(&lonely.dir);
-    let mut child = lonely
-        .command()
+    let mut command = lonely.command();
+    command
         .args([
             "serve",
             "--sim",
@@ -108,9 +126,8 @@ fn a_copied_binary_serves_with_its_embedded_tokenizer() {
             "--no-pin",
         ])
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn the copy");
+        .stderr(Stdio::piped());
+    let mut child = while_busy(|| command.spawn()).expect("spawn the copy");
     let stdout = child.stdout.take().expect("stdout");
     let stderr = child.stderr.take().expect("stderr");
     let child = Killed(child);
@@ -179,11 +196,9 @@ fn a_copied_binary_serves_with_its_embedded_tokenizer() {
 #[test]
 fn a_copied_binary_prints_the_embedded_licenses() {
     let lonely = Lonely::new("licenses");
-    let output = lonely
-        .command()
-        .arg("--licenses")
-        .output()
-        .expect("run the copy");
+    let mut command = lonely.command();
+    command.arg("--licenses");
+    let output = while_busy(|| command.output()).expect("run the copy");
     assert!(output.status.success());
     let text = String::from_utf8(output.stdout).unwrap();
     for needle in [
