@@ -474,12 +474,17 @@ fn memory_pressure(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::backend_spec::BackendSpec;
     use crate::config::{FileConfig, ServeArgs};
 
     fn shard(routing: RoutingPolicy, shards: usize) -> RoutingShard {
+        shard_over(routing, shards, 3)
+    }
+
+    /// A data core's routing state (one of `shards` cores) over backends `0..backends`, all up.
+    pub(crate) fn shard_over(routing: RoutingPolicy, shards: usize, backends: u32) -> RoutingShard {
         let args = ServeArgs {
             backends: vec!["http://a:1".into()],
             routing: Some(routing),
@@ -488,7 +493,7 @@ mod tests {
         };
         let config = ServeConfig::merge(args, FileConfig::default(), &[0]).unwrap();
         let mut shard = RoutingShard::new(&config, shards, Instant::now()).unwrap();
-        for id in 0..3 {
+        for id in 0..backends {
             shard.add_backend(&BackendInfo {
                 id,
                 spec: BackendSpec::parse(&format!("http://b{id}:1")).unwrap(),

@@ -624,30 +624,13 @@ pub(crate) fn cluster_admin(control: &Control, method: &Method) -> Response<Body
 
 #[cfg(test)]
 mod tests {
-    use std::time::Instant;
-
-    use crate::backend_spec::BackendSpec;
-    use crate::backends::{BackendInfo, BackendState, Load};
-    use crate::config::{FileConfig, RoutingPolicy, ServeArgs, ServeConfig};
+    use crate::backends::Load;
+    use crate::config::RoutingPolicy;
     use crate::routing_glue::RoutingShard;
 
     /// A data core's routing state (one data core) over backends 0 and 1.
     fn shard(routing: RoutingPolicy) -> RoutingShard {
-        let args = ServeArgs {
-            backends: vec!["http://a:1".into()],
-            routing: Some(routing),
-            ..ServeArgs::default()
-        };
-        let config = ServeConfig::merge(args, FileConfig::default(), &[0]).unwrap();
-        let mut shard = RoutingShard::new(&config, 1, Instant::now()).unwrap();
-        for id in 0..2 {
-            shard.add_backend(&BackendInfo {
-                id,
-                spec: BackendSpec::parse(&format!("http://b{id}:1")).unwrap(),
-                state: BackendState::Up,
-            });
-        }
-        shard
+        crate::routing_glue::tests::shard_over(routing, 1, 2)
     }
 
     #[test]
