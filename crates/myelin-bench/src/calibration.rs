@@ -166,6 +166,11 @@ impl Bucket {
         Some((self.observed? - self.mean_predicted?).abs())
     }
 
+    /// Whether the bucket has enough samples ([`MIN_BUCKET_SAMPLES`]) for its gap to count.
+    pub fn counted(&self) -> bool {
+        self.samples >= MIN_BUCKET_SAMPLES
+    }
+
     /// Whether the gap exceeds both the target tolerance ([`GAP_TOLERANCE`]) and the
     /// sampling noise: the predictor is off here by more than this sample can explain.
     pub fn beyond_noise(&self) -> bool {
@@ -312,19 +317,13 @@ impl Reliability {
     /// The predictor's summary.
     pub fn summarize(&self, name: &str, description: &str) -> PredictorCalibration {
         let buckets = self.buckets();
-        let counted: Vec<&Bucket> = buckets
-            .iter()
-            .filter(|bucket| bucket.samples >= MIN_BUCKET_SAMPLES)
-            .collect();
+        let counted: Vec<&Bucket> = buckets.iter().filter(|bucket| bucket.counted()).collect();
         let worst_gap = counted
             .iter()
             .filter_map(|bucket| bucket.gap())
             .fold(None, |worst: Option<f64>, gap| {
                 Some(worst.map_or(gap, |worst| worst.max(gap)))
             });
-        let count = |keep: &dyn Fn(&Bucket) -> bool| {
-            counted.iter().filter(|bucket| keep(bucket)).count() as u32
-        };
         PredictorCalibration {
             name: name.to_string(),
             description: description.to_string(),
@@ -332,10 +331,14 @@ impl Reliability {
             brier: self.brier(),
             worst_gap,
             buckets_counted: counted.len() as u32,
-            buckets_within_tolerance: count(&|bucket| {
-                bucket.gap().is_some_and(|gap| gap <= GAP_TOLERANCE)
-            }),
-            buckets_beyond_noise: count(&Bucket::beyond_noise),
+            buckets_within_tolerance: counted
+                .iter()
+                .filter(|bucket| bucket.gap().is_some_and(|gap| gap <= GAP_TOLERANCE))
+                .count() as u32,
+            buckets_beyond_noise: counted
+                .iter()
+                .filter(|bucket| bucket.beyond_noise())
+                .count() as u32,
             buckets,
         }
     }
@@ -827,7 +830,7 @@ pub fn render_markdown(calibrations: &[LegCalibration], plot: Option<&str>) -> S
                     cell.pairs,
                     optional(cell.mean_predicted, 3),
                     optional(cell.observed, 3),
-                    if cell.samples >= MIN_BUCKET_SAMPLES && cell.beyond_noise() {
+                    if cell.counted() && cell.beyond_noise() {
                         " (off)"
                     } else {
                         ""
@@ -928,11 +931,7 @@ pub fn reliability_diagram(path: &Path, calibrations: &[LegCalibration]) -> Resu
                 .buckets
                 .iter()
                 .filter_map(|bucket| {
-                    Some((
-                        bucket.mean_predicted?,
-                        bucket.observed?,
-                        bucket.samples >= MIN_BUCKET_SAMPLES,
-                    ))
+                    Some((bucket.mean_predicted?, bucket.observed?, bucket.counted()))
                 })
                 .collect();
             if points.is_empty() {
