@@ -2,8 +2,6 @@
 //! needs no router process): workload file, simulated engines, load generator, report files,
 //! plots and gates.
 
-use std::path::PathBuf;
-
 use clap::Parser;
 use myelin_bench::BenchArgs;
 
@@ -13,49 +11,21 @@ struct Command {
     args: BenchArgs,
 }
 
+#[path = "support/small_churn.rs"]
+mod fixture;
+
+use fixture::scratch_dir;
+
 /// A small churn: 2 engines with little KV, so they evict within seconds.
-const SMALL_CHURN: &str = r#"
-name = "small-churn"
-kind = "churn"
-api = "completions"
-prompt = "token-ids"
-seed = 7
-users = 6
-duration_s = 40.0
-warmup_s = 5.0
-output_tokens = 20
-
-[cluster]
-engines = 2
-profile = "a100-40gb-llama-3.1-8b"
-speedup = 20.0
-kv_blocks = 256
-block_size = 16
-
-[churn]
-population = 12
-active = 4
-rotate = 2
-rotate_every_s = 5.0
-prefix_tokens = [400, 900]
-suffix_tokens = [8, 32]
-
-[quick]
-"#;
-
-fn scratch_dir(name: &str) -> PathBuf {
-    let directory =
-        std::env::temp_dir().join(format!("myelin-bench-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&directory);
-    std::fs::create_dir_all(&directory).unwrap();
-    directory
+fn small_churn() -> String {
+    fixture::small_churn(40.0, 256)
 }
 
 #[test]
 fn oracle_leg_runs_on_simulated_engines_and_writes_a_valid_report() {
-    let directory = scratch_dir("oracle");
+    let directory = scratch_dir("bench-oracle");
     let workload = directory.join("small-churn.toml");
-    std::fs::write(&workload, SMALL_CHURN).unwrap();
+    std::fs::write(&workload, small_churn()).unwrap();
     let out = directory.join("out");
     let command = Command::parse_from([
         "bench",
@@ -144,7 +114,7 @@ capacity_rps = 4.0
 
 #[test]
 fn open_loop_churn_sends_identical_requests_on_every_run_and_keeps_each_repeat() {
-    let directory = scratch_dir("churn-open");
+    let directory = scratch_dir("bench-churn-open");
     let workload = directory.join("small-churn-open.toml");
     std::fs::write(&workload, SMALL_CHURN_OPEN).unwrap();
     let out = directory.join("out");
@@ -202,7 +172,7 @@ fn open_loop_churn_sends_identical_requests_on_every_run_and_keeps_each_repeat()
 
 #[test]
 fn trace_lines_over_the_context_are_skipped_and_reported_not_errors() {
-    let directory = scratch_dir("over-context");
+    let directory = scratch_dir("bench-over-context");
     // 256 blocks of 16 tokens: a 4,096-token context. Line 3 asks for 5,000 + 10 tokens; the
     // other eleven, 1,500-token prompts of their own, fill the engines' KV so they evict.
     let trace = directory.join("trace.jsonl");
@@ -221,7 +191,7 @@ fn trace_lines_over_the_context_are_skipped_and_reported_not_errors() {
     let workload = directory.join("trace.toml");
     std::fs::write(
         &workload,
-        SMALL_CHURN
+        small_churn()
             .replace("name = \"small-churn\"", "name = \"small-trace\"")
             .replace("kind = \"churn\"", "kind = \"trace\"")
             .replace("[quick]", "[quick]\n")

@@ -1,6 +1,6 @@
-//! Fixtures of the `myelin bench` end-to-end tests: a scratch directory per test, a small churn
-//! workload (two simulated engines, a few users, prefixes of 400-900 tokens) and a run of the
-//! real binary on it that returns report.json. Included by path (`#[path]`), apart from the
+//! Fixtures of the `myelin bench` end-to-end tests: a scratch directory per test and a small
+//! churn workload (shared with myelin-bench's own end-to-end tests), and a run of the real
+//! binary on it that returns report.json. Included by path (`#[path]`), apart from the
 //! `support` module the `myelin serve` tests use.
 
 #![allow(dead_code)]
@@ -10,50 +10,14 @@ use std::process::Command;
 
 use serde_json::Value;
 
+#[path = "../../../myelin-bench/tests/support/small_churn.rs"]
+mod small_churn;
+
+// Not every test including this file uses both (the overhead test runs no churn).
+#[allow(unused_imports)]
+pub use small_churn::{scratch_dir, small_churn};
+
 pub const MYELIN: &str = env!("CARGO_BIN_EXE_myelin");
-
-/// An empty directory under the system's temp dir, unique to `test` and this process.
-pub fn scratch_dir(test: &str) -> PathBuf {
-    let directory = std::env::temp_dir().join(format!("myelin-{test}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&directory);
-    std::fs::create_dir_all(&directory).unwrap();
-    directory
-}
-
-/// A churn of `duration_s` simulated seconds on two engines of `kv_blocks` blocks of 16 tokens:
-/// 6 users, 12 prefixes of 400-900 tokens with 4 active, 2 rotated every 5 s, speedup 20.
-pub fn small_churn(duration_s: f64, kv_blocks: u32) -> String {
-    format!(
-        r#"
-name = "small-churn"
-kind = "churn"
-api = "completions"
-prompt = "token-ids"
-seed = 7
-users = 6
-duration_s = {duration_s:.1}
-warmup_s = 5.0
-output_tokens = 20
-
-[cluster]
-engines = 2
-profile = "a100-40gb-llama-3.1-8b"
-speedup = 20.0
-kv_blocks = {kv_blocks}
-block_size = 16
-
-[churn]
-population = 12
-active = 4
-rotate = 2
-rotate_every_s = 5.0
-prefix_tokens = [400, 900]
-suffix_tokens = [8, 32]
-
-[quick]
-"#
-    )
-}
 
 /// Runs `myelin bench --workload <workload> --no-progress --out <directory>/out <args>` and
 /// returns the output directory and its report.json. Exit 0 (valid), 1 (a gate failed) or 3

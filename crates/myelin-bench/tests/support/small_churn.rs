@@ -1,0 +1,50 @@
+//! Fixtures shared by the `myelin bench` end-to-end tests of this crate and of the `myelin`
+//! crate (which includes this file by path): a scratch directory per test and a small churn
+//! workload (two simulated engines, a few users, prefixes of 400-900 tokens).
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+/// An empty directory under the system's temp dir, unique to `test` and this process.
+pub fn scratch_dir(test: &str) -> PathBuf {
+    let directory = std::env::temp_dir().join(format!("myelin-{test}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&directory);
+    std::fs::create_dir_all(&directory).unwrap();
+    directory
+}
+
+/// A churn of `duration_s` simulated seconds on two engines of `kv_blocks` blocks of 16 tokens:
+/// 6 users, 12 prefixes of 400-900 tokens with 4 active, 2 rotated every 5 s, speedup 20.
+pub fn small_churn(duration_s: f64, kv_blocks: u32) -> String {
+    format!(
+        r#"
+name = "small-churn"
+kind = "churn"
+api = "completions"
+prompt = "token-ids"
+seed = 7
+users = 6
+duration_s = {duration_s:.1}
+warmup_s = 5.0
+output_tokens = 20
+
+[cluster]
+engines = 2
+profile = "a100-40gb-llama-3.1-8b"
+speedup = 20.0
+kv_blocks = {kv_blocks}
+block_size = 16
+
+[churn]
+population = 12
+active = 4
+rotate = 2
+rotate_every_s = 5.0
+prefix_tokens = [400, 900]
+suffix_tokens = [8, 32]
+
+[quick]
+"#
+    )
+}
