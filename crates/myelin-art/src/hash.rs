@@ -6,7 +6,31 @@
 //! core and every peer computing the same value. It is fast (a few cycles per token), not
 //! cryptographic: a collision only mis-scores one request, it never breaks correctness.
 
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::num::NonZeroU32;
+
+/// A map keyed by chain hashes, which are uniform 64-bit values already: hashing them again
+/// would only cost time.
+pub type ChainHashMap<V> = HashMap<u64, V, BuildHasherDefault<ChainHashKeyHasher>>;
+
+/// The hasher of [`ChainHashMap`]: a `u64` key is its own hash.
+#[derive(Default)]
+pub struct ChainHashKeyHasher(u64);
+
+impl Hasher for ChainHashKeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(byte);
+        }
+    }
+    fn write_u64(&mut self, value: u64) {
+        self.0 = value;
+    }
+}
 
 /// Chain hash of the (virtual) empty prefix: the parent of every first block.
 pub const ROOT_CHAIN_HASH: u64 = 0x6d79_656c_696e_0001;

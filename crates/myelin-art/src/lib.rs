@@ -46,7 +46,9 @@ mod node;
 mod tree;
 
 pub use error::ConfigError;
-pub use hash::{BlockChain, ROOT_CHAIN_HASH, chain_hash, chain_hashes_into};
+pub use hash::{
+    BlockChain, ChainHashKeyHasher, ChainHashMap, ROOT_CHAIN_HASH, chain_hash, chain_hashes_into,
+};
 pub use node::BackendId;
 pub use tree::{
     BackendPrefix, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BLOCKS, InsertOutcome, MatchSegment, PrefixTree,

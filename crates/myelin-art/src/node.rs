@@ -2,8 +2,9 @@
 //!
 //! Holds no tree-level logic (walks, splits, eviction live in `tree.rs`).
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::BuildHasherDefault;
+
+use crate::hash::ChainHashMap;
 
 /// Index of a node in the tree's arena.
 pub(crate) type NodeId = u32;
@@ -121,25 +122,7 @@ pub(crate) const SMALL_CHILDREN_MAX: usize = 16;
 /// A large index shrinks back to a vector at this size (hysteresis against flapping).
 const LARGE_CHILDREN_SHRINK_AT: usize = 8;
 
-/// Keys are already uniform 64-bit chain hashes: hashing them again would only cost time.
-#[derive(Default)]
-pub(crate) struct ChainHashKeyHasher(u64);
-
-impl Hasher for ChainHashKeyHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &byte in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(byte);
-        }
-    }
-    fn write_u64(&mut self, value: u64) {
-        self.0 = value;
-    }
-}
-
-type LargeIndex = HashMap<u64, NodeId, BuildHasherDefault<ChainHashKeyHasher>>;
+type LargeIndex = ChainHashMap<NodeId>;
 
 /// Child index keyed by the chain hash of the child's first block. Sized to the fan-out: none
 /// and one child inline (most nodes: leaves and conversation chains), a vector up to

@@ -69,6 +69,11 @@ pub struct BenchArgs {
     #[arg(long)]
     pub kv_blocks: Option<u32>,
 
+    /// Simulate engines without a metrics endpoint (TensorRT-LLM, Ollama): `GET /metrics`
+    /// answers 404, and routers get each engine's capacity as `capacity-tokens=` instead.
+    #[arg(long)]
+    pub no_engine_metrics: bool,
+
     /// Seed of every workload draw [workload default: 42].
     #[arg(long)]
     pub seed: Option<u64>,
@@ -202,6 +207,9 @@ impl BenchArgs {
         if let Some(kv_blocks) = self.kv_blocks {
             config.cluster.kv_blocks = kv_blocks;
         }
+        if self.no_engine_metrics {
+            config.cluster.engine_metrics = false;
+        }
         if let Some(seed) = self.seed {
             config.seed = seed;
         }
@@ -299,6 +307,10 @@ mod tests {
         let config = args.workload_config().unwrap();
         assert_eq!(config.name, "churn");
         assert_eq!(config.users, 60);
+        assert!(
+            config.cluster.engine_metrics,
+            "engines serve metrics unless told not to"
+        );
     }
 
     #[test]
@@ -313,9 +325,11 @@ mod tests {
             "20",
             "--speedup",
             "5",
+            "--no-engine-metrics",
         ])
         .workload_config()
         .unwrap();
+        assert!(!config.cluster.engine_metrics);
         assert_eq!((config.users, config.cluster.engines), (12, 3));
         assert_eq!(config.duration_s, 20.0);
         // The quick warm-up (30 s) would swallow a 20 s leg: it shrinks to a tenth.

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use myelin_sim::{ClusterConfig, EngineConfig, KvEventsConfig, SimCluster};
+use myelin_sim::{ClusterConfig, EngineConfig, FaultConfig, KvEventsConfig, SimCluster};
 
 use myelin_routing::MemoryPressure;
 
@@ -24,6 +24,9 @@ pub enum ClusterError {
 pub struct EmbeddedCluster {
     sim: Arc<SimCluster>,
     block_size: u32,
+    /// Each engine's KV capacity in tokens for the routers' backend specs, when the engines
+    /// serve no metrics.
+    configured_capacity: Option<u64>,
 }
 
 /// Starts `settings.engines` simulated engines on loopback ephemeral ports, publishing KV
@@ -48,11 +51,18 @@ pub fn start_cluster(
         speedup: settings.speedup,
         engine,
         kv_events: kv_events.then(KvEventsConfig::default),
+        faults: FaultConfig {
+            no_metrics: !settings.engine_metrics,
+            ..FaultConfig::default()
+        },
         ..ClusterConfig::default()
     })?;
     Ok(EmbeddedCluster {
         sim: Arc::new(sim),
         block_size: settings.block_size,
+        // Without metrics the router cannot scrape the capacity: it is configured instead.
+        configured_capacity: (!settings.engine_metrics)
+            .then(|| u64::from(settings.kv_blocks) * u64::from(settings.block_size)),
     })
 }
 
@@ -74,6 +84,7 @@ impl EmbeddedCluster {
                     .get(engine)
                     .and_then(|endpoints| endpoints.as_ref())
                     .map(|endpoints| endpoints.replay.clone()),
+                capacity_tokens: self.configured_capacity,
             })
             .collect()
     }

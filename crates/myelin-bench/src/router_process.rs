@@ -58,6 +58,8 @@ pub struct BackendEndpoint {
     pub kv_events: Option<String>,
     /// The engine's KV-event replay socket, when it has one.
     pub kv_replay: Option<String>,
+    /// `capacity-tokens=` for the router (engines without a metrics endpoint).
+    pub capacity_tokens: Option<u64>,
 }
 
 /// A running router.
@@ -149,15 +151,14 @@ pub fn serve_args(
         // The admin API is not used; a free port keeps routers from colliding on its default.
         "--admin-listen",
         "127.0.0.1:0",
-        "--shards",
-        "2",
         "--no-pin",
     ]
     .iter()
     .map(|arg| arg.to_string())
     .collect();
-    // Time-based settings at a real deployment's defaults in simulated time.
-    for (flag, ms) in [
+    // Two data cores, and time-based settings at a real deployment's defaults in simulated time.
+    for (flag, value) in [
+        ("--shards", 2),
         (
             "--engine-metrics-interval-ms",
             timing.engine_metrics_interval_ms,
@@ -166,22 +167,23 @@ pub fn serve_args(
     ] {
         if !overridden(flag) {
             args.push(flag.to_string());
-            args.push(ms.to_string());
+            args.push(value.to_string());
         }
     }
     args.extend(kind.router_flags().iter().map(|flag| flag.to_string()));
     for backend in backends {
         args.push("--backend".into());
-        match (&backend.kv_events, kind.wants_kv_events()) {
-            (Some(kv_events), true) => {
-                let mut spec = format!("{},kv-events={kv_events}", backend.url);
-                if let Some(replay) = &backend.kv_replay {
-                    spec.push_str(&format!(",kv-replay={replay}"));
-                }
-                args.push(spec);
+        let mut spec = backend.url.clone();
+        if let (Some(kv_events), true) = (&backend.kv_events, kind.wants_kv_events()) {
+            spec.push_str(&format!(",kv-events={kv_events}"));
+            if let Some(replay) = &backend.kv_replay {
+                spec.push_str(&format!(",kv-replay={replay}"));
             }
-            _ => args.push(backend.url.clone()),
         }
+        if let Some(capacity) = backend.capacity_tokens {
+            spec.push_str(&format!(",capacity-tokens={capacity}"));
+        }
+        args.push(spec);
     }
     args.extend(extra.iter().cloned());
     args
@@ -459,11 +461,13 @@ mod tests {
                 url: "http://127.0.0.1:9001".into(),
                 kv_events: Some("tcp://127.0.0.1:5557".into()),
                 kv_replay: Some("tcp://127.0.0.1:5558".into()),
+                capacity_tokens: None,
             },
             BackendEndpoint {
                 url: "http://127.0.0.1:9002".into(),
                 kv_events: None,
                 kv_replay: None,
+                capacity_tokens: Some(32_768),
             },
         ]
     }
@@ -489,9 +493,9 @@ mod tests {
         .join(" ");
         assert_eq!(
             args,
-            "serve --listen 127.0.0.1:8000 --admin-listen 127.0.0.1:0 --shards 2 --no-pin \
+            "serve --listen 127.0.0.1:8000 --admin-listen 127.0.0.1:0 --no-pin --shards 2 \
              --engine-metrics-interval-ms 100 --pending-resident-ms 200 --routing prefix --residency off \
-             --backend http://127.0.0.1:9001 --backend http://127.0.0.1:9002"
+             --backend http://127.0.0.1:9001 --backend http://127.0.0.1:9002,capacity-tokens=32768"
         );
         let verified = serve_args(
             LegKind::Prefix(Residency::Verified),

@@ -65,7 +65,7 @@ pub use backend::{BackendId, BackendState, BackendView, MemoryPressure};
 pub use error::{NoBackend, ParseNameError, RoutingError};
 pub use mirror::ResidencyMirror;
 pub use myelin_art::{
-    BlockChain, InsertOutcome, MatchSegment, ROOT_CHAIN_HASH, TreeStats, chain_hash,
+    BlockChain, ChainHashMap, InsertOutcome, MatchSegment, ROOT_CHAIN_HASH, TreeStats, chain_hash,
 };
 pub use policy::Policy;
 pub use replica::{MirrorChange, WriteOp};

@@ -3,28 +3,11 @@
 //!
 //! Holds state only; decoding events and detecting gaps is the KV-events crate's job.
 
-use std::collections::{BTreeSet, HashMap};
-use std::hash::{BuildHasherDefault, Hasher};
+use std::collections::BTreeSet;
+
+use myelin_art::ChainHashMap;
 
 use crate::backend::BackendId;
-
-/// Keys are uniform 64-bit chain hashes already.
-#[derive(Default)]
-struct ChainHashKeyHasher(u64);
-
-impl Hasher for ChainHashKeyHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &byte in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(byte);
-        }
-    }
-    fn write_u64(&mut self, value: u64) {
-        self.0 = value;
-    }
-}
 
 /// Copies of one block per backend (vLLM can hold several physical copies of one hash).
 /// Almost every block has one holder: that case lives inline, with no allocation.
@@ -97,7 +80,7 @@ impl Holders {
 /// stream is live (in sync) so its mirror may be trusted.
 #[derive(Default)]
 pub struct ResidencyMirror {
-    blocks: HashMap<u64, Holders, BuildHasherDefault<ChainHashKeyHasher>>,
+    blocks: ChainHashMap<Holders>,
     live: BTreeSet<BackendId>,
 }
 

@@ -273,6 +273,9 @@ async fn list(control: &Rc<Control>) -> Response<Body> {
             json["kv_running_requests"] = json!(engine_cache.running);
             json["kv_waiting_requests"] = json!(engine_cache.waiting);
             json["prefix_replications"] = json!(load.prefix_replications);
+            // The prompt tokens the requests in flight hold there, shared prefixes once: the
+            // router's own view of the KV memory, used when the engine reports none.
+            json["kv_pinned_prompt_tokens"] = json!(load.pinned_prompt_tokens);
             json["residency_estimate"] = json!(corrections);
             // Tokenization parity: answers whose usage.prompt_tokens differed from the router's
             // count, and the last one (with both counts and the likely cause).

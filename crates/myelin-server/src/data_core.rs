@@ -3,6 +3,7 @@
 //! `request_path.rs`.
 
 use std::cell::{Cell, RefCell};
+use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -16,11 +17,12 @@ use myelin_http::client::{Pool, PoolConfig};
 use myelin_http::server::{ServeReport, ServerConfig, Shutdown};
 use myelin_tokenize::{ChatTemplate, FastBpe, Tokenizer};
 
-use crate::backends::{BackendId, BackendInfo, BackendTable, Load, LoadUpdate};
+use crate::backends::{BackendId, BackendInfo, BackendTable, Load, LoadUpdate, PinnedBlocks};
 use crate::config::ServeConfig;
 use crate::mesh::{Mesh, MeshEnds, SendError};
 use crate::messages::{Message, ReplicaBackend, ReplicaSnapshot};
 use crate::metrics as names;
+use crate::pins::{OwnedPins, PinChange, PromptBlocks};
 use crate::route_tokens::{AddedTokens, RouteTokenizer};
 use crate::routing_glue::{LookupAnswer, LookupQuery, RoutingShard};
 
@@ -95,6 +97,14 @@ pub struct DataCore {
     pending_successes: RefCell<Vec<BackendId>>,
     flush_scheduled: Cell<bool>,
     in_flight: Cell<usize>,
+    /// Prompts this core counts in its backends' KV memory, for requests on any core (see
+    /// `pins.rs`).
+    owned_pins: RefCell<OwnedPins>,
+    /// Keys of this core's requests pinned on each other core, and the changes not yet sent
+    /// there, by core index.
+    live_pins: RefCell<Vec<BTreeSet<u64>>>,
+    pin_outbox: RefCell<Vec<Vec<PinChange>>>,
+    next_pin_key: Cell<u64>,
 }
 
 /// Runs a data core until shutdown and drain complete.
@@ -184,6 +194,10 @@ pub async fn run_data_core(setup: DataCoreSetup) -> ServeReport {
         pending_successes: RefCell::new(Vec::new()),
         flush_scheduled: Cell::new(false),
         in_flight: Cell::new(0),
+        owned_pins: RefCell::new(OwnedPins::default()),
+        live_pins: RefCell::new(vec![BTreeSet::new(); setup.shards]),
+        pin_outbox: RefCell::new(vec![Vec::new(); setup.shards]),
+        next_pin_key: Cell::new(0),
         config: setup.config.clone(),
     });
     for (_, receiver) in receivers {
@@ -221,7 +235,8 @@ async fn receive_loop(core: Rc<DataCore>, receiver: ConnectedReceiver<Message>) 
 }
 
 /// Re-broadcasts this core's load on every backend: absolute values, so a dropped update is
-/// healed within one interval. Also publishes the tokenizer caches' sizes.
+/// healed within one interval; and tells every other core which of this core's pins it holds
+/// are live, so a dropped unpin heals too. Also publishes the tokenizer caches' sizes.
 async fn resync_loop(core: Rc<DataCore>) {
     let segment_bytes = metrics::gauge!(
         names::TOKENIZE_CACHE_BYTES, "cache" => "segment", "shard" => core.shard_label.clone()
@@ -241,6 +256,19 @@ async fn resync_loop(core: Rc<DataCore>) {
             .map(|entry| (entry.info.id, entry.local))
             .collect();
         core.broadcast_loads(&loads);
+        // Every other core learns which of this core's pins there are live (pins.rs).
+        let live: Vec<BTreeSet<u64>> = core.live_pins.borrow().clone();
+        for (owner, keys) in live.into_iter().enumerate() {
+            if owner != core.shard {
+                core.send(
+                    owner,
+                    Message::LivePins {
+                        from: core.shard,
+                        keys,
+                    },
+                );
+            }
+        }
     }
 }
 
@@ -269,6 +297,9 @@ pub struct LoadGuard {
     /// What the residency estimate saw of the backend when it was chosen, until the engine
     /// reports its reuse (`None`: not estimated).
     probe: Option<myelin_routing::ReuseProbe>,
+    /// The prompt's pin: its key on this core and the core counting its blocks (until the
+    /// response ends).
+    pin: (u64, usize),
 }
 
 impl LoadGuard {
@@ -317,11 +348,21 @@ impl Drop for LoadGuard {
             load.tokens = load.tokens.saturating_sub(remaining);
             load.decode_tokens = load.decode_tokens.saturating_sub(decode);
         });
+        let (key, owner) = self.pin;
+        self.core.send_pin_change(
+            owner,
+            PinChange {
+                from: self.core.shard,
+                key,
+                backend: self.backend,
+                prompt: None,
+            },
+        );
     }
 }
 
 impl DataCore {
-    fn on_message(&self, message: Message) {
+    fn on_message(self: &Rc<Self>, message: Message) {
         match message {
             Message::Writes(batch) => {
                 let mut routing = self.routing.borrow_mut();
@@ -396,6 +437,18 @@ impl DataCore {
                 routing.set_scraped_capacity(id, capacity_tokens);
                 if let Some(memory) = memory {
                     routing.set_scraped_memory(id, memory, Instant::now());
+                }
+            }
+            Message::Pins(changes) => {
+                for change in changes {
+                    self.apply_pin_change(change);
+                }
+            }
+            Message::LivePins { from, keys } => {
+                let dead = self.owned_pins.borrow_mut().reconcile(from, &keys);
+                for (backend, prompt) in dead {
+                    self.meters.pins_reconciled.increment(1);
+                    self.release_pin(backend, &prompt);
                 }
             }
             Message::PeerLoads(loads) => {
@@ -556,6 +609,17 @@ impl DataCore {
             };
             self.broadcast_loads(&loads);
         }
+        let pins: Vec<(usize, Vec<PinChange>)> = self
+            .pin_outbox
+            .borrow_mut()
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, changes)| !changes.is_empty())
+            .map(|(owner, changes)| (owner, std::mem::take(changes)))
+            .collect();
+        for (owner, changes) in pins {
+            self.send(owner, Message::Pins(changes));
+        }
         let successes: Vec<BackendId> = std::mem::take(&mut *self.pending_successes.borrow_mut());
         for backend in successes {
             self.send(
@@ -609,13 +673,15 @@ impl DataCore {
     /// `decode_tokens` until the guard drops. The backend's admitted-tokens counter grows by
     /// `admitted_prefill_tokens + decode_tokens` (the prompt's uncached part as history has it:
     /// an estimate that discounted a prefix still resident must not count its tokens as new
-    /// pressure; the engine's reuse report adds what history missed).
+    /// pressure; the engine's reuse report adds what history missed). The prompt's blocks count
+    /// as held in the backend's KV memory ([`Load::pinned_prompt_tokens`]) until the guard drops.
     pub fn start_load(
         self: &Rc<Self>,
         backend: BackendId,
         admitted_prefill_tokens: u64,
         prefill_tokens: u64,
         decode_tokens: u64,
+        prompt: PromptBlocks,
     ) -> LoadGuard {
         let in_flight = self
             .backends
@@ -628,6 +694,18 @@ impl DataCore {
             load.admitted_tokens += admitted_prefill_tokens + decode_tokens;
             load.decode_tokens += decode_tokens;
         });
+        let key = self.next_pin_key.get();
+        self.next_pin_key.set(key + 1);
+        let owner = prompt.owner(self.shard, self.shards);
+        self.send_pin_change(
+            owner,
+            PinChange {
+                from: self.shard,
+                key,
+                backend,
+                prompt: Some(prompt),
+            },
+        );
         if let Some(in_flight) = &in_flight {
             in_flight.increment(1.0);
         }
@@ -638,7 +716,58 @@ impl DataCore {
             decode_tokens,
             in_flight,
             probe: None,
+            pin: (key, owner),
         }
+    }
+
+    /// Applies a pin change here when this core owns the prompt, else queues it for its owner
+    /// (sent with the next flush).
+    fn send_pin_change(self: &Rc<Self>, owner: usize, change: PinChange) {
+        if owner == self.shard {
+            self.apply_pin_change(change);
+            return;
+        }
+        {
+            let mut live = self.live_pins.borrow_mut();
+            match change.prompt {
+                Some(_) => live[owner].insert(change.key),
+                None => live[owner].remove(&change.key),
+            };
+        }
+        self.pin_outbox.borrow_mut()[owner].push(change);
+        self.schedule_flush();
+    }
+
+    /// Counts or releases a prompt's blocks on this (owner) core's load.
+    fn apply_pin_change(self: &Rc<Self>, change: PinChange) {
+        match change.prompt {
+            Some(prompt) => {
+                let counted = prompt.clone();
+                if self
+                    .owned_pins
+                    .borrow_mut()
+                    .pin(change.from, change.key, change.backend, prompt)
+                {
+                    self.change_load_pinned(change.backend, |load, pinned| {
+                        let new_blocks = pinned.pin(counted.chain.hashes());
+                        load.pinned_prompt_tokens += counted.tokens(new_blocks);
+                    });
+                }
+            }
+            None => {
+                let released = self.owned_pins.borrow_mut().unpin(change.from, change.key);
+                if let Some((backend, prompt)) = released {
+                    self.release_pin(backend, &prompt);
+                }
+            }
+        }
+    }
+
+    fn release_pin(self: &Rc<Self>, backend: BackendId, prompt: &PromptBlocks) {
+        self.change_load_pinned(backend, |load, pinned| {
+            let freed = prompt.tokens(pinned.unpin(prompt.chain.hashes()));
+            load.pinned_prompt_tokens = load.pinned_prompt_tokens.saturating_sub(freed);
+        });
     }
 
     /// Sets an engine's reuse report against the estimate's view of the request: this core's
@@ -683,12 +812,21 @@ impl DataCore {
     /// Applies `change` to this core's load on `backend`; the other cores hear of it with the
     /// next flush.
     fn change_load(self: &Rc<Self>, backend: BackendId, change: impl FnOnce(&mut Load)) {
+        self.change_load_pinned(backend, |load, _| change(load));
+    }
+
+    /// [`Self::change_load`] with the backend's pinned prompt blocks.
+    fn change_load_pinned(
+        self: &Rc<Self>,
+        backend: BackendId,
+        change: impl FnOnce(&mut Load, &mut PinnedBlocks),
+    ) {
         let load = {
             let mut backends = self.backends.borrow_mut();
             let Some(entry) = backends.get_mut(backend) else {
                 return;
             };
-            change(&mut entry.local);
+            change(&mut entry.local, &mut entry.pinned);
             entry.local
         };
         self.routing

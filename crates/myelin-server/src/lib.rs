@@ -22,6 +22,7 @@ mod mesh;
 mod messages;
 pub mod metrics;
 pub mod openai;
+mod pins;
 mod proxy;
 mod relay;
 mod request_path;

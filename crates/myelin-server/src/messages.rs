@@ -1,10 +1,12 @@
 //! The messages cores send each other over the mesh (all `Send`, all owned data).
 
 use crate::backends::{BackendId, BackendInfo, BackendState, Load, LoadUpdate};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use myelin_routing::WriteOp;
 
+use crate::pins::PinChange;
 use crate::routing_glue::{BlockCounts, CacheFigures};
 
 /// What a data core's replica holds, for the admin API's listing (answer to `Snapshot`).
@@ -103,6 +105,12 @@ pub enum Message {
     /// Routes other cluster nodes learned (gossip, control core -> data cores), applied as
     /// history at the receiver's clock.
     PeerRoutes(Arc<[PeerRoute]>),
+    /// Pins and unpins of prompts whose first block the receiving data core owns (data core ->
+    /// data core, with the flush; `pins.rs`).
+    Pins(Vec<PinChange>),
+    /// The keys of the sender's requests pinned on the receiver (data core -> data core, every
+    /// resync interval): the receiver releases the sender's other pins (their unpin was lost).
+    LivePins { from: usize, keys: BTreeSet<u64> },
     /// Every backend as of change `version` (sent every second, so a dropped change heals):
     /// the receiver makes its table equal to it, then confirms `version` cumulatively.
     BackendSync {
@@ -129,6 +137,8 @@ impl Message {
             Message::Addresses(_) => "addresses",
             Message::PeerLoads(_) => "peer_loads",
             Message::PeerRoutes(_) => "peer_routes",
+            Message::Pins(_) => "pins",
+            Message::LivePins { .. } => "live_pins",
         }
     }
 }

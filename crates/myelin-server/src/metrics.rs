@@ -147,6 +147,8 @@ pub struct CoreMetrics {
     pub load_view_staleness: Histogram,
     pub residency_predicted_vs_reported: Histogram,
     pub backend_resyncs: Counter,
+    /// Pins of in-flight prompts released because their unpin was lost (`pins.rs`).
+    pub pins_reconciled: Counter,
     /// By `extent`.
     pub tokenize_prompts: Family<Counter>,
     /// By `reason`.
@@ -191,6 +193,7 @@ impl CoreMetrics {
                 RESIDENCY_PREDICTED_VS_REPORTED_TOKENS
             ),
             backend_resyncs: metrics::counter!(STATE_RESYNCS_TOTAL, "kind" => "backends"),
+            pins_reconciled: metrics::counter!(STATE_RESYNCS_TOTAL, "kind" => "kv_pins"),
             tokenize_prompts: Family::new(
                 |extent| metrics::counter!(TOKENIZE_PROMPTS_TOTAL, "extent" => extent),
             ),

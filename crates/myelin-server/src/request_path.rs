@@ -19,6 +19,7 @@ use crate::backends::{BackendId, BackendState};
 use crate::data_core::{DataCore, InFlightPermit, LoadGuard};
 use crate::metrics as names;
 use crate::openai::{ApiError, Endpoint, GenerationRequest, parse_generation_request};
+use crate::pins::PromptBlocks;
 use crate::proxy::{self, Attempt, BACKEND_HEADER, FailedAttempt, UpstreamRequest};
 use crate::relay::{RelayBody, RelayObserver, StreamEnd, Usage};
 use crate::routing_glue::deepest_match;
@@ -387,6 +388,7 @@ async fn generate(
             admitted_prefill,
             prefill_tokens,
             decode_tokens,
+            PromptBlocks::new(query.chain.clone(), prompt_tokens as u64),
         );
         load.set_probe(probe);
         // A streaming answer's head comes before the first token; a non-streaming one's comes

@@ -442,20 +442,18 @@ impl RoutingShard {
 /// to average over (half of a typical 256-token answer).
 const DEFAULT_REMAINING_OUTPUT_TOKENS: f64 = 128.0;
 
-/// A backend's expected-wait inputs: the engine's last scraped utilization and queue, and the
-/// output its running requests still owe taken as half of what the routers' in-flight requests
-/// there expect. `None` when never scraped or older than `max_age`. Only the engine's own queue
-/// counts as waiting: requests routers sent since the scrape may well have been admitted, and
-/// counting them as waiting made every busy engine look full (docs/routing.md).
+/// A backend's expected-wait inputs. From the engine's last scraped utilization and queue
+/// when they are at most `max_age` old; only the engine's own queue counts as waiting: requests
+/// routers sent since the scrape may well have been admitted, and counting them as waiting made
+/// every busy engine look full (docs/routing.md). Otherwise, when its KV capacity is known
+/// (scraped or `capacity-tokens=`), from what routers sent it ([`sent_memory`]); else `None`.
+/// The output a running request still owes is taken as half of what the routers' in-flight
+/// requests there expect.
 fn memory_pressure(
     backend: &ShardBackend,
     now: Instant,
     max_age: Duration,
 ) -> Option<MemoryPressure> {
-    let (memory, at) = backend.scraped_memory?;
-    if now.saturating_duration_since(at) > max_age {
-        return None;
-    }
     let mut total = Load::default();
     for load in &backend.load_by_core {
         total.add(load);
@@ -465,12 +463,47 @@ fn memory_pressure(
     } else {
         DEFAULT_REMAINING_OUTPUT_TOKENS
     };
-    Some(MemoryPressure {
-        utilization: memory.utilization,
-        waiting_requests: memory.waiting,
-        running_requests: memory.running,
+    match backend.scraped_memory {
+        Some((memory, at)) if now.saturating_duration_since(at) <= max_age => {
+            Some(MemoryPressure {
+                utilization: memory.utilization,
+                waiting_requests: memory.waiting,
+                running_requests: memory.running,
+                mean_remaining_output_tokens,
+            })
+        }
+        _ => {
+            let capacity = backend.scraped_capacity.or(backend.configured_capacity)?;
+            Some(sent_memory(&total, capacity, mean_remaining_output_tokens))
+        }
+    }
+}
+
+/// An engine's KV memory as the routers' requests in flight there fill it, for engines that do
+/// not report theirs (TensorRT-LLM, Ollama, LM Studio) or whose figures grew old. Held: the
+/// distinct prompt blocks of those requests (a prefix shared by several counted once, as the
+/// engine holds it once) plus their output so far, half of what they expect on average. The
+/// engine admits requests while their blocks fit in `capacity`; what is held beyond it is the
+/// requests waiting, each taken to need the average request's share.
+pub(crate) fn sent_memory(
+    total: &Load,
+    capacity_tokens: u64,
+    mean_remaining_output_tokens: f64,
+) -> MemoryPressure {
+    let held = total.pinned_prompt_tokens as f64 + total.decode_tokens as f64 / 2.0;
+    let capacity = capacity_tokens.max(1) as f64;
+    let waiting_requests = if held > capacity && total.requests > 0 {
+        let per_request = held / f64::from(total.requests);
+        (((held - capacity) / per_request).ceil() as u32).min(total.requests)
+    } else {
+        0
+    };
+    MemoryPressure {
+        utilization: (held / capacity).min(1.0),
+        waiting_requests,
+        running_requests: total.requests - waiting_requests,
         mean_remaining_output_tokens,
-    })
+    }
 }
 
 #[cfg(test)]
@@ -571,6 +604,88 @@ pub(crate) mod tests {
         shard.set_scraped_memory(home, full(3), old);
         let choice = shard
             .decide(&shard.lookup(&query), prompt.len(), &[])
+            .unwrap();
+        assert_eq!((choice.backend, choice.prefix_replication), (home, false));
+    }
+
+    #[test]
+    fn sent_memory_waits_only_for_what_is_held_beyond_the_capacity() {
+        let load = |requests, pinned_prompt_tokens, decode_tokens| Load {
+            requests,
+            pinned_prompt_tokens,
+            decode_tokens,
+            ..Load::default()
+        };
+        // 8 requests hold 20,000 prompt tokens and half of their 4,000 output: 22,000 of 32,768.
+        let memory = sent_memory(&load(8, 20_000, 4_000), 32_768, 250.0);
+        assert!((memory.utilization - 22_000.0 / 32_768.0).abs() < 1e-9);
+        assert_eq!((memory.running_requests, memory.waiting_requests), (8, 0));
+        assert_eq!(memory.mean_remaining_output_tokens, 250.0);
+        // 10 requests holding 40,000 (4,000 each on average): 7,232 beyond the capacity, two
+        // requests' worth, wait.
+        let memory = sent_memory(&load(10, 38_000, 4_000), 32_768, 100.0);
+        assert_eq!(memory.utilization, 1.0);
+        assert_eq!((memory.running_requests, memory.waiting_requests), (8, 2));
+        // Nothing in flight, or a zero capacity from a broken engine: finite and idle.
+        let idle = sent_memory(&Load::default(), 0, 128.0);
+        assert_eq!((idle.utilization, idle.waiting_requests), (0.0, 0));
+    }
+
+    #[test]
+    fn an_engine_without_figures_waits_by_what_routers_sent_it_when_its_capacity_is_known() {
+        let capacity: u64 = 32_768;
+        let args = ServeArgs {
+            backends: vec!["http://a:1".into()],
+            routing: Some(RoutingPolicy::Prefix),
+            shards: Some(1),
+            ..ServeArgs::default()
+        };
+        let config = ServeConfig::merge(args, FileConfig::default(), &[0]).unwrap();
+        let mut shard = RoutingShard::new(&config, 1, Instant::now()).unwrap();
+        for id in 0..3 {
+            shard.add_backend(&BackendInfo {
+                id,
+                spec: BackendSpec::parse(&format!("http://b{id}:1,capacity-tokens={capacity}"))
+                    .unwrap(),
+                state: BackendState::Up,
+            });
+        }
+        let prompt: Vec<u32> = (0..4096).collect();
+        let query = shard.query(&prompt);
+        let home = shard
+            .decide(&shard.lookup(&query), prompt.len(), &[])
+            .unwrap()
+            .backend;
+        shard.learn(&query, home);
+        // 6 requests in flight there holding 30,000 prompt tokens and half of 1,536 output:
+        // within the capacity, so a cache hit stays home.
+        let mut busy = Load {
+            requests: 6,
+            tokens: 1_536,
+            decode_tokens: 1_536,
+            pinned_prompt_tokens: 30_000,
+            ..Load::default()
+        };
+        shard.set_load(home, 0, busy);
+        let choice = shard
+            .decide(&shard.lookup(&query), prompt.len(), &[])
+            .unwrap();
+        assert_eq!((choice.backend, choice.prefix_replication), (home, false));
+        // 10 in flight holding 45,000: about 3 wait behind 7 running, (3 + 1) · 128 / 7 steps
+        // of 300 tokens cost ~22,000, more than prefilling 4,096 elsewhere.
+        busy.requests = 10;
+        busy.pinned_prompt_tokens = 45_000;
+        shard.set_load(home, 0, busy);
+        let choice = shard
+            .decide(&shard.lookup(&query), prompt.len(), &[])
+            .unwrap();
+        assert!(choice.prefix_replication && choice.backend != home);
+        // The same load with no capacity known: no memory view, the request stays home.
+        let mut blind = shard_over(RoutingPolicy::Prefix, 1, 3);
+        blind.learn(&query, home);
+        blind.set_load(home, 0, busy);
+        let choice = blind
+            .decide(&blind.lookup(&query), prompt.len(), &[])
             .unwrap();
         assert_eq!((choice.backend, choice.prefix_replication), (home, false));
     }

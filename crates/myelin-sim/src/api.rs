@@ -32,6 +32,9 @@ pub async fn handle(engine: Rc<LocalEngine>, request: Request<Incoming>) -> Resp
     match (method, path.as_str()) {
         (Method::GET, "/health") => status_only(StatusCode::OK),
         (Method::GET, "/v1/models") => models(&engine),
+        (Method::GET, "/metrics") if engine.shared.faults.no_metrics => {
+            error_response(StatusCode::NOT_FOUND, "Not Found", "NotFoundError")
+        }
         (Method::GET, "/metrics") => metrics_page(&engine),
         (Method::POST, "/reset_prefix_cache") => reset_prefix_cache(&engine),
         (Method::POST, "/v1/completions") => generate(engine, request, Endpoint::Completions).await,

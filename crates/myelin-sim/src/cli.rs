@@ -93,6 +93,9 @@ pub struct SimArgs {
     /// Fault: restart the KV publisher (seq back to 0) every N batches.
     #[arg(long, value_name = "N")]
     pub fault_kv_restart_every: Option<u64>,
+    /// Serve no Prometheus metrics (`GET /metrics` answers 404), like TensorRT-LLM or Ollama.
+    #[arg(long)]
+    pub no_metrics: bool,
 }
 
 impl SimArgs {
@@ -131,6 +134,7 @@ impl SimArgs {
                 die_mid_stream_after: self.fault_die_mid_stream_after,
                 kv_drop_every: self.fault_kv_drop_every,
                 kv_restart_every: self.fault_kv_restart_every,
+                no_metrics: self.no_metrics,
             },
             model_name: self.served_model_name.clone(),
             tokenizer_path: self.tokenizer.clone(),

@@ -1,5 +1,6 @@
 //! Fault injection for one simulated engine: HTTP faults (503s, stalls, streams cut mid-way)
-//! counted over generation requests, and KV-event faults (dropped batches, publisher restarts).
+//! counted over generation requests, KV-event faults (dropped batches, publisher restarts), and
+//! a missing metrics endpoint.
 
 /// Which faults to inject. Counts are per engine; `None` disables a fault.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -15,6 +16,10 @@ pub struct FaultConfig {
     pub kv_drop_every: Option<u64>,
     /// Restart the KV publisher (seq back to 0, replay buffer emptied) every N batches.
     pub kv_restart_every: Option<u64>,
+    /// Serve no Prometheus metrics (`GET /metrics` answers 404), like an engine without a
+    /// metrics endpoint (TensorRT-LLM's OpenAI server, Ollama, LM Studio): a router sees
+    /// neither its KV capacity nor its utilization and queue.
+    pub no_metrics: bool,
 }
 
 /// What to do with the `nth` generation request (1-based).

@@ -393,6 +393,30 @@ fn a_client_that_gives_up_on_a_whole_response_aborts_it() {
 }
 
 #[test]
+fn an_engine_without_metrics_answers_404_and_still_serves() {
+    let cluster = cluster(
+        100.0,
+        FaultConfig {
+            no_metrics: true,
+            ..FaultConfig::default()
+        },
+    );
+    let base = cluster.engine_urls()[0].clone();
+    on_executor(|pool| async move {
+        let (status, body) = send(&pool, Method::GET, format!("{base}/metrics"), None).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        assert!(!String::from_utf8_lossy(&body).contains("vllm:"));
+        let (status, _) = post_json(
+            &pool,
+            format!("{base}/v1/completions"),
+            json!({"prompt": "hello", "max_tokens": 1}),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+    });
+}
+
+#[test]
 fn injected_faults_fail_and_cut_responses() {
     let cluster = cluster(
         100.0,

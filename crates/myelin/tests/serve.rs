@@ -1161,3 +1161,37 @@ fn load_counts_the_prompt_until_the_first_token_then_only_the_output() {
     let _ = stream.body();
     wait_until("the load to clear", || in_flight_tokens() == 0);
 }
+
+#[test]
+fn prompts_in_flight_hold_a_shared_prefix_once_across_cores() {
+    let engine = Engine::start("gated", Behavior::Gated { chunks: 1 });
+    let router = Router::start(&["--backend", &engine.url()]);
+    let pinned = || {
+        router.backends()[0]["kv_pinned_prompt_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    // Six siblings: a 160-token (10-block) prefix, then 40 tokens of their own (2 blocks and 8
+    // tokens), each on its own connection (spread over both data cores).
+    let siblings = 6u64;
+    let mut streams: Vec<_> = (0..siblings as u32)
+        .map(|sibling| {
+            let mut prompt: Vec<u32> = (0..160).collect();
+            prompt.extend((0..40).map(|offset| 10_000 + sibling * 100 + offset));
+            let body = json!({"model": "m", "prompt": prompt, "max_tokens": 1, "stream": true});
+            let stream = router.post_json("/v1/completions", &body);
+            assert_eq!(stream.status, 200);
+            stream
+        })
+        .collect();
+    // Counted per core, the prefix would be held once per core (up to 2 x 160 + 6 x 40).
+    let expected = 160 + siblings * 40;
+    wait_until("every prompt to be pinned once", || pinned() == expected);
+    for _ in 0..siblings {
+        engine.release();
+    }
+    for stream in streams.drain(..) {
+        let _ = stream.body();
+    }
+    wait_until("the pins to be released", || pinned() == 0);
+}

@@ -97,10 +97,20 @@ pub struct ClusterSettings {
     /// Tokens per KV block.
     #[serde(default = "default_block_size")]
     pub block_size: u32,
+    /// Whether the engines serve Prometheus metrics (vLLM's KV utilization, queue and
+    /// capacity). `false` simulates engines without them (TensorRT-LLM, Ollama, LM Studio): the
+    /// router is given each engine's capacity in its backend spec (`capacity-tokens=`, as an
+    /// operator would) and sees KV memory only through what it sent.
+    #[serde(default = "default_engine_metrics")]
+    pub engine_metrics: bool,
 }
 
 fn default_block_size() -> u32 {
     16
+}
+
+fn default_engine_metrics() -> bool {
+    true
 }
 
 impl ClusterSettings {

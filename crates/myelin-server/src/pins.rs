@@ -1,0 +1,161 @@
+//! The router's own view of an engine's KV memory: the prompt blocks its requests in flight
+//! hold there, a block shared by several of them counted once (docs/routing.md, "KV memory
+//! without the engine's figures").
+//!
+//! Requests sharing a prefix may arrive on different data cores, so each core counting its own
+//! would count a shared prefix once per core. Instead a prompt is pinned on the core that owns
+//! its first block (by hash, as the replicated routes are partitioned), so every request of a
+//! prefix is counted on the same core and the cores' counts add up to the distinct blocks. A
+//! request handled elsewhere sends its pin and, when it ends, its unpin there with the next
+//! flush. A dropped unpin would leave blocks held forever, so every core also sends each owner
+//! the keys of its live pins every resync interval; the owner drops any pin from that core not
+//! listed (the mesh is FIFO per pair of cores: a pin sent before the list arrives before it).
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+
+use myelin_routing::BlockChain;
+
+use crate::backends::BackendId;
+
+/// A request's prompt as the backend's KV memory holds it: its full blocks by chain hash (shared
+/// with other requests of the same prefix) and the tokens beyond them (the last partial block,
+/// and what was not tokenized, counted as its own).
+#[derive(Debug, Clone)]
+pub struct PromptBlocks {
+    pub chain: Arc<BlockChain>,
+    pub tail_tokens: u64,
+}
+
+impl PromptBlocks {
+    /// `prompt_tokens` (the whole prompt's count) of which `chain` hashes the first full blocks.
+    pub fn new(chain: Arc<BlockChain>, prompt_tokens: u64) -> Self {
+        let hashed = chain.len() as u64 * u64::from(chain.block_size().get());
+        PromptBlocks {
+            tail_tokens: prompt_tokens.saturating_sub(hashed),
+            chain,
+        }
+    }
+
+    /// The data core that counts this prompt's blocks: the owner of its first block (`local`
+    /// when it has no full block: nothing to share).
+    pub fn owner(&self, local: usize, shards: usize) -> usize {
+        match self.chain.hashes().first() {
+            Some(&first) if shards > 1 => (first % shards as u64) as usize,
+            _ => local,
+        }
+    }
+
+    /// Tokens `new_blocks` of the chain and the tail amount to.
+    pub fn tokens(&self, new_blocks: u64) -> u64 {
+        new_blocks * u64::from(self.chain.block_size().get()) + self.tail_tokens
+    }
+}
+
+/// A pin or unpin of one request's prompt, sent to the prompt's owner core.
+#[derive(Debug, Clone)]
+pub struct PinChange {
+    /// The core the request is on, and its key there.
+    pub from: usize,
+    pub key: u64,
+    pub backend: BackendId,
+    /// `Some`: pin these blocks; `None`: release what `key` pinned.
+    pub prompt: Option<PromptBlocks>,
+}
+
+/// The pins a core counts as owner, for requests of every core.
+#[derive(Debug, Default)]
+pub struct OwnedPins {
+    pins: HashMap<(usize, u64), (BackendId, PromptBlocks)>,
+}
+
+impl OwnedPins {
+    /// Records a pin; `false` when the key was pinned already (nothing to count again).
+    pub fn pin(&mut self, from: usize, key: u64, backend: BackendId, prompt: PromptBlocks) -> bool {
+        match self.pins.entry((from, key)) {
+            std::collections::hash_map::Entry::Occupied(_) => false,
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                slot.insert((backend, prompt));
+                true
+            }
+        }
+    }
+
+    /// Removes a pin; what it held, `None` when unknown (dropped, or reconciled away).
+    pub fn unpin(&mut self, from: usize, key: u64) -> Option<(BackendId, PromptBlocks)> {
+        self.pins.remove(&(from, key))
+    }
+
+    /// Removes every pin of core `from` whose key is not in `live`: what they held.
+    pub fn reconcile(
+        &mut self,
+        from: usize,
+        live: &BTreeSet<u64>,
+    ) -> Vec<(BackendId, PromptBlocks)> {
+        let dead: Vec<(usize, u64)> = self
+            .pins
+            .keys()
+            .filter(|(core, key)| *core == from && !live.contains(key))
+            .copied()
+            .collect();
+        dead.into_iter()
+            .filter_map(|key| self.pins.remove(&key))
+            .collect()
+    }
+
+    /// Pins held.
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.pins.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroU32;
+
+    use super::*;
+
+    fn prompt(tokens: u32) -> PromptBlocks {
+        let ids: Vec<u32> = (0..tokens).collect();
+        PromptBlocks::new(
+            Arc::new(BlockChain::new(&ids, NonZeroU32::new(16).unwrap())),
+            u64::from(tokens),
+        )
+    }
+
+    #[test]
+    fn a_prompt_is_counted_on_its_first_blocks_owner_with_its_partial_block_as_tail() {
+        let long = prompt(40);
+        assert_eq!(long.tail_tokens, 8);
+        assert_eq!(long.tokens(2), 40);
+        let first = long.chain.hashes()[0];
+        assert_eq!(long.owner(1, 4), (first % 4) as usize);
+        // Siblings share the first block, so the same owner.
+        assert_eq!(prompt(100).owner(3, 4), long.owner(0, 4));
+        // No full block, or one core: the local core.
+        assert_eq!(prompt(10).owner(2, 4), 2);
+        assert_eq!(long.owner(0, 1), 0);
+        // A prompt tokenized only in part: the rest counts as its own tail.
+        let chain = long.chain.clone();
+        assert_eq!(PromptBlocks::new(chain, 1_000).tail_tokens, 968);
+    }
+
+    #[test]
+    fn reconciling_drops_only_the_listed_cores_pins_it_did_not_list() {
+        let mut owned = OwnedPins::default();
+        assert!(owned.pin(1, 10, 0, prompt(32)));
+        assert!(!owned.pin(1, 10, 0, prompt(32)), "a key is pinned once");
+        assert!(owned.pin(1, 11, 2, prompt(32)));
+        assert!(owned.pin(2, 10, 0, prompt(32)));
+        // Core 1 lists only key 11 as live: its key 10 lost its unpin.
+        let dropped = owned.reconcile(1, &BTreeSet::from([11]));
+        assert_eq!(dropped.len(), 1);
+        assert_eq!(dropped[0].0, 0);
+        assert_eq!(owned.len(), 2);
+        assert!(owned.unpin(1, 10).is_none());
+        assert_eq!(owned.unpin(1, 11).map(|(backend, _)| backend), Some(2));
+        assert_eq!(owned.unpin(2, 10).map(|(backend, _)| backend), Some(0));
+        assert_eq!(owned.len(), 0);
+    }
+}
