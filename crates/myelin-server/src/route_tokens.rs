@@ -822,23 +822,41 @@ fn char_class(c: char) -> u8 {
 
 /// Start of the first run of characters of one class (see [`char_class`]) longer than
 /// `max_run` bytes in `text`, if any.
+///
+/// Every request's prompt passes here, so it does not classify every character: it probes
+/// one position every `max_run / 2` bytes and scans only from a probe to the end of the run
+/// holding it (a few bytes in ordinary text). A run longer than `max_run` bytes starting at `s`
+/// always holds a probe in `[s, s + max_run / 2)` whose run reaches past the next probe, so the
+/// first such run is found (the proof is in the test against the plain scan).
 fn first_long_run(text: &str, max_run: usize) -> Option<usize> {
     if text.len() <= max_run {
         return None;
     }
-    let mut run_start = 0;
-    let mut run_class = None;
-    for (index, c) in text.char_indices() {
-        let class = char_class(c);
-        if run_class != Some(class) {
-            if index - run_start > max_run {
-                return Some(run_start);
-            }
-            run_start = index;
-            run_class = Some(class);
+    let step = (max_run / 2).max(1);
+    let mut probe = 0;
+    while probe + step < text.len() {
+        let at = text.floor_char_boundary(probe);
+        let class = text[at..].chars().next().map(char_class);
+        let end = text[at..]
+            .char_indices()
+            .find(|&(_, c)| Some(char_class(c)) != class)
+            .map_or(text.len(), |(offset, _)| at + offset);
+        if end <= at + step {
+            probe = at + step;
+            continue;
         }
+        let start = text[..at]
+            .char_indices()
+            .rev()
+            .take_while(|&(_, c)| Some(char_class(c)) == class)
+            .last()
+            .map_or(at, |(index, _)| index);
+        if end - start > max_run {
+            return Some(start);
+        }
+        probe = end;
     }
-    (text.len() - run_start > max_run).then_some(run_start)
+    None
 }
 
 /// Checkpoints of `text`: for every multiple of `spacing`, the first safe cut at or after it
@@ -1329,6 +1347,44 @@ mod tests {
                 .deepest(&text, &cuts, &prefix_keys(text.as_bytes(), &cuts, true))
                 .is_none()
         );
+    }
+
+    /// The plain scan [`first_long_run`] must agree with: classify every character.
+    fn first_long_run_plain(text: &str, max_run: usize) -> Option<usize> {
+        let mut run_start = 0;
+        let mut run_class = None;
+        for (index, c) in text.char_indices() {
+            let class = char_class(c);
+            if run_class != Some(class) {
+                if index - run_start > max_run {
+                    return Some(run_start);
+                }
+                run_start = index;
+                run_class = Some(class);
+            }
+        }
+        (text.len() - run_start > max_run).then_some(run_start)
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn sampled_long_run_search_agrees_with_the_plain_scan(
+            pieces in proptest::collection::vec(
+                (proptest::sample::select(vec!["a", "Z", "é", "漢", " ", "\n", "7", "!", "🎉"]), 1usize..40),
+                0..24,
+            ),
+            max_run in 1usize..48,
+        ) {
+            let text: String = pieces
+                .iter()
+                .map(|(piece, count)| piece.repeat(*count))
+                .collect();
+            proptest::prop_assert_eq!(
+                first_long_run(&text, max_run),
+                first_long_run_plain(&text, max_run),
+                "{:?} at {}", text, max_run
+            );
+        }
     }
 
     #[test]
