@@ -4,11 +4,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
-use myelin_routing::ChainHashMap;
 use serde::Serialize;
 
 use crate::backend_spec::BackendSpec;
 use crate::metrics::BackendMetrics;
+use crate::pins::PinnedBlocks;
 
 /// Stable id of a backend within one router process (never reused after removal).
 pub type BackendId = u32;
@@ -50,9 +50,9 @@ pub struct BackendInfo {
 /// estimate's clock (summed over cores, see `routing_glue`). `decode_tokens` is the part of
 /// `tokens` that is expected output; `prefix_replications` only grows (requests sent as a
 /// second home of a prefix whose first home's KV memory was full). `pinned_prompt_tokens`: the
-/// prompt tokens this core's in-flight requests hold in the backend's KV memory, a block shared
-/// by several of them counted once ([`PinnedBlocks`]), the router's own view of that memory
-/// for engines that do not report theirs.
+/// prompt tokens of the in-flight requests (of any core) whose prompts this core owns, held in
+/// the backend's KV memory, a block shared by several of them counted once (`pins.rs`): summed
+/// over cores, the router's own view of that memory for engines that do not report theirs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Load {
     pub requests: u32,
@@ -72,44 +72,6 @@ impl Load {
         self.decode_tokens += other.decode_tokens;
         self.prefix_replications += other.prefix_replications;
         self.pinned_prompt_tokens += other.pinned_prompt_tokens;
-    }
-}
-
-/// The distinct prompt blocks one core's in-flight requests hold on one backend, counted by
-/// chain hash: requests sharing a prefix hold its blocks once, as the engine's KV memory does
-/// (vLLM's prefix caching gives every running request with the same prefix the same blocks).
-#[derive(Debug, Clone, Default)]
-pub struct PinnedBlocks {
-    holders: ChainHashMap<u32>,
-}
-
-impl PinnedBlocks {
-    /// Counts a request's prompt blocks; returns how many of them no other request held.
-    pub fn pin(&mut self, hashes: &[u64]) -> u64 {
-        let mut new = 0;
-        for &hash in hashes {
-            let holders = self.holders.entry(hash).or_insert(0);
-            if *holders == 0 {
-                new += 1;
-            }
-            *holders += 1;
-        }
-        new
-    }
-
-    /// Releases a request's prompt blocks (as pinned); returns how many no request holds now.
-    pub fn unpin(&mut self, hashes: &[u64]) -> u64 {
-        let mut freed = 0;
-        for hash in hashes {
-            if let Some(holders) = self.holders.get_mut(hash) {
-                *holders -= 1;
-                if *holders == 0 {
-                    self.holders.remove(hash);
-                    freed += 1;
-                }
-            }
-        }
-        freed
     }
 }
 
@@ -298,22 +260,6 @@ mod tests {
             spec: BackendSpec::parse("http://127.0.0.1:1").unwrap(),
             state: BackendState::Up,
         }
-    }
-
-    #[test]
-    fn a_block_shared_by_requests_in_flight_is_pinned_once() {
-        let mut pinned = PinnedBlocks::default();
-        assert_eq!(pinned.pin(&[1, 2, 3]), 3);
-        // A sibling with the same two-block prefix adds only its own block.
-        assert_eq!(pinned.pin(&[1, 2, 4]), 1);
-        // The first request ends: its own block is freed, the shared prefix stays held.
-        assert_eq!(pinned.unpin(&[1, 2, 3]), 1);
-        assert_eq!(pinned.pin(&[1, 2]), 0);
-        assert_eq!(pinned.unpin(&[1, 2, 4]), 1);
-        assert_eq!(pinned.unpin(&[1, 2]), 2);
-        // Releasing what is not held changes nothing.
-        assert_eq!(pinned.unpin(&[1]), 0);
-        assert_eq!(pinned.pin(&[1]), 1);
     }
 
     #[test]

@@ -17,12 +17,12 @@ use myelin_http::client::{Pool, PoolConfig};
 use myelin_http::server::{ServeReport, ServerConfig, Shutdown};
 use myelin_tokenize::{ChatTemplate, FastBpe, Tokenizer};
 
-use crate::backends::{BackendId, BackendInfo, BackendTable, Load, LoadUpdate, PinnedBlocks};
+use crate::backends::{BackendId, BackendInfo, BackendTable, Load, LoadUpdate};
 use crate::config::ServeConfig;
 use crate::mesh::{Mesh, MeshEnds, SendError};
 use crate::messages::{Message, ReplicaBackend, ReplicaSnapshot};
 use crate::metrics as names;
-use crate::pins::{OwnedPins, PinChange, PromptBlocks};
+use crate::pins::{OwnedPins, PinChange, PinnedBlocks, PromptBlocks};
 use crate::route_tokens::{AddedTokens, RouteTokenizer};
 use crate::routing_glue::{LookupAnswer, LookupQuery, RoutingShard};
 
