@@ -126,9 +126,10 @@ impl ResidencyEstimator for PlaceholderEstimator {
 /// - headroom h_i = max(R − (i+1)·B, B): a freed request's blocks are evicted tail first
 ///   (vLLM appends them to the free queue in reverse), so block i goes once Δ_i + (i+1)·B
 ///   exceeds R;
-/// - survival S_i = 1 / (1 + (Δ_i / h_i)^k): 1 with no pressure, ½ at the deterministic LRU
-///   edge Δ_i = h_i, the width of the step (`sharpness` k) standing for what the counter does
-///   not know (cache hits of other prompts, outputs shorter than expected, stale peer counts);
+/// - survival S_i = 1 / (1 + (Δ_i / (e·h_i))^k): 1 with no pressure, ½ at `edge` e of the
+///   deterministic LRU edge Δ_i = h_i, the width of the step (`sharpness` k) standing for what
+///   the counter does not know (cache hits of other prompts, outputs shorter than expected,
+///   stale peer counts);
 /// - S_i is made non-increasing in depth (a block past a missing one is unusable) and 0 for a
 ///   stamp below the backend's eviction watermark; the probabilities written are the
 ///   conditional ones, p_i = S_i / S_{i−1}, so that Π_{j≤i} p_j = S_i in
@@ -138,15 +139,21 @@ impl ResidencyEstimator for PlaceholderEstimator {
 /// learns a capacity (see [`RoomCalibration`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PressureEstimator {
-    /// k: how sharp the LRU edge is (larger: closer to a step at Δ = h).
+    /// k: how sharp the LRU edge is (larger: closer to a step at Δ = e·h).
     pub sharpness: f64,
     /// Floor of the room as a fraction of capacity (a backend whose load exceeds its cache
     /// still keeps the prefixes of what it is running).
     pub min_room_fraction: f64,
+    /// e: where survival is ½, as a fraction of the headroom (what the counter misses takes
+    /// room too, so the engines evict a little before the counted edge).
+    pub edge: f64,
 }
 
-/// Default sharpness of [`PressureEstimator`].
-pub const DEFAULT_SHARPNESS: f64 = 4.0;
+/// Default sharpness of [`PressureEstimator`]: fitted, with [`DEFAULT_EDGE`], to the
+/// simulator's truth on pooled churn runs (docs/residency.md, "Fitted sharpness and edge").
+pub const DEFAULT_SHARPNESS: f64 = 5.4;
+/// Default edge of [`PressureEstimator`].
+pub const DEFAULT_EDGE: f64 = 0.89;
 /// Default room floor of [`PressureEstimator`], as a fraction of capacity.
 pub const DEFAULT_MIN_ROOM_FRACTION: f64 = 1.0 / 16.0;
 
@@ -155,6 +162,7 @@ impl Default for PressureEstimator {
         Self {
             sharpness: DEFAULT_SHARPNESS,
             min_room_fraction: DEFAULT_MIN_ROOM_FRACTION,
+            edge: DEFAULT_EDGE,
         }
     }
 }
@@ -187,7 +195,7 @@ impl PressureEstimator {
         if pressure == 0 {
             return 1.0;
         }
-        let ratio = pressure as f64 / headroom.max(1.0);
+        let ratio = pressure as f64 / (headroom * self.edge).max(1.0);
         let survival = 1.0 / (1.0 + ratio.powf(self.sharpness));
         if survival.is_nan() { 0.0 } else { survival }
     }

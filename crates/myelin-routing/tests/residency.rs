@@ -46,11 +46,15 @@ fn unknown_capacity_is_history_only() {
 }
 
 #[test]
-fn half_at_the_lru_edge_and_gone_far_past_it() {
-    // Room 10_000, block 0 at headroom 10_000 - 16.
+fn half_at_the_edge_and_gone_far_past_it() {
+    // Room 10_000, block 0 at headroom 10_000 - 16: half gone at `edge` of it.
     let v = view(Some(10_000), 20_000, 0);
-    let edge = survivals(&v, &[20_000 - (10_000 - 16)]);
-    assert!((edge[0] - 0.5).abs() < 1e-9, "{edge:?}");
+    let half_at = (f64::from(10_000 - 16) * myelin_routing::DEFAULT_EDGE).round() as u64;
+    let edge = survivals(&v, &[20_000 - half_at]);
+    assert!((edge[0] - 0.5).abs() < 1e-3, "{edge:?}");
+    // Past the deterministic LRU edge (the whole headroom) it is mostly gone.
+    let lru_edge = survivals(&v, &[20_000 - (10_000 - 16)]);
+    assert!(lru_edge[0] < 0.4, "{lru_edge:?}");
     let far = survivals(&v, &[0]);
     assert!(far[0] < 0.1, "{far:?}");
     let near = survivals(&v, &[20_000 - 2_000]);
