@@ -100,10 +100,10 @@ pub struct DataCore {
     /// Prompts this core counts in its backends' KV memory, for requests on any core (see
     /// `pins.rs`).
     owned_pins: RefCell<OwnedPins>,
-    /// Keys of this core's requests pinned on each other core, and the changes not yet sent
-    /// there, by core index.
-    live_pins: RefCell<Vec<BTreeSet<u64>>>,
-    pin_outbox: RefCell<Vec<Vec<PinChange>>>,
+    /// Keys of this core's requests in flight (pinned on every core), and the pin changes not
+    /// yet sent to the other cores.
+    live_pins: RefCell<BTreeSet<u64>>,
+    pin_outbox: RefCell<Vec<PinChange>>,
     next_pin_key: Cell<u64>,
 }
 
@@ -195,8 +195,8 @@ pub async fn run_data_core(setup: DataCoreSetup) -> ServeReport {
         flush_scheduled: Cell::new(false),
         in_flight: Cell::new(0),
         owned_pins: RefCell::new(OwnedPins::default()),
-        live_pins: RefCell::new(vec![BTreeSet::new(); setup.shards]),
-        pin_outbox: RefCell::new(vec![Vec::new(); setup.shards]),
+        live_pins: RefCell::new(BTreeSet::new()),
+        pin_outbox: RefCell::new(Vec::new()),
         next_pin_key: Cell::new(0),
         config: setup.config.clone(),
     });
@@ -235,8 +235,8 @@ async fn receive_loop(core: Rc<DataCore>, receiver: ConnectedReceiver<Message>) 
 }
 
 /// Re-broadcasts this core's load on every backend: absolute values, so a dropped update is
-/// healed within one interval; and tells every other core which of this core's pins it holds
-/// are live, so a dropped unpin heals too. Also publishes the tokenizer caches' sizes.
+/// healed within one interval; and tells every other core which of this core's requests are
+/// in flight, so a dropped unpin heals too. Also publishes the tokenizer caches' sizes.
 async fn resync_loop(core: Rc<DataCore>) {
     let segment_bytes = metrics::gauge!(
         names::TOKENIZE_CACHE_BYTES, "cache" => "segment", "shard" => core.shard_label.clone()
@@ -256,18 +256,16 @@ async fn resync_loop(core: Rc<DataCore>) {
             .map(|entry| (entry.info.id, entry.local))
             .collect();
         core.broadcast_loads(&loads);
-        // Every other core learns which of this core's pins there are live (pins.rs).
-        let live: Vec<BTreeSet<u64>> = core.live_pins.borrow().clone();
-        for (owner, keys) in live.into_iter().enumerate() {
-            if owner != core.shard {
-                core.send(
-                    owner,
-                    Message::LivePins {
-                        from: core.shard,
-                        keys,
-                    },
-                );
-            }
+        // Every other core learns which of this core's requests are still in flight (pins.rs).
+        let live: BTreeSet<u64> = core.live_pins.borrow().clone();
+        for peer in (0..core.shards).filter(|&peer| peer != core.shard) {
+            core.send(
+                peer,
+                Message::LivePins {
+                    from: core.shard,
+                    keys: live.clone(),
+                },
+            );
         }
     }
 }
@@ -297,9 +295,8 @@ pub struct LoadGuard {
     /// What the residency estimate saw of the backend when it was chosen, until the engine
     /// reports its reuse (`None`: not estimated).
     probe: Option<myelin_routing::ReuseProbe>,
-    /// The prompt's pin: its key on this core and the core counting its blocks (until the
-    /// response ends).
-    pin: (u64, usize),
+    /// The prompt's pin key on this core (its blocks count until the response ends).
+    pin: u64,
 }
 
 impl LoadGuard {
@@ -348,16 +345,12 @@ impl Drop for LoadGuard {
             load.tokens = load.tokens.saturating_sub(remaining);
             load.decode_tokens = load.decode_tokens.saturating_sub(decode);
         });
-        let (key, owner) = self.pin;
-        self.core.send_pin_change(
-            owner,
-            PinChange {
-                from: self.core.shard,
-                key,
-                backend: self.backend,
-                prompt: None,
-            },
-        );
+        self.core.send_pin_change(PinChange {
+            from: self.core.shard,
+            key: self.pin,
+            backend: self.backend,
+            prompt: None,
+        });
     }
 }
 
@@ -440,15 +433,15 @@ impl DataCore {
                 }
             }
             Message::Pins(changes) => {
-                for change in changes {
-                    self.apply_pin_change(change);
+                for change in changes.iter() {
+                    self.apply_pin_change(change.clone());
                 }
             }
             Message::LivePins { from, keys } => {
                 let dead = self.owned_pins.borrow_mut().reconcile(from, &keys);
                 for (backend, prompt) in dead {
                     self.meters.pins_reconciled.increment(1);
-                    self.release_pin(backend, &prompt);
+                    self.release_pin(from, backend, &prompt);
                 }
             }
             Message::PeerLoads(loads) => {
@@ -609,16 +602,12 @@ impl DataCore {
             };
             self.broadcast_loads(&loads);
         }
-        let pins: Vec<(usize, Vec<PinChange>)> = self
-            .pin_outbox
-            .borrow_mut()
-            .iter_mut()
-            .enumerate()
-            .filter(|(_, changes)| !changes.is_empty())
-            .map(|(owner, changes)| (owner, std::mem::take(changes)))
-            .collect();
-        for (owner, changes) in pins {
-            self.send(owner, Message::Pins(changes));
+        let pins: Vec<PinChange> = std::mem::take(&mut *self.pin_outbox.borrow_mut());
+        if !pins.is_empty() {
+            let batch: Arc<[PinChange]> = pins.into();
+            for peer in (0..self.shards).filter(|&peer| peer != self.shard) {
+                self.send(peer, Message::Pins(batch.clone()));
+            }
         }
         let successes: Vec<BackendId> = std::mem::take(&mut *self.pending_successes.borrow_mut());
         for backend in successes {
@@ -696,16 +685,12 @@ impl DataCore {
         });
         let key = self.next_pin_key.get();
         self.next_pin_key.set(key + 1);
-        let owner = prompt.owner(self.shard, self.shards);
-        self.send_pin_change(
-            owner,
-            PinChange {
-                from: self.shard,
-                key,
-                backend,
-                prompt: Some(prompt),
-            },
-        );
+        self.send_pin_change(PinChange {
+            from: self.shard,
+            key,
+            backend,
+            prompt: Some(prompt),
+        });
         if let Some(in_flight) = &in_flight {
             in_flight.increment(1.0);
         }
@@ -716,29 +701,29 @@ impl DataCore {
             decode_tokens,
             in_flight,
             probe: None,
-            pin: (key, owner),
+            pin: key,
         }
     }
 
-    /// Applies a pin change here when this core owns the prompt, else queues it for its owner
-    /// (sent with the next flush).
-    fn send_pin_change(self: &Rc<Self>, owner: usize, change: PinChange) {
-        if owner == self.shard {
-            self.apply_pin_change(change);
-            return;
+    /// Applies a pin change to this core's share of the blocks and queues it for the other
+    /// data cores (sent with the next flush).
+    fn send_pin_change(self: &Rc<Self>, change: PinChange) {
+        if self.shards > 1 {
+            {
+                let mut live = self.live_pins.borrow_mut();
+                match change.prompt {
+                    Some(_) => live.insert(change.key),
+                    None => live.remove(&change.key),
+                };
+            }
+            self.pin_outbox.borrow_mut().push(change.clone());
+            self.schedule_flush();
         }
-        {
-            let mut live = self.live_pins.borrow_mut();
-            match change.prompt {
-                Some(_) => live[owner].insert(change.key),
-                None => live[owner].remove(&change.key),
-            };
-        }
-        self.pin_outbox.borrow_mut()[owner].push(change);
-        self.schedule_flush();
+        self.apply_pin_change(change);
     }
 
-    /// Counts or releases a prompt's blocks on this (owner) core's load.
+    /// Counts or releases this core's share of a prompt: the blocks it owns, and the tail when
+    /// the request is its own.
     fn apply_pin_change(self: &Rc<Self>, change: PinChange) {
         match change.prompt {
             Some(prompt) => {
@@ -748,26 +733,38 @@ impl DataCore {
                     .borrow_mut()
                     .pin(change.from, change.key, change.backend, prompt)
                 {
+                    let tail = self.own_tail(change.from, &counted);
                     self.change_load_pinned(change.backend, |load, pinned| {
-                        let new_blocks = pinned.pin(counted.chain.hashes());
-                        load.pinned_prompt_tokens += counted.tokens(new_blocks);
+                        let new_blocks = pinned.pin(counted.owned(self.shard, self.shards));
+                        load.pinned_prompt_tokens += counted.block_tokens(new_blocks) + tail;
                     });
                 }
             }
             None => {
                 let released = self.owned_pins.borrow_mut().unpin(change.from, change.key);
                 if let Some((backend, prompt)) = released {
-                    self.release_pin(backend, &prompt);
+                    self.release_pin(change.from, backend, &prompt);
                 }
             }
         }
     }
 
-    fn release_pin(self: &Rc<Self>, backend: BackendId, prompt: &PromptBlocks) {
+    fn release_pin(self: &Rc<Self>, from: usize, backend: BackendId, prompt: &PromptBlocks) {
+        let tail = self.own_tail(from, prompt);
         self.change_load_pinned(backend, |load, pinned| {
-            let freed = prompt.tokens(pinned.unpin(prompt.chain.hashes()));
+            let freed =
+                prompt.block_tokens(pinned.unpin(prompt.owned(self.shard, self.shards))) + tail;
             load.pinned_prompt_tokens = load.pinned_prompt_tokens.saturating_sub(freed);
         });
+    }
+
+    /// A prompt's tail counts on the core its request is on.
+    fn own_tail(&self, from: usize, prompt: &PromptBlocks) -> u64 {
+        if from == self.shard {
+            prompt.tail_tokens
+        } else {
+            0
+        }
     }
 
     /// Sets an engine's reuse report against the estimate's view of the request: this core's

@@ -105,10 +105,10 @@ pub enum Message {
     /// Routes other cluster nodes learned (gossip, control core -> data cores), applied as
     /// history at the receiver's clock.
     PeerRoutes(Arc<[PeerRoute]>),
-    /// Pins and unpins of prompts whose first block the receiving data core owns (data core ->
-    /// data core, with the flush; `pins.rs`).
-    Pins(Vec<PinChange>),
-    /// The keys of the sender's requests pinned on the receiver (data core -> data core, every
+    /// Pins and unpins of the sender's requests' prompts: the receiver counts the blocks it owns
+    /// (data core -> every other data core, with the flush; `pins.rs`).
+    Pins(Arc<[PinChange]>),
+    /// The keys of the sender's requests in flight (data core -> every other data core, every
     /// resync interval): the receiver releases the sender's other pins (their unpin was lost).
     LivePins { from: usize, keys: BTreeSet<u64> },
     /// Every backend as of change `version` (sent every second, so a dropped change heals):

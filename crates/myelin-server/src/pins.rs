@@ -3,13 +3,18 @@
 //! without the engine's figures").
 //!
 //! Requests sharing a prefix may arrive on different data cores, so each core counting its own
-//! would count a shared prefix once per core. Instead a prompt is pinned on the core that owns
-//! its first block (by hash, as the replicated routes are partitioned), so every request of a
-//! prefix is counted on the same core and the cores' counts add up to the distinct blocks. A
-//! request handled elsewhere sends its pin and, when it ends, its unpin there with the next
-//! flush. A dropped unpin would leave blocks held forever, so every core also sends each owner
-//! the keys of its live pins every resync interval; the owner drops any pin from that core not
-//! listed (the mesh is FIFO per pair of cores: a pin sent before the list arrives before it).
+//! would count a shared prefix once per core. Instead every block is counted on the core that
+//! owns its chain hash (hash modulo the data cores), whichever core the request is on; the
+//! tokens beyond the last full block are the request's own and count on its core. The cores'
+//! counts add up to the distinct blocks. Owning blocks, not prompts, spreads the work: real
+//! traffic shares its first blocks (the chat template's header, the system prompt), and an
+//! owner per prompt would put every request's counting on one core.
+//!
+//! A request's pin and, when it ends, its unpin go to every other data core with the next
+//! flush (one shared batch per round, like learned routes). A dropped unpin would leave blocks
+//! held forever, so every core also sends the others the keys of its live requests every resync
+//! interval; a core drops any pin from that core not listed (the mesh is FIFO per pair of
+//! cores: a pin sent before the list arrives before it).
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -37,18 +42,19 @@ impl PromptBlocks {
         }
     }
 
-    /// The data core that counts this prompt's blocks: the owner of its first block (`local`
-    /// when it has no full block: nothing to share).
-    pub fn owner(&self, local: usize, shards: usize) -> usize {
-        match self.chain.hashes().first() {
-            Some(&first) if shards > 1 => (first % shards as u64) as usize,
-            _ => local,
-        }
+    /// The hashes of this prompt's blocks that data core `shard` of `shards` counts.
+    pub fn owned(&self, shard: usize, shards: usize) -> impl Iterator<Item = u64> + '_ {
+        let shards = shards.max(1) as u64;
+        self.chain
+            .hashes()
+            .iter()
+            .copied()
+            .filter(move |hash| hash % shards == shard as u64)
     }
 
-    /// Tokens `new_blocks` of the chain and the tail amount to.
-    pub fn tokens(&self, new_blocks: u64) -> u64 {
-        new_blocks * u64::from(self.chain.block_size().get()) + self.tail_tokens
+    /// Tokens `blocks` blocks amount to.
+    pub fn block_tokens(&self, blocks: u64) -> u64 {
+        blocks * u64::from(self.chain.block_size().get())
     }
 }
 
@@ -62,9 +68,9 @@ pub struct PinnedBlocks {
 
 impl PinnedBlocks {
     /// Counts a request's prompt blocks; returns how many of them no other request held.
-    pub fn pin(&mut self, hashes: &[u64]) -> u64 {
+    pub fn pin(&mut self, hashes: impl Iterator<Item = u64>) -> u64 {
         let mut new = 0;
-        for &hash in hashes {
+        for hash in hashes {
             let holders = self.holders.entry(hash).or_insert(0);
             if *holders == 0 {
                 new += 1;
@@ -75,13 +81,13 @@ impl PinnedBlocks {
     }
 
     /// Releases a request's prompt blocks (as pinned); returns how many no request holds now.
-    pub fn unpin(&mut self, hashes: &[u64]) -> u64 {
+    pub fn unpin(&mut self, hashes: impl Iterator<Item = u64>) -> u64 {
         let mut freed = 0;
         for hash in hashes {
-            if let Some(holders) = self.holders.get_mut(hash) {
+            if let Some(holders) = self.holders.get_mut(&hash) {
                 *holders -= 1;
                 if *holders == 0 {
-                    self.holders.remove(hash);
+                    self.holders.remove(&hash);
                     freed += 1;
                 }
             }
@@ -90,7 +96,7 @@ impl PinnedBlocks {
     }
 }
 
-/// A pin or unpin of one request's prompt, sent to the prompt's owner core.
+/// A pin or unpin of one request's prompt, applied on every data core.
 #[derive(Debug, Clone)]
 pub struct PinChange {
     /// The core the request is on, and its key there.
@@ -101,7 +107,7 @@ pub struct PinChange {
     pub prompt: Option<PromptBlocks>,
 }
 
-/// The pins a core counts as owner, for requests of every core.
+/// The pins a core holds, for requests of every core (its own included).
 #[derive(Debug, Default)]
 pub struct OwnedPins {
     pins: HashMap<(usize, u64), (BackendId, PromptBlocks)>,
@@ -163,36 +169,48 @@ mod tests {
     }
 
     #[test]
-    fn a_prompt_is_counted_on_its_first_blocks_owner_with_its_partial_block_as_tail() {
-        let long = prompt(40);
+    fn every_block_is_counted_on_one_core_and_the_partial_block_is_the_tail() {
+        let long = prompt(200);
         assert_eq!(long.tail_tokens, 8);
-        assert_eq!(long.tokens(2), 40);
-        let first = long.chain.hashes()[0];
-        assert_eq!(long.owner(1, 4), (first % 4) as usize);
-        // Siblings share the first block, so the same owner.
-        assert_eq!(prompt(100).owner(3, 4), long.owner(0, 4));
-        // No full block, or one core: the local core.
-        assert_eq!(prompt(10).owner(2, 4), 2);
-        assert_eq!(long.owner(0, 1), 0);
+        assert_eq!(long.block_tokens(12), 192);
+        // The 12 full blocks are split over 4 cores, each on exactly one.
+        let mut counted: Vec<u64> = (0..4).flat_map(|shard| long.owned(shard, 4)).collect();
+        counted.sort_unstable();
+        let mut all = long.chain.hashes().to_vec();
+        all.sort_unstable();
+        assert_eq!(counted, all);
+        // A sibling's shared blocks go to the same cores as the first prompt's.
+        let sibling = prompt(100);
+        for shard in 0..4 {
+            let mine: Vec<u64> = long.owned(shard, 4).collect();
+            assert!(sibling.owned(shard, 4).all(|hash| mine.contains(&hash)));
+        }
+        // One core counts everything.
+        assert_eq!(long.owned(0, 1).count(), 12);
         // A prompt tokenized only in part: the rest counts as its own tail.
-        let chain = long.chain.clone();
-        assert_eq!(PromptBlocks::new(chain, 1_000).tail_tokens, 968);
+        assert_eq!(
+            PromptBlocks::new(long.chain.clone(), 1_000).tail_tokens,
+            808
+        );
     }
 
     #[test]
     fn a_block_shared_by_requests_in_flight_is_pinned_once() {
         let mut pinned = PinnedBlocks::default();
-        assert_eq!(pinned.pin(&[1, 2, 3]), 3);
+        fn hashes(list: &[u64]) -> impl Iterator<Item = u64> + '_ {
+            list.iter().copied()
+        }
+        assert_eq!(pinned.pin(hashes(&[1, 2, 3])), 3);
         // A sibling with the same two-block prefix adds only its own block.
-        assert_eq!(pinned.pin(&[1, 2, 4]), 1);
+        assert_eq!(pinned.pin(hashes(&[1, 2, 4])), 1);
         // The first request ends: its own block is freed, the shared prefix stays held.
-        assert_eq!(pinned.unpin(&[1, 2, 3]), 1);
-        assert_eq!(pinned.pin(&[1, 2]), 0);
-        assert_eq!(pinned.unpin(&[1, 2, 4]), 1);
-        assert_eq!(pinned.unpin(&[1, 2]), 2);
+        assert_eq!(pinned.unpin(hashes(&[1, 2, 3])), 1);
+        assert_eq!(pinned.pin(hashes(&[1, 2])), 0);
+        assert_eq!(pinned.unpin(hashes(&[1, 2, 4])), 1);
+        assert_eq!(pinned.unpin(hashes(&[1, 2])), 2);
         // Releasing what is not held changes nothing.
-        assert_eq!(pinned.unpin(&[1]), 0);
-        assert_eq!(pinned.pin(&[1]), 1);
+        assert_eq!(pinned.unpin(hashes(&[1])), 0);
+        assert_eq!(pinned.pin(hashes(&[1])), 1);
     }
 
     #[test]
