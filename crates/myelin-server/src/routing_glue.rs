@@ -409,20 +409,18 @@ impl RoutingShard {
             } else {
                 backend.state
             };
-            let load_tokens = backend.load_by_core.iter().map(|load| load.tokens).sum();
-            let admitted_tokens = backend
-                .load_by_core
-                .iter()
-                .map(|load| load.admitted_tokens)
-                .sum();
+            let mut total = Load::default();
+            for load in &backend.load_by_core {
+                total.add(load);
+            }
             let id = myelin_routing::BackendId(id);
-            BackendView::new(id, state_of(state), load_tokens)
+            BackendView::new(id, state_of(state), total.tokens)
                 .with_cache(
                     backend.calibration.effective_capacity(),
-                    admitted_tokens,
+                    total.admitted_tokens,
                     shard.evicted_below(id),
                 )
-                .with_memory(memory_pressure(backend, now, max_age))
+                .with_memory(memory_pressure(backend, &total, now, max_age))
         }));
         let decision = self.router.decide(prompt_tokens as u64, answer, &views);
         self.views = views;
@@ -448,16 +446,13 @@ const DEFAULT_REMAINING_OUTPUT_TOKENS: f64 = 128.0;
 /// every busy engine look full (docs/routing.md). Otherwise, when its KV capacity is known
 /// (scraped or `capacity-tokens=`), from what routers sent it ([`sent_memory`]); else `None`.
 /// The output a running request still owes is taken as half of what the routers' in-flight
-/// requests there expect.
+/// requests there expect. `total`: the backend's load summed over the cores.
 fn memory_pressure(
     backend: &ShardBackend,
+    total: &Load,
     now: Instant,
     max_age: Duration,
 ) -> Option<MemoryPressure> {
-    let mut total = Load::default();
-    for load in &backend.load_by_core {
-        total.add(load);
-    }
     let mean_remaining_output_tokens = if total.requests > 0 {
         total.decode_tokens as f64 / f64::from(total.requests) / 2.0
     } else {
@@ -474,7 +469,7 @@ fn memory_pressure(
         }
         _ => {
             let capacity = backend.scraped_capacity.or(backend.configured_capacity)?;
-            Some(sent_memory(&total, capacity, mean_remaining_output_tokens))
+            Some(sent_memory(total, capacity, mean_remaining_output_tokens))
         }
     }
 }
@@ -519,17 +514,28 @@ pub(crate) mod tests {
     /// A data core's routing state (one of `shards` cores) over backends `0..backends`, all up.
     pub(crate) fn shard_over(routing: RoutingPolicy, shards: usize, backends: u32) -> RoutingShard {
         let args = ServeArgs {
-            backends: vec!["http://a:1".into()],
             routing: Some(routing),
             shards: Some(shards),
             ..ServeArgs::default()
         };
+        shard_from(args, shards, backends, "")
+    }
+
+    /// [`shard_over`] configured by `args`, every backend spec ending in `spec_options`
+    /// (`",capacity-tokens=N"`).
+    fn shard_from(
+        mut args: ServeArgs,
+        shards: usize,
+        backends: u32,
+        spec_options: &str,
+    ) -> RoutingShard {
+        args.backends = vec!["http://a:1".into()];
         let config = ServeConfig::merge(args, FileConfig::default(), &[0]).unwrap();
         let mut shard = RoutingShard::new(&config, shards, Instant::now()).unwrap();
         for id in 0..backends {
             shard.add_backend(&BackendInfo {
                 id,
-                spec: BackendSpec::parse(&format!("http://b{id}:1")).unwrap(),
+                spec: BackendSpec::parse(&format!("http://b{id}:1{spec_options}")).unwrap(),
                 state: BackendState::Up,
             });
         }
@@ -633,23 +639,12 @@ pub(crate) mod tests {
 
     #[test]
     fn an_engine_without_figures_waits_by_what_routers_sent_it_when_its_capacity_is_known() {
-        let capacity: u64 = 32_768;
         let args = ServeArgs {
-            backends: vec!["http://a:1".into()],
             routing: Some(RoutingPolicy::Prefix),
             shards: Some(1),
             ..ServeArgs::default()
         };
-        let config = ServeConfig::merge(args, FileConfig::default(), &[0]).unwrap();
-        let mut shard = RoutingShard::new(&config, 1, Instant::now()).unwrap();
-        for id in 0..3 {
-            shard.add_backend(&BackendInfo {
-                id,
-                spec: BackendSpec::parse(&format!("http://b{id}:1,capacity-tokens={capacity}"))
-                    .unwrap(),
-                state: BackendState::Up,
-            });
-        }
+        let mut shard = shard_from(args, 1, 3, ",capacity-tokens=32768");
         let prompt: Vec<u32> = (0..4096).collect();
         let query = shard.query(&prompt);
         let home = shard
@@ -693,21 +688,12 @@ pub(crate) mod tests {
     #[test]
     fn estimate_stamps_learns_with_the_admitted_counter_and_learns_from_reuse_reports() {
         let args = ServeArgs {
-            backends: vec!["http://a:1".into()],
             residency: Some(ResidencyMode::Estimate),
             // The estimate alone: a prefix routed moments ago would count as pending resident.
             pending_resident_ms: Some(0),
             ..ServeArgs::default()
         };
-        let config = ServeConfig::merge(args, FileConfig::default(), &[0]).unwrap();
-        let mut shard = RoutingShard::new(&config, 2, Instant::now()).unwrap();
-        for id in 0..2 {
-            shard.add_backend(&BackendInfo {
-                id,
-                spec: BackendSpec::parse(&format!("http://b{id}:1,capacity-tokens=10000")).unwrap(),
-                state: BackendState::Up,
-            });
-        }
+        let mut shard = shard_from(args, 2, 2, ",capacity-tokens=10000");
         let admitted = |tokens| Load {
             admitted_tokens: tokens,
             ..Load::default()
