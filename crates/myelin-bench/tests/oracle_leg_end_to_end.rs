@@ -78,45 +78,11 @@ fn oracle_leg_runs_on_simulated_engines_and_writes_a_valid_report() {
     let _ = std::fs::remove_dir_all(directory);
 }
 
-/// The small churn, open loop, at a fixed rate (no capacity measurement).
-const SMALL_CHURN_OPEN: &str = r#"
-name = "small-churn-open"
-kind = "churn-open"
-api = "completions"
-prompt = "token-ids"
-seed = 7
-users = 1
-duration_s = 30.0
-warmup_s = 5.0
-output_tokens = 20
-
-[cluster]
-engines = 2
-profile = "a100-40gb-llama-3.1-8b"
-speedup = 20.0
-kv_blocks = 256
-block_size = 16
-
-[churn]
-population = 12
-active = 4
-rotate = 2
-rotate_every_s = 5.0
-prefix_tokens = [400, 900]
-suffix_tokens = [8, 32]
-
-[open_loop]
-rate_fraction = 0.5
-capacity_rps = 4.0
-
-[quick]
-"#;
-
 #[test]
 fn open_loop_churn_sends_identical_requests_on_every_run_and_keeps_each_repeat() {
     let directory = scratch_dir("bench-churn-open");
     let workload = directory.join("small-churn-open.toml");
-    std::fs::write(&workload, SMALL_CHURN_OPEN).unwrap();
+    std::fs::write(&workload, fixture::small_churn_open(30.0, 256)).unwrap();
     let out = directory.join("out");
     let command = Command::parse_from([
         "bench",
