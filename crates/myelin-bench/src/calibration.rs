@@ -28,14 +28,13 @@
 //! engine's reported `cached_tokens`. docs/residency.md ("Calibration against the simulator")
 //! has the method and the figures.
 
-use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
 use myelin_routing::{
-    BackendId, BackendMatch, BackendState, BackendView, BlockChain, MatchSegment,
+    BackendId, BackendMatch, BackendState, BackendView, BlockChain, MatchSegment, PinnedBlocks,
     PressureEstimator, ReuseProbe, RoomCalibration, Shard, ShardConfig, block_stamps,
     observe_reuse,
 };
@@ -372,7 +371,7 @@ pub struct Calibrator {
     load: Vec<u64>,
     /// Per backend: each prompt block of the requests in flight, with how many hold it (the
     /// diagnostic).
-    pinned_blocks: Vec<HashMap<u64, u32>>,
+    pinned_blocks: Vec<PinnedBlocks>,
     /// Per backend: output tokens of the requests in flight (the diagnostic).
     pinned_output: Vec<u64>,
     rooms: Vec<RoomCalibration>,
@@ -432,7 +431,7 @@ impl Calibrator {
             estimator: PressureEstimator::default(),
             admitted: vec![0; engines],
             load: vec![0; engines],
-            pinned_blocks: vec![HashMap::new(); engines],
+            pinned_blocks: vec![PinnedBlocks::default(); engines],
             pinned_output: vec![0; engines],
             rooms,
             reliability: Default::default(),
@@ -462,7 +461,7 @@ impl Calibrator {
     /// What the diagnostic counts as pinned on `backend`: the distinct prompt blocks of the
     /// requests in flight there, in tokens, plus their output tokens.
     pub fn pinned_tokens(&self, backend: usize) -> u64 {
-        self.pinned_blocks[backend].len() as u64 * u64::from(self.setup.block_size)
+        self.pinned_blocks[backend].distinct() as u64 * u64::from(self.setup.block_size)
             + self.pinned_output[backend]
     }
 
@@ -626,9 +625,7 @@ impl Calibrator {
             .saturating_sub(history_tokens.max(expected.round() as u64));
         let prefill = ticket.prompt_tokens.saturating_sub(expected.round() as u64);
         self.load[backend] += prefill + ticket.output_tokens;
-        for &hash in ticket.chain.hashes() {
-            *self.pinned_blocks[backend].entry(hash).or_default() += 1;
-        }
+        self.pinned_blocks[backend].pin(ticket.chain.hashes().iter().copied());
         self.pinned_output[backend] += ticket.output_tokens;
         self.admitted[backend] += admitted_prefill + ticket.output_tokens;
         probe.admitted_tokens = self.admitted[backend];
@@ -662,15 +659,7 @@ impl Calibrator {
         let backend = routed.backend;
         self.load[backend] =
             self.load[backend].saturating_sub(routed.prefill_pending + routed.decode);
-        let pinned = &mut self.pinned_blocks[backend];
-        for hash in ticket.chain.hashes() {
-            if let Some(count) = pinned.get_mut(hash) {
-                *count -= 1;
-                if *count == 0 {
-                    pinned.remove(hash);
-                }
-            }
-        }
+        self.pinned_blocks[backend].unpin(ticket.chain.hashes().iter().copied());
         self.pinned_output[backend] =
             self.pinned_output[backend].saturating_sub(ticket.output_tokens);
         let Some(reported) = cached_tokens.map(u64::from) else {

@@ -55,6 +55,7 @@
 mod backend;
 mod error;
 mod mirror;
+mod pinned;
 mod policy;
 mod replica;
 mod residency;
@@ -67,6 +68,7 @@ pub use mirror::ResidencyMirror;
 pub use myelin_art::{
     BlockChain, ChainHashMap, InsertOutcome, MatchSegment, ROOT_CHAIN_HASH, TreeStats, chain_hash,
 };
+pub use pinned::PinnedBlocks;
 pub use policy::Policy;
 pub use replica::{MirrorChange, WriteOp};
 pub use residency::{

@@ -4,11 +4,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
+use myelin_routing::PinnedBlocks;
 use serde::Serialize;
 
 use crate::backend_spec::BackendSpec;
 use crate::metrics::BackendMetrics;
-use crate::pins::PinnedBlocks;
 
 /// Stable id of a backend within one router process (never reused after removal).
 pub type BackendId = u32;

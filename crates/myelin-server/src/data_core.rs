@@ -15,6 +15,7 @@ use glommio::timer::Timer;
 use metrics_exporter_prometheus::PrometheusHandle;
 use myelin_http::client::{Pool, PoolConfig};
 use myelin_http::server::{ServeReport, ServerConfig, Shutdown};
+use myelin_routing::PinnedBlocks;
 use myelin_tokenize::{ChatTemplate, FastBpe, Tokenizer};
 
 use crate::backends::{BackendId, BackendInfo, BackendTable, Load, LoadUpdate};
@@ -22,7 +23,7 @@ use crate::config::ServeConfig;
 use crate::mesh::{Mesh, MeshEnds, SendError};
 use crate::messages::{Message, ReplicaBackend, ReplicaSnapshot};
 use crate::metrics as names;
-use crate::pins::{OwnedPins, PinChange, PinnedBlocks, PromptBlocks};
+use crate::pins::{OwnedPins, PinChange, PromptBlocks};
 use crate::route_tokens::{AddedTokens, RouteTokenizer};
 use crate::routing_glue::{LookupAnswer, LookupQuery, RoutingShard};
 
