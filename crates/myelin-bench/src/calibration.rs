@@ -29,7 +29,7 @@
 //! has the method and the figures.
 
 use std::fmt::Write as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -39,7 +39,7 @@ use myelin_routing::{
     observe_reuse,
 };
 use plotters::prelude::*;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::legs::LegKind;
 use crate::oracle::CacheOracle;
@@ -139,7 +139,7 @@ impl CalibrationSetup {
 }
 
 /// One bucket of a reliability table.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Bucket {
     /// Predictions in `lower..upper` (the last bucket includes 1.0).
     pub lower: f64,
@@ -184,7 +184,7 @@ impl Bucket {
 pub const GAP_TOLERANCE: f64 = 0.02;
 
 /// One predictor over a leg.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PredictorCalibration {
     pub name: String,
     pub description: String,
@@ -204,7 +204,7 @@ pub struct PredictorCalibration {
 
 /// Per request: the replica's expected cached tokens on the chosen backend against what the
 /// engine reported.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct CachedTokensError {
     /// Successful requests with a reported `cached_tokens`.
     pub requests: u64,
@@ -219,7 +219,7 @@ pub struct CachedTokensError {
 }
 
 /// One leg run's calibration (report.json `calibration[]`).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LegCalibration {
     pub leg: String,
     /// 1-based.
@@ -311,6 +311,21 @@ impl Reliability {
                 }
             })
             .collect()
+    }
+
+    /// Adds the counts of a summarized table (pooling runs: pairs of different runs are
+    /// distinct pairs). Exact up to the rounding of the observed fractions back to counts.
+    pub fn absorb(&mut self, summary: &PredictorCalibration) {
+        for cell in &summary.buckets {
+            let bucket = bucket_of(cell.lower + BUCKET_WIDTH / 2.0);
+            let samples = cell.samples as f64;
+            self.count[bucket] += cell.samples;
+            self.pairs[bucket] += cell.pairs;
+            self.last_pair[bucket] = None;
+            self.sum_predicted[bucket] += cell.mean_predicted.unwrap_or(0.0) * samples;
+            self.resident[bucket] += (cell.observed.unwrap_or(0.0) * samples).round() as u64;
+        }
+        self.squared_error += summary.brier.unwrap_or(0.0) * summary.samples as f64;
     }
 
     /// The predictor's summary.
@@ -735,7 +750,7 @@ pub fn render_markdown(calibrations: &[LegCalibration], plot: Option<&str>) -> S
     }
     let mut out = String::from("## Residency calibration against the simulator's truth\n\n");
     out.push_str(&format!(
-        "Every {}th request (drawn from the seed), at send time: each historically matched block of \
+        "One request in {} (drawn from the seed), at send time: each historically matched block of \
          every backend, predicted residency against the simulator's pool at that instant. A bucket's \
          gap is |observed - mean predicted|; the worst gap counts buckets with at least {} samples. \
          Samples are blocks; blocks of one (request, backend) pair are strongly correlated (pairs \
@@ -792,46 +807,175 @@ pub fn render_markdown(calibrations: &[LegCalibration], plot: Option<&str>) -> S
     for leg in calibrations {
         let _ = write!(
             out,
-            "\n### Reliability: {} (repeat {})\n\n| bucket |",
+            "\n### Reliability: {} (repeat {})\n\n",
             leg.leg, leg.repeat
         );
-        for predictor in &leg.predictors {
-            let _ = write!(
-                out,
-                " {} n (pairs) | predicted | observed | noise |",
-                predictor.name
-            );
-        }
-        out.push_str("\n|---|");
-        for _ in &leg.predictors {
-            out.push_str("---:|---:|---:|---:|");
-        }
-        out.push('\n');
-        for bucket in 0..BUCKETS {
-            let lower = bucket as f64 * BUCKET_WIDTH;
-            let _ = write!(out, "| {lower:.1}-{:.1} |", lower + BUCKET_WIDTH);
-            for predictor in &leg.predictors {
-                let cell = &predictor.buckets[bucket];
-                let _ = write!(
-                    out,
-                    " {} ({}) | {} | {}{} | {} |",
-                    cell.samples,
-                    cell.pairs,
-                    optional(cell.mean_predicted, 3),
-                    optional(cell.observed, 3),
-                    if cell.counted() && cell.beyond_noise() {
-                        " (off)"
-                    } else {
-                        ""
-                    },
-                    optional(cell.noise_95, 3)
-                );
-            }
-            out.push('\n');
-        }
+        reliability_table(&mut out, &leg.predictors);
     }
     if let Some(plot) = plot {
         let _ = write!(out, "\n![reliability diagram]({plot})\n");
+    }
+    out.push('\n');
+    out
+}
+
+/// Every predictor's reliability table side by side: per bucket, samples (pairs), mean
+/// predicted, observed (marked when off beyond noise) and the sampling noise.
+fn reliability_table(out: &mut String, predictors: &[PredictorCalibration]) {
+    out.push_str("| bucket |");
+    for predictor in predictors {
+        let _ = write!(
+            out,
+            " {} n (pairs) | predicted | observed | noise |",
+            predictor.name
+        );
+    }
+    out.push_str("\n|---|");
+    for _ in predictors {
+        out.push_str("---:|---:|---:|---:|");
+    }
+    out.push('\n');
+    for bucket in 0..BUCKETS {
+        let lower = bucket as f64 * BUCKET_WIDTH;
+        let _ = write!(out, "| {lower:.1}-{:.1} |", lower + BUCKET_WIDTH);
+        for predictor in predictors {
+            let cell = &predictor.buckets[bucket];
+            let _ = write!(
+                out,
+                " {} ({}) | {} | {}{} | {} |",
+                cell.samples,
+                cell.pairs,
+                optional(cell.mean_predicted, 3),
+                optional(cell.observed, 3),
+                if cell.counted() && cell.beyond_noise() {
+                    " (off)"
+                } else {
+                    ""
+                },
+                optional(cell.noise_95, 3)
+            );
+        }
+        out.push('\n');
+    }
+}
+
+/// A leg's calibration pooled over several runs of it (the repeats of one `myelin bench`, or
+/// the reports of runs with other seeds: `myelin bench calibration REPORT...`). Pairs of
+/// different runs count as distinct, so the pooled sampling noise shrinks with every run; runs
+/// of one seed replay the same traffic, so their pairs are not independent and the pooled
+/// noise understates the real spread there.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PooledCalibration {
+    pub leg: String,
+    pub runs: u32,
+    pub sampled_requests: u64,
+    pub sampled_pairs: u64,
+    pub predictors: Vec<PredictorCalibration>,
+}
+
+/// Pools `calibrations` per leg (in order of first appearance), each predictor by name.
+pub fn pool(calibrations: &[LegCalibration]) -> Vec<PooledCalibration> {
+    struct Pooling {
+        leg: String,
+        runs: u32,
+        sampled_requests: u64,
+        sampled_pairs: u64,
+        predictors: Vec<(String, String, Reliability)>,
+    }
+    let mut legs: Vec<Pooling> = Vec::new();
+    for run in calibrations {
+        let index = match legs.iter().position(|leg| leg.leg == run.leg) {
+            Some(index) => index,
+            None => {
+                legs.push(Pooling {
+                    leg: run.leg.clone(),
+                    runs: 0,
+                    sampled_requests: 0,
+                    sampled_pairs: 0,
+                    predictors: Vec::new(),
+                });
+                legs.len() - 1
+            }
+        };
+        let leg = &mut legs[index];
+        leg.runs += 1;
+        leg.sampled_requests += run.sampled_requests;
+        leg.sampled_pairs += run.sampled_pairs;
+        for predictor in &run.predictors {
+            let slot = match leg
+                .predictors
+                .iter()
+                .position(|(name, _, _)| *name == predictor.name)
+            {
+                Some(slot) => slot,
+                None => {
+                    leg.predictors.push((
+                        predictor.name.clone(),
+                        predictor.description.clone(),
+                        Reliability::default(),
+                    ));
+                    leg.predictors.len() - 1
+                }
+            };
+            leg.predictors[slot].2.absorb(predictor);
+        }
+    }
+    legs.into_iter()
+        .map(|leg| PooledCalibration {
+            leg: leg.leg,
+            runs: leg.runs,
+            sampled_requests: leg.sampled_requests,
+            sampled_pairs: leg.sampled_pairs,
+            predictors: leg
+                .predictors
+                .iter()
+                .map(|(name, description, reliability)| reliability.summarize(name, description))
+                .collect(),
+        })
+        .collect()
+}
+
+/// report.md's section for the calibration pooled over runs (empty without pooled legs).
+pub fn render_pooled_markdown(pooled: &[PooledCalibration]) -> String {
+    if pooled.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from("## Residency calibration pooled over runs\n\n");
+    let _ = write!(
+        out,
+        "Each leg's runs added together: samples, pairs and resident blocks summed per bucket, \
+         the Brier score weighted by samples, the noise recomputed from the pooled pairs. A \
+         bucket counts with at least {MIN_BUCKET_SAMPLES} samples; within tolerance: within \
+         {GAP_TOLERANCE} of the diagonal.\n\n\
+         | leg | runs | sampled requests | pairs | predictor | samples | Brier | worst gap | buckets counted | within tolerance | off beyond noise |\n\
+         |---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|\n"
+    );
+    for leg in pooled {
+        for predictor in &leg.predictors {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                leg.leg,
+                leg.runs,
+                leg.sampled_requests,
+                leg.sampled_pairs,
+                predictor.name,
+                predictor.samples,
+                optional(predictor.brier, 4),
+                optional(predictor.worst_gap, 3),
+                predictor.buckets_counted,
+                predictor.buckets_within_tolerance,
+                predictor.buckets_beyond_noise,
+            );
+        }
+    }
+    for leg in pooled {
+        let _ = write!(
+            out,
+            "\n### Pooled reliability: {} ({} runs)\n\n",
+            leg.leg, leg.runs
+        );
+        reliability_table(&mut out, &leg.predictors);
     }
     out.push('\n');
     out
@@ -865,6 +1009,100 @@ pub fn render_text(calibrations: &[LegCalibration]) -> String {
         );
     }
     out
+}
+
+/// One line per pooled leg for stdout.
+pub fn render_pooled_text(pooled: &[PooledCalibration]) -> String {
+    let mut out = String::new();
+    for leg in pooled {
+        let _ = write!(
+            out,
+            "calibration {} pooled over {} runs: {} sampled requests, {} pairs, Brier",
+            leg.leg, leg.runs, leg.sampled_requests, leg.sampled_pairs
+        );
+        for predictor in &leg.predictors {
+            let _ = write!(
+                out,
+                " {} {} (worst gap {}, {}/{} buckets within {GAP_TOLERANCE}, {} off beyond noise)",
+                predictor.name,
+                optional(predictor.brier, 4),
+                optional(predictor.worst_gap, 3),
+                predictor.buckets_within_tolerance,
+                predictor.buckets_counted,
+                predictor.buckets_beyond_noise
+            );
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// `myelin bench calibration`: pools the residency calibration of several runs.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PoolArgs {
+    /// report.json files of `myelin bench` runs that measured calibration (for independent
+    /// samples: the same legs run with different --seed values).
+    #[arg(required = true)]
+    pub reports: Vec<PathBuf>,
+    /// Pool only this leg (default: every leg found).
+    #[arg(long)]
+    pub leg: Option<String>,
+}
+
+/// Why `myelin bench calibration` could not pool.
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path} is not a myelin bench report.json: {source}")]
+    Parse {
+        path: String,
+        source: serde_json::Error,
+    },
+    #[error(
+        "no calibration to pool{}: the runs need a leg that measures it (--calibration) on token-id prompts",
+        leg.as_ref().map(|leg| format!(" for leg {leg}")).unwrap_or_default()
+    )]
+    Empty { leg: Option<String> },
+}
+
+/// Reads every report's `calibration[]` (a report without one adds nothing) and prints the
+/// pooled tables as markdown.
+pub fn run_pool(args: &PoolArgs) -> Result<std::process::ExitCode, PoolError> {
+    #[derive(Deserialize)]
+    struct Report {
+        #[serde(default)]
+        calibration: Vec<LegCalibration>,
+    }
+    let mut runs = Vec::new();
+    for path in &args.reports {
+        let display = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| PoolError::Read {
+            path: display.clone(),
+            source,
+        })?;
+        let report: Report = serde_json::from_str(&text).map_err(|source| PoolError::Parse {
+            path: display,
+            source,
+        })?;
+        runs.extend(
+            report
+                .calibration
+                .into_iter()
+                .filter(|run| args.leg.as_ref().is_none_or(|leg| *leg == run.leg)),
+        );
+    }
+    if runs.is_empty() {
+        return Err(PoolError::Empty {
+            leg: args.leg.clone(),
+        });
+    }
+    let pooled = pool(&runs);
+    print!("{}", render_pooled_markdown(&pooled));
+    Ok(std::process::ExitCode::SUCCESS)
 }
 
 /// The reliability diagram: one panel per predictor, observed fraction against mean
@@ -972,6 +1210,8 @@ pub struct WithCalibration<'a, T: Serialize> {
     pub report: &'a T,
     #[serde(skip_serializing_if = "<[_]>::is_empty")]
     pub calibration: &'a [LegCalibration],
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    pub calibration_pooled: &'a [PooledCalibration],
 }
 
 #[cfg(test)]
@@ -1182,6 +1422,85 @@ mod tests {
         assert_eq!(third.predictors[3].brier, Some(0.0));
         assert_eq!(third.predictors[2].brier, Some(0.5));
         assert_eq!(third.predictors[2].buckets[9].observed, Some(0.5));
+    }
+
+    fn leg_run(leg: &str, predictor: PredictorCalibration, pairs: u64) -> LegCalibration {
+        LegCalibration {
+            leg: leg.into(),
+            repeat: 1,
+            sample_every: 1,
+            sampled_requests: 10,
+            sampled_pairs: pairs,
+            capacity_tokens: 64,
+            ttl_s: TTL_S,
+            cost_us_per_request: 1.0,
+            predictors: vec![predictor],
+            cached_tokens: CachedTokensError::default(),
+        }
+    }
+
+    #[test]
+    fn pooling_runs_equals_one_table_of_all_their_samples() {
+        // Two runs of one leg, with different predictions and outcomes, and a third leg.
+        let (mut first, mut second, mut both) = (
+            Reliability::default(),
+            Reliability::default(),
+            Reliability::default(),
+        );
+        let mut add = |table: &mut Reliability, predicted: f64, resident: bool, pair: u64| {
+            table.add(predicted, resident, pair);
+            both.add(predicted, resident, pair);
+        };
+        for sample in 0..300u64 {
+            add(&mut first, 0.35, sample % 5 < 2, sample / 3);
+        }
+        for sample in 0..500u64 {
+            let predicted = if sample % 2 == 0 { 0.32 } else { 0.91 };
+            // Pair ids restart in every run: pooled pairs still add up.
+            add(&mut second, predicted, sample % 4 != 0, sample / 5);
+        }
+        let first = first.summarize("pressure", "d");
+        let second = second.summarize("pressure", "d");
+        let other = Reliability::default().summarize("pressure", "d");
+        let pooled = pool(&[
+            leg_run("prefix+estimate", first.clone(), 100),
+            leg_run("prefix+auto", other, 0),
+            leg_run("prefix+estimate", second.clone(), 100),
+        ]);
+        assert_eq!(pooled.len(), 2);
+        assert_eq!(
+            (
+                pooled[0].leg.as_str(),
+                pooled[0].runs,
+                pooled[0].sampled_pairs
+            ),
+            ("prefix+estimate", 2, 200)
+        );
+        assert_eq!((pooled[1].leg.as_str(), pooled[1].runs), ("prefix+auto", 1));
+        let got = &pooled[0].predictors[0];
+        let expected = both.summarize("pressure", "d");
+        assert_eq!(got.samples, 800);
+        assert!((got.brier.unwrap() - expected.brier.unwrap()).abs() < 1e-12);
+        for (got, expected) in got.buckets.iter().zip(&expected.buckets) {
+            assert_eq!(got.samples, expected.samples);
+            match (got.observed, expected.observed) {
+                (Some(got), Some(expected)) => assert!((got - expected).abs() < 1e-12),
+                (got, expected) => assert_eq!(got, expected),
+            }
+        }
+        // Pairs of different runs are distinct: 100 + 50 in the 0.3 bucket, so the noise
+        // shrinks below either run's.
+        let bucket = &got.buckets[3];
+        assert_eq!(
+            bucket.pairs,
+            first.buckets[3].pairs + second.buckets[3].pairs
+        );
+        assert!(bucket.noise_95.unwrap() < first.buckets[3].noise_95.unwrap());
+        let markdown = render_pooled_markdown(&pooled);
+        assert!(markdown.contains("### Pooled reliability: prefix+estimate (2 runs)"));
+        assert!(markdown.contains("| prefix+estimate | 2 | 20 | 200 | pressure | 800 |"));
+        assert!(render_pooled_markdown(&[]).is_empty());
+        assert!(render_pooled_text(&pooled).contains("prefix+estimate pooled over 2 runs"));
     }
 
     #[test]

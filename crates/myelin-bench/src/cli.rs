@@ -150,6 +150,12 @@ pub struct BenchArgs {
     /// router leg, off = none. Token-id prompts only.
     #[arg(long, value_enum, default_value_t = crate::calibration::CalibrationMode::Auto)]
     pub calibration: crate::calibration::CalibrationMode,
+
+    /// Calibration samples one request in this many (drawn from the seed; 1 = every request,
+    /// for pooled calibration runs; each sampled request costs the load generator some 100 us).
+    #[arg(long, default_value_t = crate::calibration::SAMPLE_EVERY,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub calibration_every: u64,
 }
 
 /// The benchmarks `myelin bench` runs besides the churn harness.
@@ -165,6 +171,9 @@ pub enum BenchCommand {
     /// default) with its RSS sampled every --sample-interval seconds; PASS when no request
     /// failed and the final RSS is within 10% of its value after the warm-up.
     Soak(crate::soak::SoakArgs),
+    /// Pools the residency calibration of several runs' report.json per leg (reliability
+    /// tables summed, sampling noise from the pooled pairs) and prints it as markdown.
+    Calibration(crate::calibration::PoolArgs),
 }
 
 impl BenchArgs {

@@ -38,6 +38,7 @@ pub fn run(args: BenchArgs) -> Result<std::process::ExitCode, Box<dyn std::error
     match args.command {
         Some(BenchCommand::Overhead(overhead)) => overhead::run(overhead).map_err(Into::into),
         Some(BenchCommand::Soak(soak)) => soak::run(soak).map_err(Into::into),
+        Some(BenchCommand::Calibration(pool)) => calibration::run_pool(&pool).map_err(Into::into),
         None => runner::run(args).map_err(Into::into),
     }
 }

@@ -142,6 +142,8 @@ struct RunContext {
     calibration: CalibrationMode,
     /// Every leg run's calibration, in run order.
     calibrations: std::cell::RefCell<Vec<LegCalibration>>,
+    /// One request in this many is sampled for the calibration.
+    calibration_every: u64,
 }
 
 /// `myelin bench`.
@@ -226,6 +228,7 @@ fn prepare(args: &BenchArgs) -> Result<RunContext, BenchError> {
             CalibrationMode::Off
         },
         calibrations: Default::default(),
+        calibration_every: args.calibration_every,
         config,
     })
 }
@@ -426,7 +429,10 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
     let calibration = context
         .calibration
         .applies_to(leg.kind)
-        .then(|| CalibrationSetup::new(cluster.oracle(), &config.cluster, config.seed));
+        .then(|| CalibrationSetup {
+            sample_every: context.calibration_every,
+            ..CalibrationSetup::new(cluster.oracle(), &config.cluster, config.seed)
+        });
     let handle = loadgen::start_calibrated(plan, target, calibration)
         .map_err(io_error("starting", Path::new("the load generator")))?;
 
@@ -582,9 +588,15 @@ fn finish(context: &RunContext, runs: &[LegRun]) -> Result<ExitCode, BenchError>
 
     let json_path = out.join("report.json");
     let calibrations = context.calibrations.borrow();
+    // Pooled only where a leg ran more than once.
+    let pooled: Vec<_> = calibration::pool(&calibrations)
+        .into_iter()
+        .filter(|leg| leg.runs > 1)
+        .collect();
     let json = serde_json::to_string_pretty(&calibration::WithCalibration {
         report: &report,
         calibration: &calibrations,
+        calibration_pooled: &pooled,
     })
     .map_err(|error| BenchError::Io {
         what: "serialising",
@@ -670,10 +682,12 @@ fn finish(context: &RunContext, runs: &[LegRun]) -> Result<ExitCode, BenchError>
         &calibrations,
         reliability_png.as_ref().map(|_| "reliability.png"),
     ));
+    markdown.push_str(&calibration::render_pooled_markdown(&pooled));
     std::fs::write(&markdown_path, markdown).map_err(io_error("writing", &markdown_path))?;
 
     print!("{}", report::render_text(&report));
     print!("{}", calibration::render_text(&calibrations));
+    print!("{}", calibration::render_pooled_text(&pooled));
     println!(
         "report: {}, {}, {}, plots: {}, {}",
         json_path.display(),

@@ -29,12 +29,15 @@ fn number(value: &Value) -> f64 {
 #[test]
 fn estimate_leg_reports_calibration_against_the_simulator() {
     let directory = bench::scratch_dir("bench-calibration-on");
-    let report = run_bench(&directory, &[]);
+    let report = run_bench(&directory, &["--calibration-every", "2"]);
     let calibration = report["calibration"].as_array().expect("calibration[]");
     assert_eq!(calibration.len(), 1, "{calibration:#?}");
+    // One leg run: nothing to pool in the report.
+    assert!(report.get("calibration_pooled").is_none(), "{report:#}");
     let leg = &calibration[0];
     assert_eq!(leg["leg"], "prefix+estimate");
     assert_eq!(leg["repeat"], 1);
+    assert_eq!(leg["sample_every"], 2);
     assert!(number(&leg["sampled_requests"]) > 0.0);
     assert!(number(&leg["sampled_pairs"]) > 0.0);
     assert_eq!(number(&leg["capacity_tokens"]), 128.0 * 16.0);
@@ -120,6 +123,39 @@ fn estimate_leg_reports_calibration_against_the_simulator() {
     assert!(markdown.contains("### Reliability: prefix+estimate (repeat 1)"));
     let png = std::fs::read(out.join("reliability.png")).unwrap();
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+
+    // `myelin bench calibration` pools reports: the same report twice doubles every count.
+    let report_json = out.join("report.json");
+    let pooled = std::process::Command::new(bench::MYELIN)
+        .args(["bench", "calibration"])
+        .arg(&report_json)
+        .arg(&report_json)
+        .output()
+        .unwrap();
+    assert!(pooled.status.success(), "{pooled:?}");
+    let pooled = String::from_utf8(pooled.stdout).unwrap();
+    let pressure = &leg["predictors"][0];
+    let row = format!(
+        "| prefix+estimate | 2 | {} | {} | pressure | {} | {:.4} |",
+        2.0 * number(&leg["sampled_requests"]),
+        2.0 * number(&leg["sampled_pairs"]),
+        2.0 * number(&pressure["samples"]),
+        number(&pressure["brier"])
+    );
+    assert!(pooled.contains(&row), "{row} not in:\n{pooled}");
+    assert!(pooled.contains("### Pooled reliability: prefix+estimate (2 runs)"));
+    // A leg no report has: a clear error, not an empty table.
+    let missing = std::process::Command::new(bench::MYELIN)
+        .args(["bench", "calibration", "--leg", "oracle"])
+        .arg(&report_json)
+        .output()
+        .unwrap();
+    assert!(!missing.status.success());
+    let stderr = String::from_utf8_lossy(&missing.stderr);
+    assert!(
+        stderr.contains("no calibration to pool for leg oracle"),
+        "{stderr}"
+    );
     let _ = std::fs::remove_dir_all(&directory);
 }
 
