@@ -230,6 +230,14 @@ pub struct LegCalibration {
     pub sampled_pairs: u64,
     pub capacity_tokens: u64,
     pub ttl_s: f64,
+    /// The `pressure` predictor's sharpness k, edge e and recalibration knots (absent in
+    /// reports of older builds).
+    #[serde(default)]
+    pub sharpness: Option<f64>,
+    #[serde(default)]
+    pub edge: Option<f64>,
+    #[serde(default)]
+    pub recalibration: Option<Vec<(f64, f64)>>,
     /// Wall time the replica and the sampling took on the load generator's thread, per
     /// request it saw, microseconds (included in the harness's CPU per request).
     pub cost_us_per_request: f64,
@@ -721,6 +729,9 @@ impl Calibrator {
             sampled_pairs: self.sampled_pairs,
             capacity_tokens: self.setup.capacity_tokens,
             ttl_s: TTL_S,
+            sharpness: Some(self.estimator.sharpness),
+            edge: Some(self.estimator.edge),
+            recalibration: Some(self.estimator.recalibration.to_vec()),
             cost_us_per_request: self.spent_us / self.requests_seen.max(1) as f64,
             predictors: PREDICTORS
                 .iter()
@@ -868,16 +879,24 @@ fn reliability_table(out: &mut String, predictors: &[PredictorCalibration]) {
 pub struct PooledCalibration {
     pub leg: String,
     pub runs: u32,
+    /// The `pressure` predictor's recalibration knots, when every run recorded the same.
+    pub recalibration: Option<Vec<(f64, f64)>>,
     pub sampled_requests: u64,
     pub sampled_pairs: u64,
     pub predictors: Vec<PredictorCalibration>,
 }
+
+/// The `pressure` predictor's sharpness, edge and recalibration knots, as a run records them.
+type EstimateParameters = (Option<f64>, Option<f64>, Option<Vec<(f64, f64)>>);
 
 /// Pools `calibrations` per leg (in order of first appearance), each predictor by name.
 pub fn pool(calibrations: &[LegCalibration]) -> Vec<PooledCalibration> {
     struct Pooling {
         leg: String,
         runs: u32,
+        /// The first run's estimate parameters, and whether every run had the same.
+        parameters: EstimateParameters,
+        same_parameters: bool,
         sampled_requests: u64,
         sampled_pairs: u64,
         predictors: Vec<(String, String, Reliability)>,
@@ -890,6 +909,8 @@ pub fn pool(calibrations: &[LegCalibration]) -> Vec<PooledCalibration> {
                 legs.push(Pooling {
                     leg: run.leg.clone(),
                     runs: 0,
+                    parameters: (run.sharpness, run.edge, run.recalibration.clone()),
+                    same_parameters: true,
                     sampled_requests: 0,
                     sampled_pairs: 0,
                     predictors: Vec::new(),
@@ -899,6 +920,8 @@ pub fn pool(calibrations: &[LegCalibration]) -> Vec<PooledCalibration> {
         };
         let leg = &mut legs[index];
         leg.runs += 1;
+        leg.same_parameters &=
+            leg.parameters == (run.sharpness, run.edge, run.recalibration.clone());
         leg.sampled_requests += run.sampled_requests;
         leg.sampled_pairs += run.sampled_pairs;
         for predictor in &run.predictors {
@@ -924,6 +947,7 @@ pub fn pool(calibrations: &[LegCalibration]) -> Vec<PooledCalibration> {
         .map(|leg| PooledCalibration {
             leg: leg.leg,
             runs: leg.runs,
+            recalibration: leg.parameters.2.filter(|_| leg.same_parameters),
             sampled_requests: leg.sampled_requests,
             sampled_pairs: leg.sampled_pairs,
             predictors: leg
@@ -933,6 +957,49 @@ pub fn pool(calibrations: &[LegCalibration]) -> Vec<PooledCalibration> {
                 .collect(),
         })
         .collect()
+}
+
+/// Refits the estimate's recalibration map ([`myelin_routing::DEFAULT_RECALIBRATION`]) to a
+/// pooled `pressure` table of runs made with the map `knots`: one knot per counted bucket from
+/// 0.1 to 0.9, at the log-logistic survival its mean prediction came from
+/// ([`myelin_routing::uncalibrate`]) and the fraction observed resident, made non-decreasing
+/// (pool-adjacent-violators, weighted by pairs). The outer buckets are left to the implied
+/// (0, 0) and (1, 1). `None` with fewer than three such buckets.
+pub fn refit_recalibration(buckets: &[Bucket], knots: &[(f64, f64)]) -> Option<Vec<(f64, f64)>> {
+    // (survival, observed, weight) per bucket, in increasing survival.
+    let mut blocks: Vec<(f64, f64, f64)> = buckets
+        .iter()
+        .filter(|bucket| bucket.lower >= 0.1 - 1e-9 && bucket.upper <= 0.9 + 1e-9)
+        .filter(|bucket| bucket.counted() && bucket.pairs > 0)
+        .filter_map(|bucket| {
+            Some((
+                myelin_routing::uncalibrate(knots, bucket.mean_predicted?),
+                bucket.observed?,
+                bucket.pairs as f64,
+            ))
+        })
+        .collect();
+    if blocks.len() < 3 {
+        return None;
+    }
+    // Pool adjacent violators: merged runs keep their weighted mean observed fraction.
+    let mut pooled: Vec<(Vec<f64>, f64, f64)> = Vec::new();
+    for (survival, observed, weight) in blocks.drain(..) {
+        pooled.push((vec![survival], observed, weight));
+        while pooled.len() > 1 && pooled[pooled.len() - 2].1 > pooled[pooled.len() - 1].1 {
+            let (xs, y, w) = pooled.pop().unwrap();
+            let last = pooled.last_mut().unwrap();
+            last.1 = (last.1 * last.2 + y * w) / (last.2 + w);
+            last.2 += w;
+            last.0.extend(xs);
+        }
+    }
+    Some(
+        pooled
+            .into_iter()
+            .flat_map(|(xs, y, _)| xs.into_iter().map(move |x| (x, y)))
+            .collect(),
+    )
 }
 
 /// report.md's section for the calibration pooled over runs (empty without pooled legs).
@@ -976,6 +1043,22 @@ pub fn render_pooled_markdown(pooled: &[PooledCalibration]) -> String {
             leg.leg, leg.runs
         );
         reliability_table(&mut out, &leg.predictors);
+        let pressure = leg.predictors.iter().find(|p| p.name == PREDICTORS[0].0);
+        let refit = pressure
+            .zip(leg.recalibration.as_deref())
+            .and_then(|(pressure, knots)| refit_recalibration(&pressure.buckets, knots));
+        if let Some(knots) = refit {
+            let knots: Vec<String> = knots
+                .iter()
+                .map(|(survival, observed)| format!("({survival:.4}, {observed:.4})"))
+                .collect();
+            let _ = writeln!(
+                out,
+                "\nRefit of `pressure`'s recalibration map (survival, observed), for \
+                 `DEFAULT_RECALIBRATION`: [{}]",
+                knots.join(", ")
+            );
+        }
     }
     out.push('\n');
     out
@@ -1433,6 +1516,9 @@ mod tests {
             sampled_pairs: pairs,
             capacity_tokens: 64,
             ttl_s: TTL_S,
+            sharpness: Some(4.0),
+            edge: Some(1.0),
+            recalibration: Some(Vec::new()),
             cost_us_per_request: 1.0,
             predictors: vec![predictor],
             cached_tokens: CachedTokensError::default(),
@@ -1499,8 +1585,56 @@ mod tests {
         let markdown = render_pooled_markdown(&pooled);
         assert!(markdown.contains("### Pooled reliability: prefix+estimate (2 runs)"));
         assert!(markdown.contains("| prefix+estimate | 2 | 20 | 200 | pressure | 800 |"));
+        assert_eq!(pooled[0].recalibration, Some(Vec::new()));
         assert!(render_pooled_markdown(&[]).is_empty());
         assert!(render_pooled_text(&pooled).contains("prefix+estimate pooled over 2 runs"));
+    }
+
+    fn bucket_at(bucket: usize, predicted: f64, observed: f64, samples: u64) -> Bucket {
+        Bucket {
+            lower: bucket as f64 * BUCKET_WIDTH,
+            upper: (bucket + 1) as f64 * BUCKET_WIDTH,
+            samples,
+            pairs: samples / 10,
+            mean_predicted: Some(predicted),
+            observed: Some(observed),
+            noise_95: None,
+        }
+    }
+
+    #[test]
+    fn the_recalibration_refit_maps_survival_to_what_was_observed() {
+        // Runs without a map: the knots are the table itself, outer buckets left out.
+        let mut buckets: Vec<Bucket> = (0..BUCKETS)
+            .map(|bucket| {
+                let predicted = bucket as f64 * BUCKET_WIDTH + 0.05;
+                bucket_at(bucket, predicted, (predicted + 0.05).min(1.0), 1000)
+            })
+            .collect();
+        let knots = refit_recalibration(&buckets, &[]).unwrap();
+        assert_eq!(knots.len(), 8);
+        for (knot, bucket) in knots.iter().zip(&buckets[1..9]) {
+            assert!((knot.0 - bucket.mean_predicted.unwrap()).abs() < 1e-12);
+            assert!((knot.1 - bucket.observed.unwrap()).abs() < 1e-12);
+        }
+        // Runs made with a map: each knot sits at the survival the prediction came from.
+        let map: &[(f64, f64)] = &[(0.5, 0.6)];
+        let knots = refit_recalibration(&buckets, map).unwrap();
+        let expected = myelin_routing::uncalibrate(map, 0.35);
+        assert!((knots[2].0 - expected).abs() < 1e-12, "{knots:?}");
+        // A dip is pooled with its neighbour (equal pairs: the mean), keeping both knots.
+        buckets[4].observed = Some(0.3);
+        let knots = refit_recalibration(&buckets, &[]).unwrap();
+        assert!((knots[2].1 - 0.35).abs() < 1e-12 && (knots[3].1 - 0.35).abs() < 1e-12);
+        assert!(
+            knots.windows(2).all(|pair| pair[0].1 <= pair[1].1),
+            "{knots:?}"
+        );
+        // Too few buckets with enough samples: no refit.
+        for bucket in &mut buckets[3..] {
+            bucket.samples = 10;
+        }
+        assert_eq!(refit_recalibration(&buckets, &[]), None);
     }
 
     #[test]
@@ -1522,6 +1656,9 @@ mod tests {
             sampled_pairs: 60,
             capacity_tokens: 64,
             ttl_s: TTL_S,
+            sharpness: None,
+            edge: None,
+            recalibration: None,
             cost_us_per_request: 3.0,
             predictors: vec![summary; PREDICTORS.len()],
             cached_tokens: CachedTokensError::default(),

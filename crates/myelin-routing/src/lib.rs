@@ -73,9 +73,10 @@ pub use policy::Policy;
 pub use replica::{MirrorChange, WriteOp};
 pub use residency::{
     CALIBRATION_RATE, CALIBRATION_SCALE_BOUNDS, DEFAULT_EDGE, DEFAULT_MIN_ROOM_FRACTION,
-    DEFAULT_SHARPNESS, EstimateInput, MISS_MIN_ROOM_FRACTION, PlaceholderEstimator,
-    PressureEstimator, ResidencyEstimator, ResidencyMode, ReuseObservation, ReuseProbe,
-    RoomCalibration, block_stamps, expected_cached_tokens, observe_reuse,
+    DEFAULT_RECALIBRATION, DEFAULT_SHARPNESS, EstimateInput, MISS_MIN_ROOM_FRACTION,
+    PlaceholderEstimator, PressureEstimator, ResidencyEstimator, ResidencyMode, ReuseObservation,
+    ReuseProbe, RoomCalibration, block_stamps, expected_cached_tokens, observe_reuse, recalibrate,
+    uncalibrate,
 };
 pub use router::{
     DEFAULT_DECODE_STEP_TOKENS, DEFAULT_LOAD_BOUND_TOKENS, DEFAULT_MAX_PREFIX_HOMES, Decision,

@@ -21,6 +21,17 @@ fn survivals(view: &BackendView, stamps: &[u64]) -> Vec<f64> {
     out
 }
 
+/// The log-logistic curve alone, without the recalibration map.
+fn raw_survivals(view: &BackendView, stamps: &[u64]) -> Vec<f64> {
+    let estimator = PressureEstimator {
+        recalibration: &[],
+        ..PressureEstimator::default()
+    };
+    let mut out = Vec::new();
+    estimator.survivals(view, BLOCK, stamps, &mut out);
+    out
+}
+
 fn matched(blocks: u32, stamp: u64) -> BackendMatch {
     BackendMatch {
         backend: BackendId(0),
@@ -50,15 +61,50 @@ fn half_at_the_edge_and_gone_far_past_it() {
     // Room 10_000, block 0 at headroom 10_000 - 16: half gone at `edge` of it.
     let v = view(Some(10_000), 20_000, 0);
     let half_at = (f64::from(10_000 - 16) * myelin_routing::DEFAULT_EDGE).round() as u64;
-    let edge = survivals(&v, &[20_000 - half_at]);
+    let edge = raw_survivals(&v, &[20_000 - half_at]);
     assert!((edge[0] - 0.5).abs() < 1e-3, "{edge:?}");
+    // The default map moves that half to what the engines were seen to keep there.
+    let mapped = survivals(&v, &[20_000 - half_at]);
+    let expected = myelin_routing::recalibrate(myelin_routing::DEFAULT_RECALIBRATION, 0.5);
+    assert!((mapped[0] - expected).abs() < 1e-3, "{mapped:?}");
+    assert!(mapped[0] > 0.55, "{mapped:?}");
     // Past the deterministic LRU edge (the whole headroom) it is mostly gone.
-    let lru_edge = survivals(&v, &[20_000 - (10_000 - 16)]);
+    let lru_edge = raw_survivals(&v, &[20_000 - (10_000 - 16)]);
     assert!(lru_edge[0] < 0.4, "{lru_edge:?}");
     let far = survivals(&v, &[0]);
     assert!(far[0] < 0.1, "{far:?}");
     let near = survivals(&v, &[20_000 - 2_000]);
     assert!(near[0] > 0.99, "{near:?}");
+}
+
+#[test]
+fn the_recalibration_map_goes_through_its_knots_and_inverts() {
+    use myelin_routing::{recalibrate, uncalibrate};
+    let knots: &[(f64, f64)] = &[(0.2, 0.3), (0.5, 0.5), (0.8, 0.9)];
+    assert_eq!(recalibrate(&[], 0.37), 0.37);
+    assert_eq!(recalibrate(knots, 0.0), 0.0);
+    assert_eq!(recalibrate(knots, 1.0), 1.0);
+    assert!((recalibrate(knots, 0.2) - 0.3).abs() < 1e-12);
+    assert!((recalibrate(knots, 0.1) - 0.15).abs() < 1e-12);
+    assert!((recalibrate(knots, 0.35) - 0.4).abs() < 1e-12);
+    assert!((recalibrate(knots, 0.9) - 0.95).abs() < 1e-12);
+    // Out of range and NaN are clamped.
+    assert_eq!(recalibrate(knots, 1.5), 1.0);
+    assert_eq!(recalibrate(knots, f64::NAN), 0.0);
+    for step in 0..=100 {
+        let value = f64::from(step) / 100.0;
+        assert!((uncalibrate(knots, recalibrate(knots, value)) - value).abs() < 1e-12);
+    }
+    // A flat stretch inverts to its lowest point.
+    let flat: &[(f64, f64)] = &[(0.4, 0.5), (0.6, 0.5)];
+    assert!((uncalibrate(flat, 0.5) - 0.4).abs() < 1e-12);
+    // The default map is increasing in both coordinates.
+    let defaults = myelin_routing::DEFAULT_RECALIBRATION;
+    assert!(
+        defaults
+            .windows(2)
+            .all(|pair| pair[0].0 < pair[1].0 && pair[0].1 <= pair[1].1)
+    );
 }
 
 #[test]
