@@ -157,6 +157,12 @@ pub struct Bucket {
     /// bucket's samples: 1.96 · sqrt(p(1 − p) / pairs), p the mean prediction, counting each
     /// (request, backend) pair as one independent outcome (its blocks move together).
     pub noise_95: Option<f64>,
+    /// Pooled tables only, over 3 runs or more with at least [`MIN_BUCKET_SAMPLES`] samples
+    /// here: 1.96 · sd / sqrt(runs) of the runs' own gaps (observed − predicted). Runs differ
+    /// by more than their pairs explain (the traffic of one seed ages prefixes together), so
+    /// this is the wider and more honest noise of a pooled bucket.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_noise_95: Option<f64>,
 }
 
 impl Bucket {
@@ -173,7 +179,12 @@ impl Bucket {
     /// Whether the gap exceeds both the target tolerance ([`GAP_TOLERANCE`]) and the
     /// sampling noise: the predictor is off here by more than this sample can explain.
     pub fn beyond_noise(&self) -> bool {
-        match (self.gap(), self.noise_95) {
+        let noise = self
+            .noise_95
+            .into_iter()
+            .chain(self.run_noise_95)
+            .reduce(f64::max);
+        match (self.gap(), noise) {
             (Some(gap), Some(noise)) => gap > noise.max(GAP_TOLERANCE),
             _ => false,
         }
@@ -316,6 +327,7 @@ impl Reliability {
                     noise_95: mean_predicted
                         .filter(|_| pairs > 0)
                         .map(|p| 1.96 * (p * (1.0 - p) / pairs as f64).sqrt()),
+                    run_noise_95: None,
                 }
             })
             .collect()
@@ -338,31 +350,43 @@ impl Reliability {
 
     /// The predictor's summary.
     pub fn summarize(&self, name: &str, description: &str) -> PredictorCalibration {
-        let buckets = self.buckets();
-        let counted: Vec<&Bucket> = buckets.iter().filter(|bucket| bucket.counted()).collect();
-        let worst_gap = counted
-            .iter()
-            .filter_map(|bucket| bucket.gap())
-            .fold(None, |worst: Option<f64>, gap| {
-                Some(worst.map_or(gap, |worst| worst.max(gap)))
-            });
-        PredictorCalibration {
+        let mut summary = PredictorCalibration {
             name: name.to_string(),
             description: description.to_string(),
             samples: self.samples(),
             brier: self.brier(),
-            worst_gap,
-            buckets_counted: counted.len() as u32,
-            buckets_within_tolerance: counted
-                .iter()
-                .filter(|bucket| bucket.gap().is_some_and(|gap| gap <= GAP_TOLERANCE))
-                .count() as u32,
-            buckets_beyond_noise: counted
-                .iter()
-                .filter(|bucket| bucket.beyond_noise())
-                .count() as u32,
-            buckets,
-        }
+            worst_gap: None,
+            buckets_counted: 0,
+            buckets_within_tolerance: 0,
+            buckets_beyond_noise: 0,
+            buckets: self.buckets(),
+        };
+        summary.count_buckets();
+        summary
+    }
+}
+
+impl PredictorCalibration {
+    /// Sets the worst gap and the bucket counts from the buckets.
+    fn count_buckets(&mut self) {
+        let counted: Vec<&Bucket> = self
+            .buckets
+            .iter()
+            .filter(|bucket| bucket.counted())
+            .collect();
+        self.worst_gap = counted
+            .iter()
+            .filter_map(|bucket| bucket.gap())
+            .reduce(f64::max);
+        self.buckets_counted = counted.len() as u32;
+        self.buckets_within_tolerance = counted
+            .iter()
+            .filter(|bucket| bucket.gap().is_some_and(|gap| gap <= GAP_TOLERANCE))
+            .count() as u32;
+        self.buckets_beyond_noise = counted
+            .iter()
+            .filter(|bucket| bucket.beyond_noise())
+            .count() as u32;
     }
 }
 
@@ -863,7 +887,10 @@ fn reliability_table(out: &mut String, predictors: &[PredictorCalibration]) {
                 } else {
                     ""
                 },
-                optional(cell.noise_95, 3)
+                match cell.run_noise_95 {
+                    Some(runs) => format!("{} (runs {runs:.3})", optional(cell.noise_95, 3)),
+                    None => optional(cell.noise_95, 3),
+                }
             );
         }
         out.push('\n');
@@ -879,27 +906,40 @@ fn reliability_table(out: &mut String, predictors: &[PredictorCalibration]) {
 pub struct PooledCalibration {
     pub leg: String,
     pub runs: u32,
-    /// The `pressure` predictor's recalibration knots, when every run recorded the same.
-    pub recalibration: Option<Vec<(f64, f64)>>,
+    /// The refit of the `pressure` predictor's recalibration map over these runs
+    /// ([`refit_recalibration`]), when every run recorded its parameters and they share the
+    /// sharpness and edge.
+    pub refit: Option<Vec<(f64, f64)>>,
     pub sampled_requests: u64,
     pub sampled_pairs: u64,
     pub predictors: Vec<PredictorCalibration>,
 }
 
-/// The `pressure` predictor's sharpness, edge and recalibration knots, as a run records them.
-type EstimateParameters = (Option<f64>, Option<f64>, Option<Vec<(f64, f64)>>);
+/// 1.96 · sd / sqrt(n) of `values`, `None` under 3 of them.
+fn spread_95(values: &[f64]) -> Option<f64> {
+    let n = values.len();
+    if n < 3 {
+        return None;
+    }
+    let mean = values.iter().sum::<f64>() / n as f64;
+    let variance = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+    Some(1.96 * (variance / n as f64).sqrt())
+}
 
 /// Pools `calibrations` per leg (in order of first appearance), each predictor by name.
 pub fn pool(calibrations: &[LegCalibration]) -> Vec<PooledCalibration> {
     struct Pooling {
         leg: String,
         runs: u32,
-        /// The first run's estimate parameters, and whether every run had the same.
-        parameters: EstimateParameters,
-        same_parameters: bool,
+        /// The first run's sharpness and edge.
+        curve: (Option<f64>, Option<f64>),
+        /// The runs' `pressure` buckets as (survival, observed, pairs) points, while every run
+        /// recorded its map and the first run's curve ([`recalibration_points`]).
+        points: Option<Vec<(f64, f64, f64)>>,
         sampled_requests: u64,
         sampled_pairs: u64,
-        predictors: Vec<(String, String, Reliability)>,
+        /// Per predictor: name, description, the pooled table and each run's bucket gaps.
+        predictors: Vec<(String, String, Reliability, Vec<[Option<f64>; BUCKETS]>)>,
     }
     let mut legs: Vec<Pooling> = Vec::new();
     for run in calibrations {
@@ -909,8 +949,8 @@ pub fn pool(calibrations: &[LegCalibration]) -> Vec<PooledCalibration> {
                 legs.push(Pooling {
                     leg: run.leg.clone(),
                     runs: 0,
-                    parameters: (run.sharpness, run.edge, run.recalibration.clone()),
-                    same_parameters: true,
+                    curve: (run.sharpness, run.edge),
+                    points: Some(Vec::new()),
                     sampled_requests: 0,
                     sampled_pairs: 0,
                     predictors: Vec::new(),
@@ -920,15 +960,23 @@ pub fn pool(calibrations: &[LegCalibration]) -> Vec<PooledCalibration> {
         };
         let leg = &mut legs[index];
         leg.runs += 1;
-        leg.same_parameters &=
-            leg.parameters == (run.sharpness, run.edge, run.recalibration.clone());
+        let pressure = run.predictors.iter().find(|p| p.name == PREDICTORS[0].0);
+        leg.points = match (leg.points.take(), pressure, &run.recalibration) {
+            (Some(mut points), Some(pressure), Some(knots))
+                if leg.curve == (run.sharpness, run.edge) && leg.curve.0.is_some() =>
+            {
+                points.extend(recalibration_points(&pressure.buckets, knots));
+                Some(points)
+            }
+            _ => None,
+        };
         leg.sampled_requests += run.sampled_requests;
         leg.sampled_pairs += run.sampled_pairs;
         for predictor in &run.predictors {
             let slot = match leg
                 .predictors
                 .iter()
-                .position(|(name, _, _)| *name == predictor.name)
+                .position(|(name, ..)| *name == predictor.name)
             {
                 Some(slot) => slot,
                 None => {
@@ -936,38 +984,56 @@ pub fn pool(calibrations: &[LegCalibration]) -> Vec<PooledCalibration> {
                         predictor.name.clone(),
                         predictor.description.clone(),
                         Reliability::default(),
+                        Vec::new(),
                     ));
                     leg.predictors.len() - 1
                 }
             };
-            leg.predictors[slot].2.absorb(predictor);
+            let (_, _, table, gaps) = &mut leg.predictors[slot];
+            table.absorb(predictor);
+            let mut run_gaps = [None; BUCKETS];
+            for (gap, bucket) in run_gaps.iter_mut().zip(&predictor.buckets) {
+                *gap = bucket
+                    .counted()
+                    .then(|| Some(bucket.observed? - bucket.mean_predicted?))
+                    .flatten();
+            }
+            gaps.push(run_gaps);
         }
     }
     legs.into_iter()
         .map(|leg| PooledCalibration {
             leg: leg.leg,
             runs: leg.runs,
-            recalibration: leg.parameters.2.filter(|_| leg.same_parameters),
+            refit: leg.points.and_then(refit_recalibration),
             sampled_requests: leg.sampled_requests,
             sampled_pairs: leg.sampled_pairs,
             predictors: leg
                 .predictors
                 .iter()
-                .map(|(name, description, reliability)| reliability.summarize(name, description))
+                .map(|(name, description, reliability, gaps)| {
+                    let mut summary = reliability.summarize(name, description);
+                    for (index, bucket) in summary.buckets.iter_mut().enumerate() {
+                        let gaps: Vec<f64> = gaps.iter().filter_map(|run| run[index]).collect();
+                        bucket.run_noise_95 = spread_95(&gaps);
+                    }
+                    summary.count_buckets();
+                    summary
+                })
                 .collect(),
         })
         .collect()
 }
 
-/// Refits the estimate's recalibration map ([`myelin_routing::DEFAULT_RECALIBRATION`]) to a
-/// pooled `pressure` table of runs made with the map `knots`: one knot per counted bucket from
-/// 0.1 to 0.9, at the log-logistic survival its mean prediction came from
-/// ([`myelin_routing::uncalibrate`]) and the fraction observed resident, made non-decreasing
-/// (pool-adjacent-violators, weighted by pairs). The outer buckets are left to the implied
-/// (0, 0) and (1, 1). `None` with fewer than three such buckets.
-pub fn refit_recalibration(buckets: &[Bucket], knots: &[(f64, f64)]) -> Option<Vec<(f64, f64)>> {
-    // (survival, observed, weight) per bucket, in increasing survival.
-    let mut blocks: Vec<(f64, f64, f64)> = buckets
+/// One run's `pressure` buckets from 0.1 to 0.9 with at least [`MIN_BUCKET_SAMPLES`]
+/// samples, as (log-logistic survival, observed fraction, pairs): the survival the bucket's
+/// mean prediction came from through the run's map `knots` ([`myelin_routing::uncalibrate`]).
+/// The outer buckets are left to the map's implied (0, 0) and (1, 1).
+pub fn recalibration_points(
+    buckets: &[Bucket],
+    knots: &[(f64, f64)],
+) -> impl Iterator<Item = (f64, f64, f64)> {
+    buckets
         .iter()
         .filter(|bucket| bucket.lower >= 0.1 - 1e-9 && bucket.upper <= 0.9 + 1e-9)
         .filter(|bucket| bucket.counted() && bucket.pairs > 0)
@@ -978,28 +1044,45 @@ pub fn refit_recalibration(buckets: &[Bucket], knots: &[(f64, f64)]) -> Option<V
                 bucket.pairs as f64,
             ))
         })
-        .collect();
-    if blocks.len() < 3 {
-        return None;
+        .collect::<Vec<_>>()
+        .into_iter()
+}
+
+/// Refits the estimate's recalibration map ([`myelin_routing::DEFAULT_RECALIBRATION`]) from
+/// runs' [`recalibration_points`] (runs made with different maps pool, as each point is placed
+/// at its own survival): the points are grouped in survival buckets of 0.1 from 0.1 to 0.9,
+/// one knot per group at the pair-weighted mean survival and observed fraction, made
+/// non-decreasing (pool-adjacent-violators, weighted by pairs). `None` with fewer than three
+/// knots.
+pub fn refit_recalibration(points: Vec<(f64, f64, f64)>) -> Option<Vec<(f64, f64)>> {
+    let mut groups = [(0.0f64, 0.0f64, 0.0f64); BUCKETS];
+    for (survival, observed, weight) in points {
+        let group = &mut groups[bucket_of(survival)];
+        group.0 += survival * weight;
+        group.1 += observed * weight;
+        group.2 += weight;
     }
-    // Pool adjacent violators: merged runs keep their weighted mean observed fraction.
-    let mut pooled: Vec<(Vec<f64>, f64, f64)> = Vec::new();
-    for (survival, observed, weight) in blocks.drain(..) {
-        pooled.push((vec![survival], observed, weight));
-        while pooled.len() > 1 && pooled[pooled.len() - 2].1 > pooled[pooled.len() - 1].1 {
-            let (xs, y, w) = pooled.pop().unwrap();
-            let last = pooled.last_mut().unwrap();
-            last.1 = (last.1 * last.2 + y * w) / (last.2 + w);
-            last.2 += w;
-            last.0.extend(xs);
+    // (survivals of the knots merged, observed, weight), in increasing survival.
+    let mut merged: Vec<(Vec<f64>, f64, f64)> = Vec::new();
+    for (sum_survival, sum_observed, weight) in groups.into_iter().take(BUCKETS - 1).skip(1) {
+        if weight <= 0.0 {
+            continue;
+        }
+        merged.push((vec![sum_survival / weight], sum_observed / weight, weight));
+        // Pool adjacent violators: merged runs keep their weighted mean observed fraction.
+        while merged.len() > 1 && merged[merged.len() - 2].1 > merged[merged.len() - 1].1 {
+            let (survivals, observed, weight) = merged.pop().unwrap();
+            let last = merged.last_mut().unwrap();
+            last.1 = (last.1 * last.2 + observed * weight) / (last.2 + weight);
+            last.2 += weight;
+            last.0.extend(survivals);
         }
     }
-    Some(
-        pooled
-            .into_iter()
-            .flat_map(|(xs, y, _)| xs.into_iter().map(move |x| (x, y)))
-            .collect(),
-    )
+    let knots: Vec<(f64, f64)> = merged
+        .into_iter()
+        .flat_map(|(survivals, observed, _)| survivals.into_iter().map(move |s| (s, observed)))
+        .collect();
+    (knots.len() >= 3).then_some(knots)
 }
 
 /// report.md's section for the calibration pooled over runs (empty without pooled legs).
@@ -1011,9 +1094,11 @@ pub fn render_pooled_markdown(pooled: &[PooledCalibration]) -> String {
     let _ = write!(
         out,
         "Each leg's runs added together: samples, pairs and resident blocks summed per bucket, \
-         the Brier score weighted by samples, the noise recomputed from the pooled pairs. A \
-         bucket counts with at least {MIN_BUCKET_SAMPLES} samples; within tolerance: within \
-         {GAP_TOLERANCE} of the diagonal.\n\n\
+         the Brier score weighted by samples, the noise recomputed from the pooled pairs and, \
+         over 3 runs or more, from the spread of the runs' own gaps (runs: 1.96 sd / sqrt(n); \
+         off beyond noise means beyond the larger of the two). A bucket counts with at least \
+         {MIN_BUCKET_SAMPLES} samples; within tolerance: within {GAP_TOLERANCE} of the \
+         diagonal.\n\n\
          | leg | runs | sampled requests | pairs | predictor | samples | Brier | worst gap | buckets counted | within tolerance | off beyond noise |\n\
          |---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|\n"
     );
@@ -1043,11 +1128,7 @@ pub fn render_pooled_markdown(pooled: &[PooledCalibration]) -> String {
             leg.leg, leg.runs
         );
         reliability_table(&mut out, &leg.predictors);
-        let pressure = leg.predictors.iter().find(|p| p.name == PREDICTORS[0].0);
-        let refit = pressure
-            .zip(leg.recalibration.as_deref())
-            .and_then(|(pressure, knots)| refit_recalibration(&pressure.buckets, knots));
-        if let Some(knots) = refit {
+        if let Some(knots) = &leg.refit {
             let knots: Vec<String> = knots
                 .iter()
                 .map(|(survival, observed)| format!("({survival:.4}, {observed:.4})"))
@@ -1585,9 +1666,75 @@ mod tests {
         let markdown = render_pooled_markdown(&pooled);
         assert!(markdown.contains("### Pooled reliability: prefix+estimate (2 runs)"));
         assert!(markdown.contains("| prefix+estimate | 2 | 20 | 200 | pressure | 800 |"));
-        assert_eq!(pooled[0].recalibration, Some(Vec::new()));
+        // Two middle buckets only: too few knots to refit.
+        assert_eq!(pooled[0].refit, None);
         assert!(render_pooled_markdown(&[]).is_empty());
         assert!(render_pooled_text(&pooled).contains("prefix+estimate pooled over 2 runs"));
+    }
+
+    #[test]
+    fn pooling_refits_the_map_only_over_runs_of_one_curve() {
+        let mut table = Reliability::default();
+        for sample in 0..2000u64 {
+            let predicted = 0.15 + (sample % 7) as f64 * 0.1;
+            table.add(predicted, sample % 10 < 5, sample);
+        }
+        let run = leg_run("prefix+estimate", table.summarize("pressure", "d"), 2000);
+        let pooled = pool(&[run.clone(), run.clone()]);
+        let refit = pooled[0].refit.as_ref().unwrap();
+        assert_eq!(refit.len(), 7);
+        // Every bucket observed about half: a map near 0.5, non-decreasing.
+        assert!(
+            refit.iter().all(|knot| (knot.1 - 0.5).abs() < 0.005),
+            "{refit:?}"
+        );
+        assert!(
+            refit.windows(2).all(|pair| pair[0].1 <= pair[1].1),
+            "{refit:?}"
+        );
+        // A run with another sharpness, or one from a build that recorded no map: no refit.
+        let other = LegCalibration {
+            sharpness: Some(5.0),
+            ..run.clone()
+        };
+        assert_eq!(pool(&[run.clone(), other])[0].refit, None);
+        let old = LegCalibration {
+            recalibration: None,
+            ..run.clone()
+        };
+        assert_eq!(pool(&[old, run])[0].refit, None);
+    }
+
+    #[test]
+    fn pooled_noise_counts_the_spread_between_runs() {
+        // Three runs predicting 0.35 on 200 independent pairs each, observed 0.45, 0.25, 0.65.
+        let runs: Vec<LegCalibration> = [90u64, 50, 130]
+            .iter()
+            .map(|&resident| {
+                let mut table = Reliability::default();
+                for sample in 0..200u64 {
+                    table.add(0.35, sample < resident, sample);
+                }
+                leg_run("prefix+estimate", table.summarize("pressure", "d"), 200)
+            })
+            .collect();
+        let pooled = pool(&runs);
+        let bucket = &pooled[0].predictors[0].buckets[3];
+        assert!((bucket.gap().unwrap() - 0.1).abs() < 1e-9, "{bucket:?}");
+        // The pairs alone (600) would call a 0.1 gap off: 1.96·sqrt(0.35·0.65/600) ≈ 0.038.
+        assert!(bucket.noise_95.unwrap() < 0.04);
+        // The runs' gaps (+0.1, −0.1, +0.3) have sd 0.2: 1.96·0.2/sqrt(3) ≈ 0.226.
+        let runs_noise = bucket.run_noise_95.unwrap();
+        assert!(
+            (runs_noise - 1.96 * 0.2 / 3f64.sqrt()).abs() < 1e-9,
+            "{runs_noise}"
+        );
+        assert!(!bucket.beyond_noise());
+        assert_eq!(pooled[0].predictors[0].buckets_beyond_noise, 0);
+        assert!(render_pooled_markdown(&pooled).contains("(runs 0.226)"));
+        // Two runs: no spread to measure.
+        let two = pool(&runs[..2]);
+        assert_eq!(two[0].predictors[0].buckets[3].run_noise_95, None);
     }
 
     fn bucket_at(bucket: usize, predicted: f64, observed: f64, samples: u64) -> Bucket {
@@ -1599,6 +1746,7 @@ mod tests {
             mean_predicted: Some(predicted),
             observed: Some(observed),
             noise_95: None,
+            run_noise_95: None,
         }
     }
 
@@ -1611,20 +1759,31 @@ mod tests {
                 bucket_at(bucket, predicted, (predicted + 0.05).min(1.0), 1000)
             })
             .collect();
-        let knots = refit_recalibration(&buckets, &[]).unwrap();
+        let points = |buckets: &[Bucket], knots: &[(f64, f64)]| {
+            recalibration_points(buckets, knots).collect::<Vec<_>>()
+        };
+        let knots = refit_recalibration(points(&buckets, &[])).unwrap();
         assert_eq!(knots.len(), 8);
         for (knot, bucket) in knots.iter().zip(&buckets[1..9]) {
             assert!((knot.0 - bucket.mean_predicted.unwrap()).abs() < 1e-12);
             assert!((knot.1 - bucket.observed.unwrap()).abs() < 1e-12);
         }
-        // Runs made with a map: each knot sits at the survival the prediction came from.
+        // A run made with a map: each point sits at the survival its prediction came from,
+        // and pools with a run without one in that survival's group.
         let map: &[(f64, f64)] = &[(0.5, 0.6)];
-        let knots = refit_recalibration(&buckets, map).unwrap();
-        let expected = myelin_routing::uncalibrate(map, 0.35);
-        assert!((knots[2].0 - expected).abs() < 1e-12, "{knots:?}");
+        let mapped = points(&buckets, map);
+        let survival = myelin_routing::uncalibrate(map, 0.35);
+        assert!((mapped[2].0 - survival).abs() < 1e-12, "{mapped:?}");
+        let mut both = points(&buckets, &[]);
+        both.extend(mapped);
+        let knots = refit_recalibration(both).unwrap();
+        assert!(
+            knots.windows(2).all(|pair| pair[0].0 < pair[1].0),
+            "{knots:?}"
+        );
         // A dip is pooled with its neighbour (equal pairs: the mean), keeping both knots.
         buckets[4].observed = Some(0.3);
-        let knots = refit_recalibration(&buckets, &[]).unwrap();
+        let knots = refit_recalibration(points(&buckets, &[])).unwrap();
         assert!((knots[2].1 - 0.35).abs() < 1e-12 && (knots[3].1 - 0.35).abs() < 1e-12);
         assert!(
             knots.windows(2).all(|pair| pair[0].1 <= pair[1].1),
@@ -1634,7 +1793,7 @@ mod tests {
         for bucket in &mut buckets[3..] {
             bucket.samples = 10;
         }
-        assert_eq!(refit_recalibration(&buckets, &[]), None);
+        assert_eq!(refit_recalibration(points(&buckets, &[])), None);
     }
 
     #[test]
