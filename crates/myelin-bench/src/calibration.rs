@@ -926,6 +926,9 @@ fn spread_95(values: &[f64]) -> Option<f64> {
     Some(1.96 * (variance / n as f64).sqrt())
 }
 
+/// One run's gap (observed − predicted) per bucket, where the bucket counted.
+type RunGaps = [Option<f64>; BUCKETS];
+
 /// Pools `calibrations` per leg (in order of first appearance), each predictor by name.
 pub fn pool(calibrations: &[LegCalibration]) -> Vec<PooledCalibration> {
     struct Pooling {
@@ -939,7 +942,7 @@ pub fn pool(calibrations: &[LegCalibration]) -> Vec<PooledCalibration> {
         sampled_requests: u64,
         sampled_pairs: u64,
         /// Per predictor: name, description, the pooled table and each run's bucket gaps.
-        predictors: Vec<(String, String, Reliability, Vec<[Option<f64>; BUCKETS]>)>,
+        predictors: Vec<(String, String, Reliability, Vec<RunGaps>)>,
     }
     let mut legs: Vec<Pooling> = Vec::new();
     for run in calibrations {
