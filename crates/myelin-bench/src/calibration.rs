@@ -1029,7 +1029,7 @@ pub fn pool(calibrations: &[LegCalibration]) -> Vec<PooledCalibration> {
 }
 
 /// One run's `pressure` buckets from 0.1 to 0.9 with at least [`MIN_BUCKET_SAMPLES`]
-/// samples, as (log-logistic survival, observed fraction, pairs): the survival the bucket's
+/// samples, as (log-logistic survival, observed fraction, samples): the survival the bucket's
 /// mean prediction came from through the run's map `knots` ([`myelin_routing::uncalibrate`]).
 /// The outer buckets are left to the map's implied (0, 0) and (1, 1).
 pub fn recalibration_points(
@@ -1039,12 +1039,12 @@ pub fn recalibration_points(
     buckets
         .iter()
         .filter(|bucket| bucket.lower >= 0.1 - 1e-9 && bucket.upper <= 0.9 + 1e-9)
-        .filter(|bucket| bucket.counted() && bucket.pairs > 0)
+        .filter(|bucket| bucket.counted())
         .filter_map(|bucket| {
             Some((
                 myelin_routing::uncalibrate(knots, bucket.mean_predicted?),
                 bucket.observed?,
-                bucket.pairs as f64,
+                bucket.samples as f64,
             ))
         })
         .collect::<Vec<_>>()
@@ -1054,9 +1054,9 @@ pub fn recalibration_points(
 /// Refits the estimate's recalibration map ([`myelin_routing::DEFAULT_RECALIBRATION`]) from
 /// runs' [`recalibration_points`] (runs made with different maps pool, as each point is placed
 /// at its own survival): the points are grouped in survival buckets of 0.1 from 0.1 to 0.9,
-/// one knot per group at the pair-weighted mean survival and observed fraction, made
-/// non-decreasing (pool-adjacent-violators, weighted by pairs). `None` with fewer than three
-/// knots.
+/// one knot per group at the sample-weighted mean survival and observed fraction (runs made
+/// without a map: exactly the pooled table's points), made non-decreasing
+/// (pool-adjacent-violators, weighted by samples). `None` with fewer than three knots.
 pub fn refit_recalibration(points: Vec<(f64, f64, f64)>) -> Option<Vec<(f64, f64)>> {
     let mut groups = [(0.0f64, 0.0f64, 0.0f64); BUCKETS];
     for (survival, observed, weight) in points {
@@ -1784,7 +1784,7 @@ mod tests {
             knots.windows(2).all(|pair| pair[0].0 < pair[1].0),
             "{knots:?}"
         );
-        // A dip is pooled with its neighbour (equal pairs: the mean), keeping both knots.
+        // A dip is pooled with its neighbour (equal samples: the mean), keeping both knots.
         buckets[4].observed = Some(0.3);
         let knots = refit_recalibration(points(&buckets, &[])).unwrap();
         assert!((knots[2].1 - 0.35).abs() < 1e-12 && (knots[3].1 - 0.35).abs() < 1e-12);

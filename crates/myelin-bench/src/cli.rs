@@ -152,7 +152,8 @@ pub struct BenchArgs {
     pub calibration: crate::calibration::CalibrationMode,
 
     /// Calibration samples one request in this many (drawn from the seed; 1 = every request,
-    /// for pooled calibration runs; each sampled request costs the load generator some 100 us).
+    /// for pooled calibration runs, at some 200 us of the load generator's thread per request
+    /// against 50 us with the default).
     #[arg(long, default_value_t = crate::calibration::SAMPLE_EVERY,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub calibration_every: u64,
@@ -172,7 +173,8 @@ pub enum BenchCommand {
     /// failed and the final RSS is within 10% of its value after the warm-up.
     Soak(crate::soak::SoakArgs),
     /// Pools the residency calibration of several runs' report.json per leg (reliability
-    /// tables summed, sampling noise from the pooled pairs) and prints it as markdown.
+    /// tables summed, sampling noise from the pooled pairs and from the runs' spread) and
+    /// prints it as markdown, with the refit of the estimate's recalibration map.
     Calibration(crate::calibration::PoolArgs),
 }
 
