@@ -899,9 +899,9 @@ fn reliability_table(out: &mut String, predictors: &[PredictorCalibration]) {
 
 /// A leg's calibration pooled over several runs of it (the repeats of one `myelin bench`, or
 /// the reports of runs with other seeds: `myelin bench calibration REPORT...`). Pairs of
-/// different runs count as distinct, so the pooled sampling noise shrinks with every run; runs
-/// of one seed replay the same traffic, so their pairs are not independent and the pooled
-/// noise understates the real spread there.
+/// different runs count as distinct, so the pairs' noise shrinks with every run; the runs'
+/// own spread ([`Bucket::run_noise_95`]) says how far runs really differ. Runs of one seed
+/// replay the same traffic, so they are not independent samples of it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct PooledCalibration {
     pub leg: String,
@@ -936,7 +936,7 @@ pub fn pool(calibrations: &[LegCalibration]) -> Vec<PooledCalibration> {
         runs: u32,
         /// The first run's sharpness and edge.
         curve: (Option<f64>, Option<f64>),
-        /// The runs' `pressure` buckets as (survival, observed, pairs) points, while every run
+        /// The runs' `pressure` buckets as (survival, observed, samples) points, while every run
         /// recorded its map and the first run's curve ([`recalibration_points`]).
         points: Option<Vec<(f64, f64, f64)>>,
         sampled_requests: u64,
@@ -1032,10 +1032,7 @@ pub fn pool(calibrations: &[LegCalibration]) -> Vec<PooledCalibration> {
 /// samples, as (log-logistic survival, observed fraction, samples): the survival the bucket's
 /// mean prediction came from through the run's map `knots` ([`myelin_routing::uncalibrate`]).
 /// The outer buckets are left to the map's implied (0, 0) and (1, 1).
-pub fn recalibration_points(
-    buckets: &[Bucket],
-    knots: &[(f64, f64)],
-) -> impl Iterator<Item = (f64, f64, f64)> {
+pub fn recalibration_points(buckets: &[Bucket], knots: &[(f64, f64)]) -> Vec<(f64, f64, f64)> {
     buckets
         .iter()
         .filter(|bucket| bucket.lower >= 0.1 - 1e-9 && bucket.upper <= 0.9 + 1e-9)
@@ -1047,8 +1044,7 @@ pub fn recalibration_points(
                 bucket.samples as f64,
             ))
         })
-        .collect::<Vec<_>>()
-        .into_iter()
+        .collect()
 }
 
 /// Refits the estimate's recalibration map ([`myelin_routing::DEFAULT_RECALIBRATION`]) from
@@ -1762,9 +1758,7 @@ mod tests {
                 bucket_at(bucket, predicted, (predicted + 0.05).min(1.0), 1000)
             })
             .collect();
-        let points = |buckets: &[Bucket], knots: &[(f64, f64)]| {
-            recalibration_points(buckets, knots).collect::<Vec<_>>()
-        };
+        let points = recalibration_points;
         let knots = refit_recalibration(points(&buckets, &[])).unwrap();
         assert_eq!(knots.len(), 8);
         for (knot, bucket) in knots.iter().zip(&buckets[1..9]) {
