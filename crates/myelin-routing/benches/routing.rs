@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use myelin_routing::{
-    BackendId, BackendState, BackendView, Policy, ResidencyMode, Router, RouterConfig, Shard,
-    ShardConfig,
+    BackendId, BackendState, BackendView, Policy, PressureEstimator, ResidencyMode, Router,
+    RouterConfig, Shard, ShardConfig,
 };
 
 #[path = "../../../benches/support/corpus.rs"]
@@ -87,6 +87,34 @@ fn benches(criterion: &mut Criterion) {
     group.bench_function("decide/prefix_auto_64_backends_8192_tokens", |bench| {
         bench.iter(|| router.decide(8192, black_box(&long_match), black_box(&many_views)))
     });
+    // The cache-pressure estimate on every matched block: 32,768-token engines that admitted
+    // 20,000 tokens since the prefixes were learned (survivals in the middle of the curve),
+    // with and without the recalibration map.
+    let pressured: Vec<BackendView> = views
+        .iter()
+        .map(|view| view.clone().with_cache(Some(32_768), 20_000, 0))
+        .collect();
+    let mut estimate = Router::new(
+        Policy::Prefix,
+        ResidencyMode::Estimate,
+        RouterConfig::default(),
+    );
+    group.bench_function("decide/prefix_estimate_8_backends_8192_tokens", |bench| {
+        bench.iter(|| estimate.decide(8192, black_box(&long_match), black_box(&pressured)))
+    });
+    let mut unmapped = Router::with_estimator(
+        Policy::Prefix,
+        ResidencyMode::Estimate,
+        RouterConfig::default(),
+        PressureEstimator {
+            recalibration: &[],
+            ..PressureEstimator::default()
+        },
+    );
+    group.bench_function(
+        "decide/prefix_estimate_8_backends_8192_tokens_no_map",
+        |bench| bench.iter(|| unmapped.decide(8192, black_box(&long_match), black_box(&pressured))),
+    );
     let mut round_robin = Router::new(
         Policy::RoundRobin,
         ResidencyMode::Off,
