@@ -1153,17 +1153,7 @@ pub fn render_text(calibrations: &[LegCalibration]) -> String {
             "calibration {} #{}: {} sampled requests ({:.0} us/request), Brier",
             leg.leg, leg.repeat, leg.sampled_requests, leg.cost_us_per_request
         );
-        for predictor in &leg.predictors {
-            let _ = write!(
-                out,
-                " {} {} (worst gap {}, {}/{} buckets off beyond noise)",
-                predictor.name,
-                optional(predictor.brier, 4),
-                optional(predictor.worst_gap, 3),
-                predictor.buckets_beyond_noise,
-                predictor.buckets_counted
-            );
-        }
+        predictors_text(&mut out, &leg.predictors);
         let _ = writeln!(
             out,
             "; cached tokens MAE {} (history only {})",
@@ -1183,21 +1173,26 @@ pub fn render_pooled_text(pooled: &[PooledCalibration]) -> String {
             "calibration {} pooled over {} runs: {} sampled requests, {} pairs, Brier",
             leg.leg, leg.runs, leg.sampled_requests, leg.sampled_pairs
         );
-        for predictor in &leg.predictors {
-            let _ = write!(
-                out,
-                " {} {} (worst gap {}, {}/{} buckets within {GAP_TOLERANCE}, {} off beyond noise)",
-                predictor.name,
-                optional(predictor.brier, 4),
-                optional(predictor.worst_gap, 3),
-                predictor.buckets_within_tolerance,
-                predictor.buckets_counted,
-                predictor.buckets_beyond_noise
-            );
-        }
+        predictors_text(&mut out, &leg.predictors);
         out.push('\n');
     }
     out
+}
+
+/// Each predictor's Brier score, worst gap and bucket counts, for a stdout line.
+fn predictors_text(out: &mut String, predictors: &[PredictorCalibration]) {
+    for predictor in predictors {
+        let _ = write!(
+            out,
+            " {} {} (worst gap {}, {}/{} buckets within {GAP_TOLERANCE}, {} off beyond noise)",
+            predictor.name,
+            optional(predictor.brier, 4),
+            optional(predictor.worst_gap, 3),
+            predictor.buckets_within_tolerance,
+            predictor.buckets_counted,
+            predictor.buckets_beyond_noise
+        );
+    }
 }
 
 /// `myelin bench calibration`: pools the residency calibration of several runs.
