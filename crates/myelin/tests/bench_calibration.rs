@@ -156,6 +156,24 @@ fn estimate_leg_reports_calibration_against_the_simulator() {
         stderr.contains("no calibration to pool for leg oracle"),
         "{stderr}"
     );
+    // A file that is not a report, and one that is not there: named, not a panic.
+    let garbage = directory.join("garbage.json");
+    std::fs::write(&garbage, "{\"calibration\": [{\"leg\": 3}]}").unwrap();
+    for (path, expected) in [
+        (garbage.clone(), "is not a myelin bench report.json"),
+        (directory.join("missing.json"), "reading"),
+    ] {
+        let failed = std::process::Command::new(bench::MYELIN)
+            .args(["bench", "calibration"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(!failed.status.success());
+        let stderr = String::from_utf8_lossy(&failed.stderr);
+        assert!(stderr.contains(expected), "{stderr}");
+        assert!(stderr.contains(path.to_str().unwrap()), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
     let _ = std::fs::remove_dir_all(&directory);
 }
 
