@@ -802,19 +802,13 @@ pub fn render_markdown(calibrations: &[LegCalibration], plot: Option<&str>) -> S
         for predictor in &leg.predictors {
             let _ = writeln!(
                 out,
-                "| {} | {} | {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {:.0} | {} |",
                 leg.leg,
                 leg.repeat,
                 leg.sampled_requests,
                 leg.sampled_pairs,
                 leg.cost_us_per_request,
-                predictor.name,
-                predictor.samples,
-                optional(predictor.brier, 4),
-                optional(predictor.worst_gap, 3),
-                predictor.buckets_counted,
-                predictor.buckets_within_tolerance,
-                predictor.buckets_beyond_noise,
+                predictor_cells(predictor),
             );
         }
     }
@@ -852,6 +846,21 @@ pub fn render_markdown(calibrations: &[LegCalibration], plot: Option<&str>) -> S
     }
     out.push('\n');
     out
+}
+
+/// A predictor's summary cells of report.md's tables: name, samples, Brier score, worst gap
+/// and the bucket counts (counted, within tolerance, off beyond noise).
+fn predictor_cells(predictor: &PredictorCalibration) -> String {
+    format!(
+        "{} | {} | {} | {} | {} | {} | {}",
+        predictor.name,
+        predictor.samples,
+        optional(predictor.brier, 4),
+        optional(predictor.worst_gap, 3),
+        predictor.buckets_counted,
+        predictor.buckets_within_tolerance,
+        predictor.buckets_beyond_noise,
+    )
 }
 
 /// Every predictor's reliability table side by side: per bucket, samples (pairs), mean
@@ -1105,18 +1114,12 @@ pub fn render_pooled_markdown(pooled: &[PooledCalibration]) -> String {
         for predictor in &leg.predictors {
             let _ = writeln!(
                 out,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} |",
                 leg.leg,
                 leg.runs,
                 leg.sampled_requests,
                 leg.sampled_pairs,
-                predictor.name,
-                predictor.samples,
-                optional(predictor.brier, 4),
-                optional(predictor.worst_gap, 3),
-                predictor.buckets_counted,
-                predictor.buckets_within_tolerance,
-                predictor.buckets_beyond_noise,
+                predictor_cells(predictor),
             );
         }
     }
