@@ -2,6 +2,8 @@
 
 pub use myelin_art::BackendId;
 
+use crate::ttft::{EngineQueue, EngineTiming};
+
 /// Health of a backend, as the control core's health checks see it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BackendState {
@@ -41,6 +43,10 @@ pub struct BackendView {
     /// The engine's KV memory and admission queue, `None` when unknown (an engine without a
     /// metrics endpoint, or figures too old to trust).
     pub memory: Option<MemoryPressure>,
+    /// How the engine's steps take time (fitted from its first tokens, or the default).
+    pub timing: EngineTiming,
+    /// What is in front of a new request there: the predicted-TTFT cost's inputs.
+    pub queue: EngineQueue,
 }
 
 /// What an engine's KV memory and scheduler say: the inputs of the expected admission wait
@@ -71,7 +77,17 @@ impl BackendView {
             admitted_tokens: 0,
             evicted_below_stamp: 0,
             memory: None,
+            timing: EngineTiming::default(),
+            queue: EngineQueue::default(),
         }
+    }
+
+    /// The predicted-TTFT cost's inputs: the engine's timing and what is in front of a new
+    /// request there (see [`crate::predict_ttft`]).
+    pub fn with_ttft(mut self, timing: EngineTiming, queue: EngineQueue) -> Self {
+        self.timing = timing;
+        self.queue = queue;
+        self
     }
 
     /// The engine's KV memory and admission queue (see [`MemoryPressure`]).

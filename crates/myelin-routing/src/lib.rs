@@ -61,6 +61,7 @@ mod replica;
 mod residency;
 mod router;
 mod shard;
+mod ttft;
 
 pub use backend::{BackendId, BackendState, BackendView, MemoryPressure};
 pub use error::{NoBackend, ParseNameError, RoutingError};
@@ -79,7 +80,12 @@ pub use residency::{
     uncalibrate,
 };
 pub use router::{
-    DEFAULT_DECODE_STEP_TOKENS, DEFAULT_LOAD_BOUND_TOKENS, DEFAULT_MAX_PREFIX_HOMES, Decision,
-    MEMORY_FULL_UTILIZATION, Router, RouterConfig, admission_wait_tokens,
+    CostModel, DEFAULT_DECODE_STEP_TOKENS, DEFAULT_LOAD_BOUND_TOKENS, DEFAULT_MAX_PREFIX_HOMES,
+    Decision, MEMORY_FULL_UTILIZATION, Router, RouterConfig, admission_wait_tokens,
 };
 pub use shard::{BackendMatch, BlockCounts, PrefixMatch, Shard, ShardConfig};
+pub use ttft::{
+    DEFAULT_ENGINE_TIMING, EngineQueue, EngineTiming, KvMemory, PredictionError,
+    TIMING_BOUND_FACTOR, TIMING_FORGETTING, TIMING_PRIOR_WEIGHT, TimingFit, TtftPrediction,
+    memory_wait_steps, predict_ttft,
+};

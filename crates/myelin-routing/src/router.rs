@@ -9,6 +9,7 @@ use crate::residency::{
     EstimateInput, PressureEstimator, ResidencyEstimator, ResidencyMode, expected_cached_tokens,
 };
 use crate::shard::{BackendMatch, PrefixMatch};
+use crate::ttft::{TtftPrediction, predict_ttft};
 
 /// Load differences up to this many tokens are treated as noise by the prefix policy unless
 /// configured (about one 2k-token prompt of prefill).
@@ -33,9 +34,56 @@ pub const DEFAULT_MAX_PREFIX_HOMES: u32 = 3;
 /// waiting behind 4 to 6 running ones at 0.77 to 0.94 utilization (docs/routing.md).
 pub const MEMORY_FULL_UTILIZATION: f64 = 0.75;
 
+/// What the prefix policy minimises.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CostModel {
+    /// The predicted time to first token on each engine, in seconds ([`crate::predict_ttft`]):
+    /// the prefill queued ahead, this request's own uncached prefill at the engine's fitted
+    /// rates, and the wait for KV memory when its prompt does not fit (docs/routing.md).
+    #[default]
+    Ttft,
+    /// The earlier cost in tokens: uncached prefill + load beyond the load bound + the KV-memory
+    /// wait in prompt tokens (`decode_step_tokens` per decode step).
+    Tokens,
+}
+
+impl CostModel {
+    /// The name `myelin serve --cost` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CostModel::Ttft => "ttft",
+            CostModel::Tokens => "tokens",
+        }
+    }
+}
+
+impl std::str::FromStr for CostModel {
+    type Err = crate::ParseNameError;
+
+    fn from_str(name: &str) -> Result<Self, Self::Err> {
+        match name {
+            "ttft" => Ok(CostModel::Ttft),
+            "tokens" => Ok(CostModel::Tokens),
+            _ => Err(crate::ParseNameError {
+                kind: "cost model",
+                given: name.to_owned(),
+                expected: "ttft, tokens",
+            }),
+        }
+    }
+}
+
+impl std::fmt::Display for CostModel {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str(self.as_str())
+    }
+}
+
 /// Tunables of a [`Router`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RouterConfig {
+    /// What the prefix policy minimises (default: the predicted time to first token).
+    pub cost: CostModel,
     /// Load slack of the prefix policy, in tokens: a backend's load counts only beyond
     /// `min_load + load_bound_tokens` (see [`Router::decide`]). 0 = pure expected cost.
     pub load_bound_tokens: u64,
@@ -54,6 +102,7 @@ pub struct RouterConfig {
 impl Default for RouterConfig {
     fn default() -> Self {
         Self {
+            cost: CostModel::default(),
             load_bound_tokens: DEFAULT_LOAD_BOUND_TOKENS,
             decode_step_tokens: DEFAULT_DECODE_STEP_TOKENS,
             pending_resident_ms: 0,
@@ -116,6 +165,9 @@ pub struct Decision {
     /// residency was discounted. Always false for residency `off` and for non-prefix policies.
     /// Feeds `myelin_router_residency_route_downgrades_total`.
     pub residency_downgrade: bool,
+    /// The predicted time to first token on the chosen backend (every policy computes it, so
+    /// the predictor's error can be measured whatever routes).
+    pub predicted_ttft: TtftPrediction,
 }
 
 /// Per-eligible-backend scores of one decision.
@@ -128,8 +180,9 @@ struct Candidate {
     cost_tokens: f64,
     /// Cost with every historically matched block's probability forced to 1.0.
     undiscounted_cost_tokens: f64,
-    /// Expected wait for KV memory, in tokens (part of both costs).
+    /// Expected wait for KV memory, in the cost's unit (part of both costs).
     wait_tokens: f64,
+    predicted_ttft: TtftPrediction,
 }
 
 /// Chooses backends. `E` supplies resident probabilities for the `estimate`/`auto` modes.
@@ -251,18 +304,50 @@ impl<E: ResidencyEstimator> Router<E> {
             // Counterfactual for downgrades: every historically matched block forced resident;
             // what residency adds beyond history (verified blocks routed elsewhere) stays.
             let undiscounted_cached = expected_cached.max(history_cached);
-            let wait_tokens = view.memory.as_ref().map_or(0.0, |memory| {
-                admission_wait_tokens(memory, self.config.decode_step_tokens)
-            });
-            candidates.push(Candidate {
-                id: view.id,
-                load_tokens: view.load_tokens,
-                matched_blocks,
-                expected_cached_tokens: expected_cached,
-                cost_tokens: prompt - expected_cached + counted_load + wait_tokens,
-                undiscounted_cost_tokens: prompt - undiscounted_cached + counted_load + wait_tokens,
-                wait_tokens,
-            });
+            let predicted_ttft = predict_ttft(
+                &view.timing,
+                &view.queue,
+                prompt_tokens,
+                prompt - expected_cached,
+            );
+            let candidate = match self.config.cost {
+                CostModel::Ttft => {
+                    let undiscounted = predict_ttft(
+                        &view.timing,
+                        &view.queue,
+                        prompt_tokens,
+                        prompt - undiscounted_cached,
+                    );
+                    Candidate {
+                        id: view.id,
+                        load_tokens: view.load_tokens,
+                        matched_blocks,
+                        expected_cached_tokens: expected_cached,
+                        cost_tokens: predicted_ttft.seconds,
+                        undiscounted_cost_tokens: undiscounted.seconds,
+                        wait_tokens: predicted_ttft.memory_wait_seconds(&view.timing),
+                        predicted_ttft,
+                    }
+                }
+                CostModel::Tokens => {
+                    let wait_tokens = view.memory.as_ref().map_or(0.0, |memory| {
+                        admission_wait_tokens(memory, self.config.decode_step_tokens)
+                    });
+                    Candidate {
+                        id: view.id,
+                        load_tokens: view.load_tokens,
+                        matched_blocks,
+                        expected_cached_tokens: expected_cached,
+                        cost_tokens: prompt - expected_cached + counted_load + wait_tokens,
+                        undiscounted_cost_tokens: prompt - undiscounted_cached
+                            + counted_load
+                            + wait_tokens,
+                        wait_tokens,
+                        predicted_ttft,
+                    }
+                }
+            };
+            candidates.push(candidate);
         }
         if candidates.is_empty() {
             self.candidates = candidates;
@@ -278,7 +363,14 @@ impl<E: ResidencyEstimator> Router<E> {
                 .min_by(f64::total_cmp)
                 .unwrap_or(0.0)
         };
-        let min_wait = least_wait(&candidates, &|_| true);
+        // In seconds the cost is the predicted first token itself: waits count in full (a
+        // wait everywhere is in every candidate's cost and moves nothing).
+        let relative_waits = self.config.cost == CostModel::Tokens;
+        let min_wait = if relative_waits {
+            least_wait(&candidates, &|_| true)
+        } else {
+            0.0
+        };
         // A prefix with `max_prefix_homes` homes already (backends holding at least half its
         // longest match) gets no more for memory: its homes' waits count only among
         // themselves, so the least-waiting home competes with the others on cache and load
@@ -290,7 +382,8 @@ impl<E: ResidencyEstimator> Router<E> {
             .unwrap_or(0);
         let is_home = |c: &Candidate| longest > 0 && c.matched_blocks * 2 >= longest;
         let homes = candidates.iter().filter(|c| is_home(c)).count();
-        let home_wait = (self.config.max_prefix_homes > 0
+        let home_wait = (relative_waits
+            && self.config.max_prefix_homes > 0
             && homes >= self.config.max_prefix_homes as usize)
             .then(|| least_wait(&candidates, &is_home));
         for candidate in &mut candidates {
@@ -360,6 +453,7 @@ impl<E: ResidencyEstimator> Router<E> {
             prefix_replication,
             historical_best,
             residency_downgrade,
+            predicted_ttft: chosen.predicted_ttft,
         })
     }
 

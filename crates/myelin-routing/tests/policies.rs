@@ -4,8 +4,9 @@
 use std::num::NonZeroU32;
 
 use myelin_routing::{
-    BackendId, BackendMatch, BackendState, BackendView, BlockChain, DEFAULT_DECODE_STEP_TOKENS,
-    Decision, EstimateInput, MEMORY_FULL_UTILIZATION, MemoryPressure, NoBackend,
+    BackendId, BackendMatch, BackendState, BackendView, BlockChain, CostModel,
+    DEFAULT_DECODE_STEP_TOKENS, DEFAULT_ENGINE_TIMING, Decision, EngineQueue, EngineTiming,
+    EstimateInput, KvMemory, MEMORY_FULL_UTILIZATION, MemoryPressure, NoBackend,
     PlaceholderEstimator, Policy, PrefixMatch, ResidencyEstimator, ResidencyMode, Router,
     RouterConfig, RoutingError, Shard, ShardConfig, admission_wait_tokens, expected_cached_tokens,
 };
@@ -36,13 +37,22 @@ fn prompt(blocks: u32, salt: u32) -> Vec<u32> {
     (0..blocks * BLOCK).map(|token| token * 7 + salt).collect()
 }
 
+/// The cost in tokens (`CostModel::Tokens`): the rules these tests check (load bound, KV-memory
+/// wait in tokens, homes) are that cost's; the cost in seconds has its own tests below.
+fn tokens_cost() -> RouterConfig {
+    RouterConfig {
+        cost: CostModel::Tokens,
+        ..RouterConfig::default()
+    }
+}
+
 fn router(policy: Policy, residency: ResidencyMode, load_bound_tokens: u64) -> Router {
     Router::new(
         policy,
         residency,
         RouterConfig {
             load_bound_tokens,
-            ..RouterConfig::default()
+            ..tokens_cost()
         },
     )
 }
@@ -244,7 +254,7 @@ fn placeholder_estimator_counts_every_matched_block_as_resident() {
     let mut router = Router::with_estimator(
         Policy::Prefix,
         ResidencyMode::Estimate,
-        RouterConfig::default(),
+        tokens_cost(),
         PlaceholderEstimator,
     );
     let decision = decide(&mut router, &shard, &tokens, &[up(4, 0), up(5, 0)]);
@@ -261,7 +271,7 @@ fn estimate_mode_discounts_by_cumulative_probability_and_counts_downgrades() {
         ResidencyMode::Estimate,
         RouterConfig {
             load_bound_tokens: 0,
-            ..RouterConfig::default()
+            ..tokens_cost()
         },
         ConstantEstimator(0.5),
     );
@@ -320,7 +330,7 @@ fn estimator_sees_per_block_use_records() {
     let mut router = Router::with_estimator(
         Policy::Prefix,
         ResidencyMode::Estimate,
-        RouterConfig::default(),
+        tokens_cost(),
         AgeEstimator { fresh_after_ms: 50 },
     );
     let decision = router
@@ -833,7 +843,7 @@ fn a_prefix_whose_home_is_out_of_kv_memory_gets_a_second_home() {
         RouterConfig {
             load_bound_tokens: 0,
             decode_step_tokens: 1,
-            ..RouterConfig::default()
+            ..tokens_cost()
         },
     );
     let mut fresh = self::shard();
@@ -899,7 +909,7 @@ fn a_prefix_routed_moments_ago_counts_as_resident_in_every_mode() {
                 RouterConfig {
                     load_bound_tokens: 0,
                     pending_resident_ms,
-                    ..RouterConfig::default()
+                    ..tokens_cost()
                 },
             );
             let soon = shard.lookup(&tokens, 1_400);
@@ -937,7 +947,7 @@ fn a_prefix_with_its_share_of_homes_gets_no_more_for_memory() {
     let config = |max_prefix_homes| RouterConfig {
         load_bound_tokens: 0,
         max_prefix_homes,
-        ..RouterConfig::default()
+        ..tokens_cost()
     };
     // Unbounded: the idle engine becomes a fourth home.
     let mut unbounded = Router::new(Policy::Prefix, ResidencyMode::Off, config(0));
@@ -996,4 +1006,128 @@ fn absurd_engine_figures_give_a_finite_wait() {
     let decision = decide(&mut router, &shard, &tokens, &views);
     assert_eq!(decision.backend, BackendId(0));
     assert!(decision.expected_cost_tokens.is_finite());
+}
+
+// The cost in seconds (the default): the predicted time to first token.
+
+/// An engine of `capacity` KV tokens with `requests` decoding, holding `held` tokens.
+fn engine(id: u32, requests: u32, held: f64, timing: EngineTiming) -> BackendView {
+    up(id, u64::from(requests) * 400).with_ttft(
+        timing,
+        EngineQueue {
+            prefill_tokens_ahead: 0,
+            requests,
+            decoding: requests,
+            mean_remaining_output_tokens: 200.0,
+            memory: Some(KvMemory {
+                capacity_tokens: 32_768,
+                held_tokens: held,
+                shared_tokens: 0,
+            }),
+        },
+    )
+}
+
+fn ttft_router(residency: ResidencyMode) -> Router {
+    Router::new(Policy::Prefix, residency, RouterConfig::default())
+}
+
+#[test]
+fn a_cold_prompt_goes_where_it_fits_not_where_it_would_wait_for_memory() {
+    // Issue 26's overflow regime: engine 0 runs three 8k-token requests (26,000 tokens of its
+    // 32,768), engine 1 runs five short ones. The cost in tokens sees 1,200 against 2,000
+    // queued output tokens, both within the load bound, and ties; in seconds, a 9,000-token
+    // prompt cannot fit on engine 0 until one of its requests finishes (seconds), while
+    // engine 1 has room, and five sequences per step cost milliseconds.
+    let shard = shard();
+    let tokens = prompt(2250, 1);
+    let views = [
+        engine(0, 3, 26_000.0, DEFAULT_ENGINE_TIMING),
+        engine(1, 5, 10_000.0, DEFAULT_ENGINE_TIMING),
+    ];
+    let mut router = ttft_router(ResidencyMode::Off);
+    for _ in 0..4 {
+        let decision = decide(&mut router, &shard, &tokens, &views);
+        assert_eq!(decision.backend, BackendId(1));
+        assert_eq!(decision.predicted_ttft.memory_wait_steps, 0.0);
+    }
+    // The same on engine 0 would have waited: its prediction says so.
+    let mut only_full = ttft_router(ResidencyMode::Off);
+    let decision = decide(&mut only_full, &shard, &tokens, &views[..1]);
+    assert!(decision.predicted_ttft.memory_wait_steps > 0.0);
+    assert!(decision.predicted_ttft.seconds > 1.0, "{decision:?}");
+}
+
+#[test]
+fn a_cache_hit_stays_home_while_the_queue_there_costs_less_than_prefilling_elsewhere() {
+    let mut shard = shard();
+    let tokens = prompt(1500, 2); // 6,000 tokens
+    shard.learn(&tokens, BackendId(0), 0);
+    let queued = |ahead: u64| {
+        up(0, ahead).with_ttft(
+            DEFAULT_ENGINE_TIMING,
+            EngineQueue {
+                prefill_tokens_ahead: ahead,
+                requests: 1,
+                mean_remaining_output_tokens: 200.0,
+                ..EngineQueue::default()
+            },
+        )
+    };
+    let idle = up(1, 0);
+    let mut router = ttft_router(ResidencyMode::Off);
+    // 2,000 tokens of prefill ahead cost less than prefilling 6,000 on the idle engine.
+    let home = decide(&mut router, &shard, &tokens, &[queued(2000), idle.clone()]);
+    assert_eq!(home.backend, BackendId(0));
+    assert_eq!(home.expected_cached_tokens, 6000.0);
+    // 8,000 ahead cost more: the hit moves.
+    let moved = decide(&mut router, &shard, &tokens, &[queued(8000), idle]);
+    assert_eq!(moved.backend, BackendId(1));
+    assert!(moved.predicted_ttft.seconds < 8000.0 * DEFAULT_ENGINE_TIMING.prefill_s_per_token);
+}
+
+#[test]
+fn a_slower_engine_is_priced_by_its_own_fitted_timing() {
+    let shard = shard();
+    let tokens = prompt(1000, 3);
+    let slow = EngineTiming {
+        prefill_s_per_token: DEFAULT_ENGINE_TIMING.prefill_s_per_token * 3.0,
+        ..DEFAULT_ENGINE_TIMING
+    };
+    // Engine 0 is three times slower at prefill; with equal queues a cold prompt goes to 1,
+    // every time (no rotation between unequal costs).
+    let views = [
+        engine(0, 0, 0.0, slow),
+        engine(1, 1, 500.0, DEFAULT_ENGINE_TIMING),
+    ];
+    let mut router = ttft_router(ResidencyMode::Off);
+    for _ in 0..3 {
+        assert_eq!(
+            decide(&mut router, &shard, &tokens, &views).backend,
+            BackendId(1)
+        );
+    }
+}
+
+#[test]
+fn a_residency_discount_that_moves_a_request_is_a_downgrade_in_seconds_too() {
+    // History says engine 0 holds the prompt; its live mirror says it holds nothing. With
+    // engine 0 a little busier, undiscounted scoring keeps it home and the mirror moves it.
+    let mut shard = shard();
+    let tokens = prompt(1500, 4);
+    shard.learn(&tokens, BackendId(0), 0);
+    shard.set_mirror_live(BackendId(0), true);
+    let views = [
+        engine(0, 2, 1000.0, DEFAULT_ENGINE_TIMING),
+        engine(1, 0, 0.0, DEFAULT_ENGINE_TIMING),
+    ];
+    let mut router = ttft_router(ResidencyMode::Verified);
+    let decision = decide(&mut router, &shard, &tokens, &views);
+    assert_eq!(decision.backend, BackendId(1));
+    assert_eq!(decision.historical_best, Some(BackendId(0)));
+    assert!(decision.residency_downgrade);
+    let mut history = ttft_router(ResidencyMode::Off);
+    let decision = decide(&mut history, &shard, &tokens, &views);
+    assert_eq!(decision.backend, BackendId(0));
+    assert!(!decision.residency_downgrade);
 }

@@ -1,0 +1,556 @@
+//! The predicted time to first token of a request on an engine, and the per-engine timing it
+//! is priced with, fitted online from observed first tokens (docs/routing.md, "The cost in
+//! seconds").
+//!
+//! The model follows vLLM v1's scheduler: every step first gives each running request its next
+//! token (a decode costs one token of the step's budget), then fills what is left of the
+//! budget with prefill chunks of waiting requests in arrival order (FCFS, chunked prefill). A
+//! new request therefore gets its first token once the prefill queued ahead of it and its own
+//! uncached prompt have gone through, `budget − decoding` tokens per step, and, when the
+//! engine's KV memory cannot hold it, after enough running requests have finished to make
+//! room. Time per step is a fixed part plus a part per running sequence, and prefill costs
+//! time per token.
+
+/// How an engine's steps take time. Defaults: Llama-3.1-8B on an A100-40GB at vLLM's OpenAI
+/// server defaults (the simulator's default profile, docs/simulator.md), used until an engine's
+/// own first tokens have been observed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineTiming {
+    /// Seconds of one scheduler step apart from its tokens: launch, scheduling, sampling.
+    pub step_s: f64,
+    /// Seconds one running sequence adds to every step (its decode token, its KV reads).
+    pub step_s_per_sequence: f64,
+    /// Seconds per prefilled prompt token.
+    pub prefill_s_per_token: f64,
+    /// Tokens per step (vLLM's `max_num_batched_tokens`).
+    pub step_tokens: u32,
+}
+
+/// The A100 / Llama-3.1-8B figures: a step's fixed part 13 ms (9.7 ms of forward for one
+/// token, 3.3 ms of overhead), 1 ms per running sequence of some 8k tokens of context (0.2 ms
+/// of bookkeeping, 0.9 ms of KV reads), 0.07 ms per prefilled token (2,048 tokens in 146 ms),
+/// 2,048 tokens per step.
+pub const DEFAULT_ENGINE_TIMING: EngineTiming = EngineTiming {
+    step_s: 0.013,
+    step_s_per_sequence: 0.001,
+    prefill_s_per_token: 0.000_07,
+    step_tokens: 2048,
+};
+
+impl Default for EngineTiming {
+    fn default() -> Self {
+        DEFAULT_ENGINE_TIMING
+    }
+}
+
+impl EngineTiming {
+    /// One step's time with `sequences` running, apart from prefill tokens.
+    pub fn step_seconds(&self, sequences: u32) -> f64 {
+        self.step_s + self.step_s_per_sequence * f64::from(sequences)
+    }
+}
+
+/// An engine's KV memory as the router sees it when deciding.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvMemory {
+    /// KV capacity in tokens.
+    pub capacity_tokens: u64,
+    /// Tokens held by requests in flight there (their prompts, a shared prefix once, and their
+    /// output so far), including those still waiting to be admitted.
+    pub held_tokens: f64,
+    /// Tokens of this request's prompt already held by requests in flight there (a shared
+    /// prefix): they need no new memory.
+    pub shared_tokens: u64,
+}
+
+/// What is in front of a new request on an engine.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct EngineQueue {
+    /// Prompt tokens still to prefill for requests ahead of it (net of their cached prefixes).
+    pub prefill_tokens_ahead: u64,
+    /// Requests in flight there (prefilling, decoding or waiting).
+    pub requests: u32,
+    /// Requests in flight there that already had their first token (decoding).
+    pub decoding: u32,
+    /// Output tokens a running request still owes, on average.
+    pub mean_remaining_output_tokens: f64,
+    /// Its KV memory (`None`: capacity unknown, no memory wait).
+    pub memory: Option<KvMemory>,
+}
+
+/// The parts of one prediction: the features the fit learns from, and the seconds.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct TtftPrediction {
+    /// Scheduler steps until the first token: steps waiting for KV memory plus steps of
+    /// prefill (at least one).
+    pub steps: f64,
+    /// Of `steps`, those spent waiting for KV memory (running requests finishing).
+    pub memory_wait_steps: f64,
+    /// Running sequences taken to share those steps.
+    pub sequences: f64,
+    /// Prompt tokens prefilled before the first token: the queue ahead and this request's own.
+    pub prefill_tokens: f64,
+    /// The predicted time to first token, in seconds.
+    pub seconds: f64,
+}
+
+impl TtftPrediction {
+    /// The fit's features: steps, steps × sequences, prefill tokens.
+    fn features(&self) -> [f64; 3] {
+        [self.steps, self.steps * self.sequences, self.prefill_tokens]
+    }
+
+    /// Of `seconds`, the part spent waiting for KV memory.
+    pub fn memory_wait_seconds(&self, timing: &EngineTiming) -> f64 {
+        self.memory_wait_steps * timing.step_seconds(self.sequences as u32)
+    }
+}
+
+/// Bounds on what an engine's figures can make a prediction: a queue or a wait beyond them is
+/// a broken input, and the prediction stays finite.
+const MAX_STEPS: f64 = 1e7;
+const MAX_TOKENS: f64 = 1e9;
+
+/// Steps a request waits for KV memory on an engine: 0 when its prompt (net of what requests
+/// in flight already hold of it) fits beside what is held. Otherwise blocks come free as
+/// running requests finish, each freeing about the average in-flight request's share; with
+/// `R` of them running and their remaining output spread evenly up to twice the mean, the
+/// k-th finishes after about `k / (R + 1)` of that maximum, k the finishes needed to make room.
+pub fn memory_wait_steps(queue: &EngineQueue, prompt_tokens: u64) -> f64 {
+    let Some(memory) = queue.memory else {
+        return 0.0;
+    };
+    let capacity = memory.capacity_tokens as f64;
+    let held = sane(memory.held_tokens, MAX_TOKENS);
+    let need = prompt_tokens.saturating_sub(memory.shared_tokens) as f64;
+    let excess = held + need - capacity;
+    if excess <= 0.0 || queue.requests == 0 {
+        return 0.0;
+    }
+    let per_request = (held / f64::from(queue.requests)).max(1.0);
+    let finishes = (excess / per_request).ceil();
+    let running = f64::from(queue.requests.max(1));
+    let longest_remaining = 2.0 * sane(queue.mean_remaining_output_tokens, 1e6).max(1.0);
+    // More finishes than requests in flight: every one of them, and then some.
+    (longest_remaining * finishes / (running + 1.0)).min(MAX_STEPS)
+}
+
+fn sane(value: f64, bound: f64) -> f64 {
+    if value.is_nan() {
+        0.0
+    } else {
+        value.clamp(0.0, bound)
+    }
+}
+
+/// The predicted time to first token of a request with `uncached_tokens` to prefill, of a
+/// `prompt_tokens`-token prompt, on an engine with `queue` in front of it.
+pub fn predict_ttft(
+    timing: &EngineTiming,
+    queue: &EngineQueue,
+    prompt_tokens: u64,
+    uncached_tokens: f64,
+) -> TtftPrediction {
+    let prefill_tokens = sane(
+        queue.prefill_tokens_ahead as f64 + sane(uncached_tokens, MAX_TOKENS),
+        MAX_TOKENS,
+    );
+    let decoding = queue.decoding.min(queue.requests);
+    // Each step first decodes every running sequence, then prefills with what is left.
+    let per_step = (f64::from(timing.step_tokens) - f64::from(decoding)).max(1.0);
+    let prefill_steps = (prefill_tokens / per_step).ceil().max(1.0);
+    let memory_wait_steps = memory_wait_steps(queue, prompt_tokens);
+    let steps = (prefill_steps + memory_wait_steps).min(MAX_STEPS);
+    let sequences = f64::from(decoding);
+    let mut prediction = TtftPrediction {
+        steps,
+        memory_wait_steps,
+        sequences,
+        prefill_tokens,
+        seconds: 0.0,
+    };
+    prediction.seconds = timing_dot(timing, &prediction.features());
+    prediction
+}
+
+fn timing_dot(timing: &EngineTiming, features: &[f64; 3]) -> f64 {
+    timing.step_s * features[0]
+        + timing.step_s_per_sequence * features[1]
+        + timing.prefill_s_per_token * features[2]
+}
+
+/// Observations a fitted timing weighs as much as the prior (the default timing) it starts
+/// from, each taken to owe [`PRIOR_FEATURE_SECONDS`] to every parameter: a few first tokens
+/// move it, and an engine with none keeps the default.
+pub const TIMING_PRIOR_WEIGHT: f64 = 4.0;
+/// The seconds of a first token the prior takes each parameter to explain (a typical share).
+const PRIOR_FEATURE_SECONDS: f64 = 0.01;
+/// The prior's weight on each parameter, in the fit's scaled units.
+const PRIOR_DIAGONAL: f64 = TIMING_PRIOR_WEIGHT * PRIOR_FEATURE_SECONDS * PRIOR_FEATURE_SECONDS;
+/// How much each observation's weight decays per new observation: the fit follows an engine
+/// whose speed changes over some hundreds of requests.
+pub const TIMING_FORGETTING: f64 = 0.995;
+/// A fitted figure stays within this factor of the default (either way): a stalled engine or
+/// a broken observation cannot price an engine at zero or at infinity.
+pub const TIMING_BOUND_FACTOR: f64 = 50.0;
+
+/// An engine's timing fitted online: a ridge regression of observed first-token times on the
+/// prediction's features (steps, steps × sequences, prefill tokens), with exponential
+/// forgetting and the default timing as its prior. Pure: the caller feeds each observation.
+#[derive(Debug, Clone)]
+pub struct TimingFit {
+    prior: EngineTiming,
+    /// Decayed sums of x xᵀ and x y over observations, features scaled to the prior's units.
+    xx: [[f64; 3]; 3],
+    xy: [f64; 3],
+    fitted: EngineTiming,
+    observations: u64,
+    error: PredictionError,
+}
+
+/// Running figures of a predictor's error, in seconds: predicted − observed.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct PredictionError {
+    /// Observations so far.
+    pub count: u64,
+    /// Exponentially weighted mean of predicted − observed (positive: too pessimistic).
+    pub bias_s: f64,
+    /// Exponentially weighted mean of |predicted − observed|.
+    pub mean_abs_s: f64,
+    /// Exponentially weighted mean of |predicted − observed| / observed.
+    pub mean_abs_relative: f64,
+}
+
+/// Weight of the newest observation in [`PredictionError`]'s means.
+const ERROR_SMOOTHING: f64 = 0.02;
+
+impl PredictionError {
+    fn record(&mut self, predicted: f64, observed: f64) {
+        let error = predicted - observed;
+        let relative = error.abs() / observed.max(1e-6);
+        let weight = if self.count == 0 {
+            1.0
+        } else {
+            ERROR_SMOOTHING.max(1.0 / (self.count + 1) as f64)
+        };
+        self.bias_s += weight * (error - self.bias_s);
+        self.mean_abs_s += weight * (error.abs() - self.mean_abs_s);
+        self.mean_abs_relative += weight * (relative.min(1e3) - self.mean_abs_relative);
+        self.count += 1;
+    }
+}
+
+impl TimingFit {
+    /// A fit that starts at `prior`.
+    pub fn new(prior: EngineTiming) -> Self {
+        let mut xx = [[0.0; 3]; 3];
+        let mut xy = [0.0; 3];
+        // In scaled units (each parameter over its prior) the prior is 1 for each parameter.
+        for (index, row) in xx.iter_mut().enumerate() {
+            row[index] = PRIOR_DIAGONAL;
+            xy[index] = PRIOR_DIAGONAL;
+        }
+        Self {
+            prior,
+            xx,
+            xy,
+            fitted: prior,
+            observations: 0,
+            error: PredictionError::default(),
+        }
+    }
+
+    /// The timing to price the engine with now.
+    pub fn timing(&self) -> EngineTiming {
+        self.fitted
+    }
+
+    /// First tokens learned from.
+    pub fn observations(&self) -> u64 {
+        self.observations
+    }
+
+    /// The error of the predictions made so far (against what was then observed).
+    pub fn error(&self) -> PredictionError {
+        self.error
+    }
+
+    /// Sets the tokens per step (read from the engine) without touching the fitted rates.
+    pub fn set_step_tokens(&mut self, step_tokens: u32) {
+        self.prior.step_tokens = step_tokens.max(1);
+        self.fitted.step_tokens = self.prior.step_tokens;
+    }
+
+    /// Learns from one request: `prediction` as made when it was sent (with the timing of
+    /// then), `observed_s` the seconds from sending it to its first token. Requests predicted
+    /// to wait for KV memory count in the error but do not move the rates: how long such a
+    /// wait lasts depends on other requests' outputs, not on the engine's speed.
+    pub fn observe(&mut self, prediction: &TtftPrediction, observed_s: f64) {
+        if !observed_s.is_finite() || observed_s < 0.0 || !prediction.seconds.is_finite() {
+            return;
+        }
+        self.error.record(prediction.seconds, observed_s);
+        if prediction.memory_wait_steps > 0.0 {
+            return;
+        }
+        // What the request waited beyond the model (another frontend's requests, a wait for
+        // memory the router did not see) must not drag the rates far: observations count at
+        // most 4x and at least a quarter of what the current fit predicts.
+        let expected = timing_dot(&self.fitted, &prediction.features()).max(1e-6);
+        let observed = observed_s.clamp(expected / 4.0, expected * 4.0);
+        let scale = [
+            self.prior.step_s,
+            self.prior.step_s_per_sequence,
+            self.prior.prefill_s_per_token,
+        ];
+        let raw = prediction.features();
+        let x = [raw[0] * scale[0], raw[1] * scale[1], raw[2] * scale[2]];
+        for (row, &xi) in self.xx.iter_mut().zip(&x) {
+            for (cell, &xj) in row.iter_mut().zip(&x) {
+                *cell *= TIMING_FORGETTING;
+                *cell += xi * xj;
+            }
+        }
+        for (cell, &xi) in self.xy.iter_mut().zip(&x) {
+            *cell = *cell * TIMING_FORGETTING + xi * observed;
+        }
+        // The prior must not fade with the data: keep its weight on the diagonal.
+        let mut xx = self.xx;
+        let mut xy = self.xy;
+        for index in 0..3 {
+            let missing = PRIOR_DIAGONAL * (1.0 - TIMING_FORGETTING);
+            xx[index][index] += missing;
+            xy[index] += missing;
+        }
+        self.xx = xx;
+        self.xy = xy;
+        self.observations += 1;
+        if let Some(theta) = solve3(&self.xx, &self.xy) {
+            let bound = |value: f64, prior: f64| {
+                if value.is_finite() {
+                    value.clamp(prior / TIMING_BOUND_FACTOR, prior * TIMING_BOUND_FACTOR)
+                } else {
+                    prior
+                }
+            };
+            self.fitted = EngineTiming {
+                step_s: bound(theta[0] * scale[0], scale[0]),
+                step_s_per_sequence: bound(theta[1] * scale[1], scale[1]),
+                prefill_s_per_token: bound(theta[2] * scale[2], scale[2]),
+                step_tokens: self.prior.step_tokens,
+            };
+        }
+    }
+}
+
+/// Solves a 3x3 linear system by Gaussian elimination with partial pivoting; `None` when it is
+/// singular.
+fn solve3(a: &[[f64; 3]; 3], b: &[f64; 3]) -> Option<[f64; 3]> {
+    let mut m = [[0.0; 4]; 3];
+    for row in 0..3 {
+        m[row][..3].copy_from_slice(&a[row]);
+        m[row][3] = b[row];
+    }
+    for column in 0..3 {
+        let pivot =
+            (column..3).max_by(|&i, &j| m[i][column].abs().total_cmp(&m[j][column].abs()))?;
+        if m[pivot][column].abs() < 1e-12 {
+            return None;
+        }
+        m.swap(column, pivot);
+        let pivot_row = m[column];
+        for (index, row) in m.iter_mut().enumerate() {
+            if index != column {
+                let factor = row[column] / pivot_row[column];
+                for (cell, &above) in row.iter_mut().zip(&pivot_row).skip(column) {
+                    *cell -= factor * above;
+                }
+            }
+        }
+    }
+    Some([m[0][3] / m[0][0], m[1][3] / m[1][1], m[2][3] / m[2][2]])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn idle() -> EngineQueue {
+        EngineQueue {
+            mean_remaining_output_tokens: 200.0,
+            ..EngineQueue::default()
+        }
+    }
+
+    #[test]
+    fn an_idle_engine_prefills_the_prompt_in_budget_sized_steps() {
+        let timing = DEFAULT_ENGINE_TIMING;
+        let prediction = predict_ttft(&timing, &idle(), 5000, 5000.0);
+        assert_eq!(prediction.steps, 3.0, "5,000 tokens at 2,048 per step");
+        assert_eq!(prediction.memory_wait_steps, 0.0);
+        let expected = 3.0 * timing.step_s + 5000.0 * timing.prefill_s_per_token;
+        assert!((prediction.seconds - expected).abs() < 1e-12);
+        // A fully cached prompt still takes one step for its first token.
+        let hit = predict_ttft(&timing, &idle(), 5000, 0.0);
+        assert_eq!(hit.steps, 1.0);
+        assert!(hit.seconds < prediction.seconds);
+    }
+
+    #[test]
+    fn prefill_queued_ahead_and_running_sequences_delay_the_first_token() {
+        let timing = DEFAULT_ENGINE_TIMING;
+        let alone = predict_ttft(&timing, &idle(), 1000, 1000.0);
+        let behind = predict_ttft(
+            &timing,
+            &EngineQueue {
+                prefill_tokens_ahead: 6000,
+                requests: 1,
+                ..idle()
+            },
+            1000,
+            1000.0,
+        );
+        assert!(behind.seconds > alone.seconds + 6000.0 * timing.prefill_s_per_token * 0.99);
+        // Decoding sequences take budget and time from every step.
+        let busy = predict_ttft(
+            &timing,
+            &EngineQueue {
+                prefill_tokens_ahead: 6000,
+                requests: 41,
+                decoding: 40,
+                ..idle()
+            },
+            1000,
+            1000.0,
+        );
+        assert!(busy.seconds > behind.seconds);
+        assert_eq!(busy.sequences, 40.0);
+    }
+
+    #[test]
+    fn a_prompt_that_does_not_fit_beside_what_is_held_waits_for_requests_to_finish() {
+        let memory = |held_tokens, shared_tokens| {
+            Some(KvMemory {
+                capacity_tokens: 32_768,
+                held_tokens,
+                shared_tokens,
+            })
+        };
+        let queue = |held, shared| EngineQueue {
+            requests: 3,
+            decoding: 3,
+            mean_remaining_output_tokens: 200.0,
+            memory: memory(held, shared),
+            ..EngineQueue::default()
+        };
+        // Three running requests hold 26,000 tokens; a 6,000-token prompt fits.
+        assert_eq!(memory_wait_steps(&queue(26_000.0, 0), 6000), 0.0);
+        // A 9,000-token one does not: one of the three must finish, the first of them after
+        // about a quarter of the longest remaining output (400 steps).
+        assert_eq!(memory_wait_steps(&queue(26_000.0, 0), 9000), 100.0);
+        // ... unless most of its prompt is a prefix those requests already hold.
+        assert_eq!(memory_wait_steps(&queue(26_000.0, 8000), 9000), 0.0);
+        // The wait is priced: an idle engine that must prefill all 9,000 tokens wins.
+        let timing = DEFAULT_ENGINE_TIMING;
+        let waiting = predict_ttft(&timing, &queue(26_000.0, 0), 9000, 1000.0);
+        let cold = predict_ttft(&timing, &idle(), 9000, 9000.0);
+        assert!(waiting.seconds > cold.seconds, "{waiting:?} {cold:?}");
+        // Broken figures stay finite.
+        let broken = EngineQueue {
+            mean_remaining_output_tokens: f64::NAN,
+            memory: memory(f64::INFINITY, 0),
+            ..queue(0.0, 0)
+        };
+        assert!(
+            predict_ttft(&timing, &broken, 9000, 9000.0)
+                .seconds
+                .is_finite()
+        );
+    }
+
+    /// An engine whose true timing is `truth`: the observed first token of a request.
+    fn observe(truth: &EngineTiming, queue: &EngineQueue, prompt: u64, uncached: f64) -> f64 {
+        predict_ttft(truth, queue, prompt, uncached).seconds
+    }
+
+    #[test]
+    fn the_fit_learns_an_engine_three_times_slower_at_prefill_and_twice_at_steps() {
+        let truth = EngineTiming {
+            step_s: 0.026,
+            step_s_per_sequence: 0.001,
+            prefill_s_per_token: 0.000_21,
+            step_tokens: 2048,
+        };
+        let mut fit = TimingFit::new(DEFAULT_ENGINE_TIMING);
+        let mut state = 7u64;
+        let mut next = |bound: u64| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (state >> 33) % bound
+        };
+        for _ in 0..2000 {
+            let queue = EngineQueue {
+                prefill_tokens_ahead: next(8000),
+                requests: 1 + next(20) as u32,
+                decoding: next(20) as u32,
+                mean_remaining_output_tokens: 200.0,
+                memory: None,
+            };
+            let uncached = next(9000) as f64;
+            let prediction = predict_ttft(&fit.timing(), &queue, 9000, uncached);
+            fit.observe(&prediction, observe(&truth, &queue, 9000, uncached));
+        }
+        let fitted = fit.timing();
+        let close = |a: f64, b: f64| (a / b - 1.0).abs() < 0.05;
+        assert!(close(fitted.step_s, truth.step_s), "{fitted:?}");
+        assert!(
+            close(fitted.prefill_s_per_token, truth.prefill_s_per_token),
+            "{fitted:?}"
+        );
+        assert!(
+            close(fitted.step_s_per_sequence, truth.step_s_per_sequence),
+            "{fitted:?}"
+        );
+        assert_eq!(fit.observations(), 2000);
+        // Once fitted, the predictions are right: the error's recent mean is small.
+        assert!(fit.error().mean_abs_relative < 0.1, "{:?}", fit.error());
+    }
+
+    #[test]
+    fn the_fit_starts_at_its_prior_and_broken_observations_cannot_zero_it() {
+        let mut fit = TimingFit::new(DEFAULT_ENGINE_TIMING);
+        assert_eq!(fit.timing(), DEFAULT_ENGINE_TIMING);
+        let prediction = predict_ttft(&fit.timing(), &idle(), 4000, 4000.0);
+        for _ in 0..10_000 {
+            fit.observe(&prediction, 0.0);
+            fit.observe(&prediction, f64::NAN);
+            fit.observe(&prediction, -1.0);
+        }
+        let timing = fit.timing();
+        for (fitted, prior) in [
+            (timing.step_s, DEFAULT_ENGINE_TIMING.step_s),
+            (
+                timing.prefill_s_per_token,
+                DEFAULT_ENGINE_TIMING.prefill_s_per_token,
+            ),
+            (
+                timing.step_s_per_sequence,
+                DEFAULT_ENGINE_TIMING.step_s_per_sequence,
+            ),
+        ] {
+            assert!(fitted >= prior / TIMING_BOUND_FACTOR, "{timing:?}");
+            assert!(fitted > 0.0);
+        }
+        // A request predicted to wait for memory does not move the rates.
+        let mut fit = TimingFit::new(DEFAULT_ENGINE_TIMING);
+        let waiting = TtftPrediction {
+            memory_wait_steps: 100.0,
+            ..prediction
+        };
+        fit.observe(&waiting, 30.0);
+        assert_eq!(fit.timing(), DEFAULT_ENGINE_TIMING);
+        assert_eq!(fit.error().count, 1);
+        assert!(fit.error().bias_s < 0.0, "predicted less than observed");
+    }
+}
