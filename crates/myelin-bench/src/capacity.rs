@@ -10,14 +10,88 @@
 //! window after a warm-up, per simulated second, are the capacity. Cache-aware routing gets
 //! more out of the same cluster (more prefix hits); a rate below 1.0 of this capacity is one
 //! every leg can serve without its queues growing without bound.
+//!
+//! Each workload's stream: churn, a prefix of the active set at the engine's time and a suffix
+//! unique to (engine, request); shared prefix, a group's system prompt and a question (unique
+//! to the request in the open-loop form); multi-turn and trace, the workload's own sequence
+//! dealt round-robin (request `n` of engine `e` is the sequence's `n x engines + e`, the trace
+//! wrapping around), so consecutive turns of a conversation land on different engines, as a
+//! cache-blind router sends them.
 
 use std::time::Duration;
 
 use myelin_sim::engine::{EngineConfig, EngineModel, OutputVocabulary, RequestSpec};
 
-use crate::workload::TokenAlphabet;
 use crate::workload::churn::ChurnWorkload;
 use crate::workload::config::{WorkloadConfig, WorkloadError, WorkloadKind};
+use crate::workload::multi_turn::{ConversationSlots, Conversations};
+use crate::workload::shared_prefix::SharedPrefixWorkload;
+use crate::workload::trace::TraceWorkload;
+use crate::workload::{PlannedRequest, TokenAlphabet};
+
+/// Where each saturated engine's requests come from.
+enum Source {
+    Churn(ChurnWorkload),
+    SharedPrefix(SharedPrefixWorkload),
+    SharedPrefixOpen(SharedPrefixWorkload),
+    MultiTurn {
+        conversations: Conversations,
+        slots: ConversationSlots,
+        /// The sequence's (conversation, turn) so far.
+        sequence: Vec<(u64, u32)>,
+    },
+    Trace(TraceWorkload),
+}
+
+impl Source {
+    fn new(config: &WorkloadConfig) -> Result<Self, WorkloadError> {
+        let alphabet = TokenAlphabet::token_ids();
+        Ok(match config.kind {
+            WorkloadKind::Churn | WorkloadKind::ChurnOpen => {
+                Source::Churn(ChurnWorkload::new(config, alphabet))
+            }
+            WorkloadKind::SharedPrefix => {
+                Source::SharedPrefix(SharedPrefixWorkload::new(config, alphabet))
+            }
+            WorkloadKind::SharedPrefixOpen => {
+                Source::SharedPrefixOpen(SharedPrefixWorkload::new(config, alphabet))
+            }
+            WorkloadKind::MultiTurn => {
+                let conversations = Conversations::new(config, alphabet);
+                Source::MultiTurn {
+                    slots: ConversationSlots::new(config.seed, conversations.settings()),
+                    conversations,
+                    sequence: Vec::new(),
+                }
+            }
+            WorkloadKind::Trace => Source::Trace(TraceWorkload::load(config, alphabet)?),
+        })
+    }
+
+    /// Request `n` of engine `engine` (of `engines`), asked at `now_s` of the engine's time.
+    fn request(&mut self, engine: u32, engines: u32, n: u64, now_s: f64) -> PlannedRequest {
+        // The engine's own keys: above every user's of the closed loop.
+        let key = (1 << 62) | (u64::from(engine) << 40) | n;
+        let dealt = n * u64::from(engines) + u64::from(engine);
+        match self {
+            Source::Churn(churn) => churn.keyed_request(key, now_s),
+            Source::SharedPrefix(shared) => shared.request((1 << 20) | engine, n),
+            Source::SharedPrefixOpen(shared) => shared.unique_request(key),
+            Source::MultiTurn {
+                conversations,
+                slots,
+                sequence,
+            } => {
+                while sequence.len() as u64 <= dealt {
+                    sequence.push(slots.next_turn());
+                }
+                let (conversation, turn) = sequence[dealt as usize];
+                conversations.request(conversation, turn)
+            }
+            Source::Trace(trace) => trace.request((dealt % trace.len().max(1) as u64) as usize),
+        }
+    }
+}
 
 /// Simulated seconds each engine runs before the measuring window (caches fill, the first
 /// rotations pass).
@@ -36,7 +110,7 @@ pub struct Capacity {
     pub window_s: f64,
 }
 
-/// Measures the capacity of `config`'s cluster under its churn requests (see the module).
+/// Measures the capacity of `config`'s cluster under its requests (see the module).
 pub fn measure(config: &WorkloadConfig) -> Result<Capacity, WorkloadError> {
     measure_over(config, WARMUP_S, WINDOW_S)
 }
@@ -53,7 +127,7 @@ pub fn measure_over(
     };
     let profile = myelin_sim::perf::profile_by_name(&config.cluster.profile)
         .ok_or_else(|| invalid(format!("unknown profile `{}`", config.cluster.profile)))?;
-    let churn = ChurnWorkload::new(config, TokenAlphabet::token_ids());
+    let mut source = Source::new(config)?;
     let engine_config = EngineConfig {
         block_size: config.cluster.block_size as usize,
         num_gpu_blocks: config.cluster.kv_blocks as usize,
@@ -72,9 +146,12 @@ pub fn measure_over(
         let mut next = 0u64;
         while now < end {
             if engine.num_waiting() == 0 {
-                // The engine's own stream: request keys above every user's of the closed loop.
-                let key = (1 << 62) | (u64::from(engine_index) << 40) | next;
-                let request = churn.keyed_request(key, now.as_secs_f64());
+                let request = source.request(
+                    engine_index,
+                    config.cluster.engines,
+                    next,
+                    now.as_secs_f64(),
+                );
                 next += 1;
                 let spec = RequestSpec {
                     prompt_token_ids: request.tokens,
@@ -106,11 +183,28 @@ pub fn measure_over(
     })
 }
 
-/// For a churn-open workload without a `rate_rps`: measures the capacity (unless the file
-/// gives `capacity_rps`) and sets `rate_rps = rate_fraction x capacity_rps`. Other workloads
-/// are left as they are. Returns the capacity when it was measured.
+/// For a Poisson workload (churn-open, shared-prefix-open, multi-turn) without a `rate_rps`:
+/// measures the capacity (unless the file gives `capacity_rps`) and sets `rate_rps =
+/// rate_fraction x capacity_rps`. For a trace without `capacity_rps`: measures it (the offered
+/// load of the regime line; the replay's rate stays the trace's). Closed-loop workloads are left
+/// as they are. Returns the capacity when it was measured.
 pub fn resolve_rate(config: &mut WorkloadConfig) -> Result<Option<Capacity>, WorkloadError> {
-    if config.kind != WorkloadKind::ChurnOpen {
+    if config.kind == WorkloadKind::Trace {
+        if config
+            .trace
+            .as_ref()
+            .is_none_or(|trace| trace.capacity_rps.is_some())
+        {
+            return Ok(None);
+        }
+        let capacity = measure(config)?;
+        if let Some(trace) = config.trace.as_mut() {
+            trace.capacity_rps = Some(capacity.requests_per_s.max(f64::MIN_POSITIVE));
+        }
+        config.validate()?;
+        return Ok(Some(capacity));
+    }
+    if !config.kind.is_poisson() {
         return Ok(None);
     }
     let Some(open) = config.open_loop.clone() else {
@@ -184,10 +278,41 @@ mod tests {
         let open = measured.open_loop.unwrap();
         assert_eq!(open.capacity_rps, Some(capacity.requests_per_s));
         assert_eq!(open.rate_rps, Some(0.8 * capacity.requests_per_s));
-        // Other workloads are untouched.
+        // Closed-loop workloads are untouched, and so is a trace whose capacity is given.
+        let mut churn = WorkloadConfig::load("churn").unwrap();
+        let before = churn.clone();
+        assert_eq!(resolve_rate(&mut churn).unwrap(), None);
+        assert_eq!(churn, before);
         let mut trace = WorkloadConfig::load("trace").unwrap();
+        trace.trace.as_mut().unwrap().capacity_rps = Some(1.5);
         let before = trace.clone();
         assert_eq!(resolve_rate(&mut trace).unwrap(), None);
         assert_eq!(trace, before);
+    }
+
+    #[test]
+    fn every_open_loop_kind_has_a_capacity() {
+        for name in ["shared-prefix-open", "multi-turn", "trace"] {
+            let mut config = WorkloadConfig::load(name).unwrap();
+            config.cluster.engines = 2;
+            if let Some(trace) = config.trace.as_mut() {
+                trace.max_requests = Some(40);
+            }
+            let capacity = measure_over(&config, 10.0, 40.0).unwrap();
+            assert!(capacity.completed > 0, "{name}: {capacity:?}");
+            assert_eq!(
+                capacity,
+                measure_over(&config, 10.0, 40.0).unwrap(),
+                "{name}: a pure function of the workload"
+            );
+        }
+        // A trace's capacity is measured for its regime line; its rate stays the trace's.
+        let mut trace = WorkloadConfig::load("trace").unwrap();
+        trace.cluster.engines = 2;
+        trace.trace.as_mut().unwrap().max_requests = Some(20);
+        let measured = resolve_rate(&mut trace).unwrap().expect("measured");
+        let settings = trace.trace.unwrap();
+        assert_eq!(settings.capacity_rps, Some(measured.requests_per_s));
+        assert_eq!(settings.time_scale, 4.0);
     }
 }

@@ -6,8 +6,9 @@ use crate::legs::DEFAULT_LEGS;
 use crate::workload::{PromptFormat, WorkloadConfig, WorkloadError, WorkloadKind};
 
 /// Run identical traffic through several router configurations on embedded simulated engines
-/// and compare them. With no flags: the churn workload, legs round-robin, least-load,
-/// prefix+off and oracle. Times in the workload and in reports are simulated (wall x speedup).
+/// and compare them. With no flags: the churn workload and the default legs (round-robin,
+/// least-load, the prefix legs and the oracle). Times in the workload and in reports are
+/// simulated (wall x speedup).
 /// `myelin bench overhead` is the router overhead and scaling benchmark instead.
 #[derive(Debug, Clone, clap::Args)]
 #[command(args_conflicts_with_subcommands = true)]
@@ -16,8 +17,9 @@ pub struct BenchArgs {
     #[command(subcommand)]
     pub command: Option<BenchCommand>,
 
-    /// Workload: a built-in name (churn, shared-prefix, trace) or a path to a workload .toml
-    /// file (see benches/).
+    /// Workload: a built-in name (churn, churn-open, shared-prefix, shared-prefix-open,
+    /// multi-turn, trace) or a path to a workload .toml file (see benches/) or .json file (as
+    /// `myelin bench regimes` writes each cell's).
     #[arg(long, default_value = "churn")]
     pub workload: String,
 
@@ -94,13 +96,13 @@ pub struct BenchArgs {
     #[arg(long)]
     pub max_requests: Option<u32>,
 
-    /// churn-open: arrival rate as a fraction of the cluster's measured capacity [workload
-    /// default: 0.8].
+    /// churn-open, shared-prefix-open, multi-turn: arrival rate as a fraction of the cluster's
+    /// measured capacity [workload default: 0.8 for churn-open].
     #[arg(long, value_name = "FRACTION")]
     pub rate_fraction: Option<f64>,
 
-    /// churn-open: arrival rate in requests per simulated second (skips the capacity
-    /// measurement).
+    /// churn-open, shared-prefix-open, multi-turn: arrival rate in requests per simulated
+    /// second (skips the capacity measurement).
     #[arg(long, value_name = "RPS")]
     pub rate: Option<f64>,
 
@@ -151,6 +153,12 @@ pub struct BenchArgs {
     #[arg(long, value_enum, default_value_t = crate::calibration::CalibrationMode::Auto)]
     pub calibration: crate::calibration::CalibrationMode,
 
+    /// No probe of the engines at each send for whether the request's reusable prefix is
+    /// resident somewhere (the regime line's share; the probe reads the simulator in process,
+    /// before the request's clock starts, at some 0.2 ms of the load generator's thread).
+    #[arg(long)]
+    pub no_resident_share: bool,
+
     /// Calibration samples one request in this many (drawn from the seed; 1 = every request,
     /// for pooled calibration runs, at some 200 us of the load generator's thread per request
     /// against 50 us with the default).
@@ -176,6 +184,10 @@ pub enum BenchCommand {
     /// tables summed, sampling noise from the pooled pairs and from the runs' spread) and
     /// prints it as markdown, with the refit of the estimate's recalibration map.
     Calibration(crate::calibration::PoolArgs),
+    /// The regime grid: working set / KV capacity x offered load x prompt shape, every cell
+    /// with the legs least-load, prefix+off and the default (prefix+auto), a verdict per cell
+    /// and overall, heatmaps, report.json/md (docs/benchmark.md, "Regime grid").
+    Regimes(crate::regimes::RegimeArgs),
 }
 
 impl BenchArgs {
@@ -235,10 +247,11 @@ impl BenchArgs {
             let Some(open) = config
                 .open_loop
                 .as_mut()
-                .filter(|_| config.kind == WorkloadKind::ChurnOpen)
+                .filter(|_| config.kind.is_poisson())
             else {
                 return Err(invalid(
-                    "--rate-fraction and --rate need an open-loop churn workload (churn-open)",
+                    "--rate-fraction and --rate need a Poisson workload (churn-open, \
+                     shared-prefix-open, multi-turn)",
                 ));
             };
             if let Some(fraction) = self.rate_fraction {

@@ -1,10 +1,10 @@
 //! Legs: the router configurations a run compares (`--legs`, `--external`), and the order in
 //! which repeats run them.
 
-/// The legs `myelin bench` runs by default: the residency comparison (cache-blind, history
-/// alone, the estimate, the KV-event mirror, auto, the router fed the truth).
+/// The legs `myelin bench` runs by default: the residency comparison (cache-blind, load alone,
+/// history alone, the estimate, the KV-event mirror, auto, the router fed the truth).
 pub const DEFAULT_LEGS: &str =
-    "round-robin,prefix+off,prefix+estimate,prefix+verified,prefix+auto,oracle";
+    "round-robin,least-load,prefix+off,prefix+estimate,prefix+verified,prefix+auto,oracle";
 
 /// Every leg name `--legs` accepts.
 pub const KNOWN_LEGS: &[&str] = &[
@@ -220,6 +220,7 @@ mod tests {
             names,
             [
                 "round-robin",
+                "least-load",
                 "prefix+off",
                 "prefix+estimate",
                 "prefix+verified",
@@ -231,7 +232,7 @@ mod tests {
             .iter()
             .map(|leg| leg.kind.weights_residency())
             .collect();
-        assert_eq!(weighting, [false, false, true, true, true, false]);
+        assert_eq!(weighting, [false, false, false, true, true, true, false]);
     }
 
     #[test]

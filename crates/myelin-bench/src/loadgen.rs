@@ -56,6 +56,19 @@ pub enum Target {
     },
 }
 
+/// The probe of the simulator's truth at each send, for the share of requests whose reusable
+/// prefix was resident on some engine (the regime line): every engine's cached leading blocks,
+/// read in process before the request's clock starts (on the oracle leg, from the oracle's own
+/// probe).
+#[derive(Clone)]
+pub struct ResidentProbe {
+    pub oracle: Arc<dyn CacheOracle>,
+    /// The engines' KV block size in tokens.
+    pub block_size: u32,
+    /// Text prompts: how the engines tokenize them (token-id prompts are probed as is).
+    pub engine_tokenizer: Option<Arc<EngineTokenizer>>,
+}
+
 /// Everything the generator needs for one leg.
 #[derive(Clone)]
 pub struct LoadPlan {
@@ -101,8 +114,19 @@ pub fn start_calibrated(
     target: Target,
     calibration: Option<CalibrationSetup>,
 ) -> std::io::Result<glommio::ExecutorJoinHandle<LoadOutcome>> {
+    start_probed(plan, target, calibration, None)
+}
+
+/// [`start_calibrated`], also recording at every send whether the request's reusable prefix
+/// was resident on some engine when `resident` is set (see [`ResidentProbe`]).
+pub fn start_probed(
+    plan: LoadPlan,
+    target: Target,
+    calibration: Option<CalibrationSetup>,
+    resident: Option<ResidentProbe>,
+) -> std::io::Result<glommio::ExecutorJoinHandle<LoadOutcome>> {
     spawn_executor(ExecutorSpec::unpinned("myelin-bench-load"), move || {
-        drive(plan, target, calibration)
+        drive(plan, target, calibration, resident)
     })
 }
 
@@ -119,6 +143,8 @@ struct Shared {
     probe_us: RefCell<Vec<u64>>,
     /// The residency calibration's replica of the router, when measured.
     calibration: Option<RefCell<Calibrator>>,
+    /// The probe of resident prefixes at each send, when recorded.
+    resident: Option<ResidentProbe>,
 }
 
 impl Shared {
@@ -145,6 +171,7 @@ async fn drive(
     plan: LoadPlan,
     target: Target,
     calibration: Option<CalibrationSetup>,
+    resident: Option<ResidentProbe>,
 ) -> LoadOutcome {
     let _finish = FinishOnDrop(plan.progress.clone());
     let cpu_at_start = thread_cpu_us();
@@ -170,6 +197,7 @@ async fn drive(
         calibration: calibration
             .and_then(|setup| Calibrator::new(setup).ok())
             .map(RefCell::new),
+        resident,
     });
 
     let lag_samples = Rc::new(RefCell::new(Vec::new()));
@@ -284,6 +312,20 @@ async fn exchange(
 ) -> RequestRecord {
     let plan = &shared.plan;
     let path = endpoint_path(plan.api);
+    let reusable_tokens = u32::try_from(plan.workload.reusable_len(&request)).unwrap_or(u32::MAX);
+    // The resident-prefix probe, before the clock starts (the oracle leg reads its own probe).
+    let mut resident_tokens = match (&shared.resident, &shared.target) {
+        (Some(_), Target::Oracle { .. }) | (None, _) => None,
+        (Some(probe), _) => {
+            let engine_tokens = probe.engine_tokenizer.as_ref().and_then(|tokenizer| {
+                tokenizer
+                    .engine_tokens(plan.api, plan.prompt, &request, &plan.alphabet)
+                    .ok()
+            });
+            let tokens: &[u32] = engine_tokens.as_deref().unwrap_or(&request.tokens);
+            most_cached(&probe.oracle.probe(tokens))
+        }
+    };
     // The clock starts before the oracle's probe and decision: a router's TTFT includes its
     // routing, so the oracle's includes its own.
     let sent_at = Instant::now();
@@ -309,6 +351,9 @@ async fn exchange(
             });
             let probe_tokens: &[u32] = engine_tokens.as_deref().unwrap_or(&request.tokens);
             let truths = oracle.probe(probe_tokens);
+            if shared.resident.is_some() {
+                resident_tokens = most_cached(&truths);
+            }
             // The probe answers for every engine the harness knows (validated: at least one).
             let engine = shared
                 .oracle
@@ -340,6 +385,11 @@ async fn exchange(
             _ => None,
         },
         outcome: Outcome::Ok,
+        reusable_tokens,
+        resident_tokens,
+        prefix_resident: shared.resident.as_ref().and_then(|probe| {
+            RequestRecord::resident_verdict(reusable_tokens, resident_tokens, probe.block_size)
+        }),
     };
     plan.progress.sent.fetch_add(1, Ordering::Relaxed);
     let mut ticket = shared.calibration.as_ref().map(|calibrator| {
@@ -450,6 +500,14 @@ async fn stream_response(
     }
     record.cached_tokens = summary.cached_tokens;
     Ok(())
+}
+
+/// The most leading prompt tokens any engine holds.
+fn most_cached(truths: &[crate::oracle::EngineTruth]) -> Option<u32> {
+    truths
+        .iter()
+        .map(|truth| u32::try_from(truth.cached_tokens).unwrap_or(u32::MAX))
+        .max()
 }
 
 /// CPU time consumed by the calling thread, microseconds.

@@ -58,6 +58,31 @@ pub struct RequestRecord {
     /// The engine that served it (`x-myelin-backend`, or the oracle's choice).
     pub backend: Option<String>,
     pub outcome: Outcome,
+    /// Its leading prompt tokens that an earlier request may have left in a cache (the churn
+    /// prefix, the system prompt, the previous turn; see `Workload::reusable_len`).
+    pub reusable_tokens: u32,
+    /// At send time, the most leading prompt tokens any engine held in full KV blocks (the
+    /// simulator's truth; `None`: not probed).
+    pub resident_tokens: Option<u32>,
+    /// Whether, at send time, some engine held every full block of its reusable prefix
+    /// (`None`: not probed, or a reusable prefix shorter than one block).
+    pub prefix_resident: Option<bool>,
+}
+
+impl RequestRecord {
+    /// Whether `resident_tokens` cover every full `block_size` block of `reusable_tokens`
+    /// (`None` when not probed or the reusable prefix is shorter than a block).
+    pub fn resident_verdict(
+        reusable_tokens: u32,
+        resident_tokens: Option<u32>,
+        block_size: u32,
+    ) -> Option<bool> {
+        let block_size = block_size.max(1);
+        let needed = reusable_tokens / block_size * block_size;
+        resident_tokens
+            .filter(|_| needed > 0)
+            .map(|resident| resident >= needed)
+    }
 }
 
 /// A record with the leg it belongs to, for the CSV.
@@ -70,7 +95,7 @@ pub struct LegRecords<'a> {
 }
 
 /// The requests.csv header.
-pub const CSV_HEADER: &str = "leg,repeat,user,seq,label,send_s,ttft_ms,e2e_ms,prompt_tokens,output_tokens,cached_tokens,backend,status,in_warmup,ttft_wall_us";
+pub const CSV_HEADER: &str = "leg,repeat,user,seq,label,send_s,ttft_ms,e2e_ms,prompt_tokens,output_tokens,cached_tokens,backend,status,in_warmup,ttft_wall_us,reusable_tokens,resident_tokens,prefix_resident";
 
 /// Writes requests.csv: one line per request, times in simulated units.
 pub fn write_csv(mut out: impl Write, legs: &[LegRecords<'_>]) -> std::io::Result<()> {
@@ -84,7 +109,7 @@ pub fn write_csv(mut out: impl Write, legs: &[LegRecords<'_>]) -> std::io::Resul
             };
             writeln!(
                 out,
-                "{},{},{},{},{},{:.3},{},{},{},{},{},{},{},{},{}",
+                "{},{},{},{},{},{:.3},{},{},{},{},{},{},{},{},{},{},{},{}",
                 csv_field(leg.leg),
                 leg.repeat,
                 record.user,
@@ -102,6 +127,13 @@ pub fn write_csv(mut out: impl Write, legs: &[LegRecords<'_>]) -> std::io::Resul
                 csv_field(&record.outcome.describe()),
                 record.planned_send_s.unwrap_or(send_s) < leg.warmup_s,
                 record.ttft_us.map_or(String::new(), |us| us.to_string()),
+                record.reusable_tokens,
+                record
+                    .resident_tokens
+                    .map_or(String::new(), |tokens| tokens.to_string()),
+                record
+                    .prefix_resident
+                    .map_or(String::new(), |resident| resident.to_string()),
             )?;
         }
     }
@@ -136,6 +168,9 @@ mod tests {
             cached_tokens: Some(4992),
             backend: Some("http://127.0.0.1:9000".into()),
             outcome: Outcome::Failed("reset, by peer".into()),
+            reusable_tokens: 4000,
+            resident_tokens: Some(3984),
+            prefix_resident: Some(false),
         };
         let mut out = Vec::new();
         let legs = [LegRecords {
@@ -150,8 +185,29 @@ mod tests {
         let line = text.lines().nth(1).unwrap();
         assert_eq!(
             line,
-            "prefix+off,0,3,9,17,20.000,125.000,4000.000,5000,400,4992,http://127.0.0.1:9000,\"failed: reset, by peer\",true,12500"
+            "prefix+off,0,3,9,17,20.000,125.000,4000.000,5000,400,4992,http://127.0.0.1:9000,\"failed: reset, by peer\",true,12500,4000,3984,false"
         );
         assert_eq!(text.lines().next().unwrap(), CSV_HEADER);
+    }
+
+    #[test]
+    fn a_prefix_is_resident_when_every_full_block_of_it_is() {
+        // 4,000 reusable tokens: 250 full blocks of 16, all needed.
+        assert_eq!(
+            RequestRecord::resident_verdict(4000, Some(4000), 16),
+            Some(true)
+        );
+        assert_eq!(
+            RequestRecord::resident_verdict(4000, Some(3984), 16),
+            Some(false)
+        );
+        // The partial last block does not count: 4,010 tokens need the same 250 blocks.
+        assert_eq!(
+            RequestRecord::resident_verdict(4010, Some(4000), 16),
+            Some(true)
+        );
+        // Less than a block to reuse, or not probed: no verdict.
+        assert_eq!(RequestRecord::resident_verdict(15, Some(100), 16), None);
+        assert_eq!(RequestRecord::resident_verdict(4000, None, 16), None);
     }
 }

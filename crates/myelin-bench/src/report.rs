@@ -35,6 +35,10 @@ pub struct Report<'a> {
     pub router_nodes: u32,
     /// Whether those nodes formed a peer cluster over gossip (false with one node).
     pub gossip: bool,
+    /// The regime the run measured: working set / KV capacity, offered load / capacity, the
+    /// share of requests whose reusable prefix was resident somewhere (`null` when it could not
+    /// be worked out).
+    pub regime: Option<crate::regime::Regime>,
     pub legs: &'a [LegSummary],
     /// Pairs of legs whose TTFT P50 or P99 ranges across repeats overlap (empty with one
     /// repeat: one run has no range).
@@ -512,6 +516,10 @@ pub fn render_text(report: &Report<'_>) -> String {
         router_nodes_words(report),
         report.speedup
     ));
+    if let Some(regime) = &report.regime {
+        out.push_str(&regime.line(report.legs));
+        out.push_str("\n\n");
+    }
     if let Some(line) = skipped_line(report) {
         out.push_str(&line);
         out.push_str("\n\n");
@@ -567,6 +575,9 @@ pub fn render_markdown(report: &Report<'_>, plots: &[(&str, &str)]) -> String {
         workload.warmup_s,
         report.repeat,
     );
+    if let Some(regime) = &report.regime {
+        out.push_str(&format!("{}\n\n", regime.line(report.legs)));
+    }
     if let Some(line) = skipped_line(report) {
         out.push_str(&format!("{line}\n\n"));
     }
@@ -687,6 +698,7 @@ mod tests {
             router_nodes: 1,
             gossip: false,
             skipped_over_context: None,
+            regime: None,
             legs: &legs,
             overlaps: &[],
             gates: &gates,
@@ -758,6 +770,7 @@ mod tests {
             router_nodes: 1,
             gossip: false,
             skipped_over_context: None,
+            regime: None,
             legs: &legs,
             overlaps: &overlaps,
             gates: &gates,

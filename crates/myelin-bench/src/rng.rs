@@ -47,6 +47,18 @@ pub mod stream {
     pub const QUESTION_TOKENS: u64 = 0x7175_6573_0000_0000;
     pub const TRACE_BLOCK_TOKENS: u64 = 0x626c_6f6b_0000_0000;
     pub const ARRIVAL_GAP: u64 = 0x6761_7073;
+    /// Shared-prefix open loop: the question unique to each request.
+    pub const OPEN_QUESTION_TOKENS: u64 = 0x6f71_7565_0000_0000;
+    /// Multi-turn: which open conversation an arrival continues.
+    pub const CONVERSATION_CHOICE: u64 = 0x6363_686f;
+    /// Multi-turn: the turn the conversations open at the start of a leg have reached.
+    pub const CONVERSATION_START: u64 = 0x6373_7472;
+    /// Multi-turn: message lengths (first and later user messages).
+    pub const MESSAGE_LENGTH: u64 = 0x6d6c_656e;
+    /// Multi-turn: user message tokens.
+    pub const MESSAGE_TOKENS: u64 = 0x6d74_6f6b_0000_0000;
+    /// Multi-turn: the assistant replies resent in the history.
+    pub const REPLY_TOKENS: u64 = 0x7274_6f6b_0000_0000;
 }
 
 /// A seeded Fisher-Yates permutation of `0..len`.

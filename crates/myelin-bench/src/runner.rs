@@ -15,7 +15,7 @@ use crate::cluster::{ClusterError, start_cluster};
 use crate::engine_tokens::EngineTokenizer;
 use crate::gates;
 use crate::legs::{LegError, LegKind, LegSpec, all_legs, leg_order};
-use crate::loadgen::{self, LoadPlan, LoadProgress, Target};
+use crate::loadgen::{self, LoadPlan, LoadProgress, ResidentProbe, Target};
 use crate::plot::{self, LegSeries, PlotError};
 use crate::prometheus;
 use crate::record::{LegRecords, write_csv};
@@ -144,28 +144,44 @@ struct RunContext {
     calibrations: std::cell::RefCell<Vec<LegCalibration>>,
     /// One request in this many is sampled for the calibration.
     calibration_every: u64,
+    /// Whether every send probes the engines for the request's resident prefix.
+    resident_share: bool,
+    /// Text prompts: how the engines tokenize them.
+    engine_tokenizer: Option<Arc<EngineTokenizer>>,
 }
 
 /// `myelin bench`.
 pub fn run(args: BenchArgs) -> Result<ExitCode, BenchError> {
-    let context = prepare(&args)?;
+    let config = args.workload_config()?;
+    run_config(&args, config)
+}
+
+/// `myelin bench` on a workload given as a config (its flags' workload overrides are not
+/// applied: `config` is the workload as it runs): what `myelin bench regimes` runs per cell.
+pub fn run_config(args: &BenchArgs, config: WorkloadConfig) -> Result<ExitCode, BenchError> {
+    config.validate()?;
+    let context = prepare(args, config)?;
     let runs = run_all_legs(&context)?;
     finish(&context, &runs)
 }
 
-fn prepare(args: &BenchArgs) -> Result<RunContext, BenchError> {
-    let mut config = args.workload_config()?;
+fn prepare(args: &BenchArgs, mut config: WorkloadConfig) -> Result<RunContext, BenchError> {
     // Open-loop churn: the rate is a fraction of the cluster's capacity, measured once here so
     // every leg gets the same schedule.
     let started = Instant::now();
     if let Some(capacity) = crate::capacity::resolve_rate(&mut config)? {
         eprintln!(
             "myelin bench: cluster capacity {:.2} req/s (round-robin, engines saturated: {} requests \
-             in {:.0} simulated s on the engine model, measured in {:.1} s)",
+             in {:.0} simulated s on the engine model, measured in {:.1} s{})",
             capacity.requests_per_s,
             capacity.completed,
             capacity.window_s,
-            started.elapsed().as_secs_f64()
+            started.elapsed().as_secs_f64(),
+            if config.kind == crate::workload::WorkloadKind::Trace {
+                "; the replay keeps the trace's rate"
+            } else {
+                ""
+            }
         );
     }
     let legs = all_legs(&args.legs, &args.external)?;
@@ -178,6 +194,11 @@ fn prepare(args: &BenchArgs) -> Result<RunContext, BenchError> {
         }
     };
     let workload = Workload::build(&config, alphabet.clone())?;
+    // How the engines tokenize text prompts, for the oracle's and the resident-prefix probes.
+    let engine_tokenizer = match config.prompt {
+        PromptFormat::TokenIds => None,
+        PromptFormat::Text => Some(Arc::new(EngineTokenizer::bundled()?)),
+    };
     if let Some(skipped) = workload
         .skipped_over_context()
         .filter(|skipped| skipped.count > 0)
@@ -229,6 +250,8 @@ fn prepare(args: &BenchArgs) -> Result<RunContext, BenchError> {
         },
         calibrations: Default::default(),
         calibration_every: args.calibration_every,
+        resident_share: !args.no_resident_share,
+        engine_tokenizer,
         config,
     })
 }
@@ -398,10 +421,7 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
             engine_urls: backends.iter().map(|backend| backend.url.clone()).collect(),
             oracle: cluster.oracle(),
             block_size: cluster.block_size(),
-            engine_tokenizer: match config.prompt {
-                PromptFormat::TokenIds => None,
-                PromptFormat::Text => Some(Arc::new(EngineTokenizer::bundled()?)),
-            },
+            engine_tokenizer: context.engine_tokenizer.clone(),
         },
         [router] => Target::Router {
             base_url: router.base_url().to_string(),
@@ -433,7 +453,12 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
             sample_every: context.calibration_every,
             ..CalibrationSetup::new(cluster.oracle(), &config.cluster, config.seed)
         });
-    let handle = loadgen::start_calibrated(plan, target, calibration)
+    let resident = context.resident_share.then(|| ResidentProbe {
+        oracle: cluster.oracle(),
+        block_size: cluster.block_size(),
+        engine_tokenizer: context.engine_tokenizer.clone(),
+    });
+    let handle = loadgen::start_probed(plan, target, calibration, resident)
         .map_err(io_error("starting", Path::new("the load generator")))?;
 
     let traffic_wall_s = context.workload.traffic_s(config.duration_s) / speedup;
@@ -565,6 +590,13 @@ fn finish(context: &RunContext, runs: &[LegRun]) -> Result<ExitCode, BenchError>
     }
     let verdict = gates::verdict(&gates);
     let passed = verdict == gates::Verdict::Valid;
+    let regime = match crate::regime::Regime::of(config, &context.workload, &summaries) {
+        Ok(regime) => Some(regime),
+        Err(error) => {
+            eprintln!("myelin bench: no regime line: {error}");
+            None
+        }
+    };
     let report = Report {
         schema_version: REPORT_SCHEMA_VERSION,
         myelin_version: env!("CARGO_PKG_VERSION"),
@@ -579,6 +611,7 @@ fn finish(context: &RunContext, runs: &[LegRun]) -> Result<ExitCode, BenchError>
         skipped_over_context: context.workload.skipped_over_context().cloned(),
         router_nodes: context.router_nodes,
         gossip: context.gossip_key.is_some(),
+        regime,
         legs: &summaries,
         overlaps: &overlaps,
         gates: &gates,

@@ -162,6 +162,12 @@ pub struct LegSummary {
     /// This leg's median TTFT P99 across repeats divided by the oracle leg's (set when an
     /// oracle leg ran).
     pub p99_ttft_vs_oracle: Option<f64>,
+    /// Measured requests with a reusable prefix of at least one block that were probed at send
+    /// time (the denominator of `prefix_resident_share`).
+    pub prefix_reusable_requests: u64,
+    /// Of those, the share whose reusable prefix some engine held in full at send time
+    /// (`None`: none probed).
+    pub prefix_resident_share: Option<f64>,
     pub harness: HarnessSummary,
     /// Every repeat's own figures, in the order the repeats ran.
     pub repeats: Vec<RepeatFigures>,
@@ -190,6 +196,8 @@ pub struct RepeatFigures {
     pub slow_ttft_requests: u64,
     /// The harness's loop lag P99 in this repeat, wall microseconds.
     pub loop_lag_p99_us: u64,
+    /// The share of its probed requests whose reusable prefix was resident at send time.
+    pub prefix_resident_share: Option<f64>,
 }
 
 /// The median, smallest and largest of one figure across a leg's repeats (the median of an
@@ -315,6 +323,7 @@ pub fn summarize(runs: &[&LegRun]) -> LegSummary {
                 preemptions: alone.preemptions,
                 slow_ttft_requests: alone.slow_ttft_requests,
                 loop_lag_p99_us: alone.harness.loop_lag_p99_us,
+                prefix_resident_share: alone.prefix_resident_share,
             }
         })
         .collect();
@@ -385,6 +394,11 @@ fn pooled(runs: &[&LegRun]) -> LegSummary {
     let loop_lag_p99_us = lag
         .as_ref()
         .map_or(0, |histogram| histogram.value_at_quantile(0.99));
+    let probed: Vec<bool> = measured_ok()
+        .filter_map(|record| record.prefix_resident)
+        .collect();
+    let prefix_resident_share = (!probed.is_empty())
+        .then(|| probed.iter().filter(|resident| **resident).count() as f64 / probed.len() as f64);
     let may_limit_leg = requests > 0
         && loop_lag_p99_us as f64 * speedup / 1000.0 > HARNESS_LIMIT_FRACTION * ttft_ms.p99;
     LegSummary {
@@ -412,6 +426,8 @@ fn pooled(runs: &[&LegRun]) -> LegSummary {
         preemptions: total.preemptions,
         slow_ttft_requests,
         p99_ttft_vs_oracle: None,
+        prefix_reusable_requests: probed.len() as u64,
+        prefix_resident_share,
         repeats: Vec::new(),
         spread: LegSpread::default(),
         harness: HarnessSummary {
@@ -525,6 +541,9 @@ pub(crate) mod tests {
             cached_tokens: Some(500),
             backend: None,
             outcome,
+            reusable_tokens: 0,
+            resident_tokens: None,
+            prefix_resident: None,
         }
     }
 

@@ -12,12 +12,12 @@ use super::{PlannedRequest, TokenAlphabet};
 use crate::rng::{self, stream};
 
 /// Keys of open-loop requests: above every closed-loop `(user << 40) | seq`.
-const OPEN_KEY: u64 = 1 << 63;
+pub(crate) const OPEN_KEY: u64 = 1 << 63;
 
-/// The open-loop churn generator.
-#[derive(Debug)]
-pub struct ChurnOpenWorkload {
-    churn: ChurnWorkload,
+/// An open-loop Poisson schedule at the config's resolved rate: what every Poisson workload
+/// (churn-open, shared-prefix-open, multi-turn) sends when.
+#[derive(Debug, Clone)]
+pub struct OpenSchedule {
     rate_rps: f64,
     /// The capacity the rate is a fraction of, when known.
     capacity_rps: Option<f64>,
@@ -25,10 +25,10 @@ pub struct ChurnOpenWorkload {
     send_at_s: Vec<f64>,
 }
 
-impl ChurnOpenWorkload {
+impl OpenSchedule {
     /// The schedule over `duration_s` at the config's resolved `rate_rps` (see
     /// `crate::capacity::resolve_rate`).
-    pub fn new(config: &WorkloadConfig, alphabet: TokenAlphabet) -> Result<Self, WorkloadError> {
+    pub fn new(config: &WorkloadConfig) -> Result<Self, WorkloadError> {
         let rate_rps = config
             .open_loop
             .as_ref()
@@ -39,7 +39,6 @@ impl ChurnOpenWorkload {
                     .into(),
             })?;
         Ok(Self {
-            churn: ChurnWorkload::new(config, alphabet),
             rate_rps,
             capacity_rps: config.open_loop.as_ref().and_then(|open| open.capacity_rps),
             send_at_s: poisson_schedule(config.seed, rate_rps, config.duration_s),
@@ -70,11 +69,59 @@ impl ChurnOpenWorkload {
     pub fn send_at_s(&self, index: usize) -> f64 {
         self.send_at_s[index]
     }
+}
+
+/// The open-loop churn generator.
+#[derive(Debug)]
+pub struct ChurnOpenWorkload {
+    churn: ChurnWorkload,
+    schedule: OpenSchedule,
+}
+
+impl ChurnOpenWorkload {
+    /// The schedule over `duration_s` at the config's resolved `rate_rps` (see
+    /// `crate::capacity::resolve_rate`).
+    pub fn new(config: &WorkloadConfig, alphabet: TokenAlphabet) -> Result<Self, WorkloadError> {
+        Ok(Self {
+            schedule: OpenSchedule::new(config)?,
+            churn: ChurnWorkload::new(config, alphabet),
+        })
+    }
+
+    /// The Poisson schedule.
+    pub fn schedule(&self) -> &OpenSchedule {
+        &self.schedule
+    }
+
+    /// Requests per simulated second.
+    pub fn rate_rps(&self) -> f64 {
+        self.schedule.rate_rps()
+    }
+
+    /// The cluster capacity the rate was set from (`None`: the rate was given).
+    pub fn capacity_rps(&self) -> Option<f64> {
+        self.schedule.capacity_rps()
+    }
+
+    /// Requests in the schedule.
+    pub fn len(&self) -> usize {
+        self.schedule.len()
+    }
+
+    /// Whether the schedule is empty (a rate too low for the duration).
+    pub fn is_empty(&self) -> bool {
+        self.schedule.is_empty()
+    }
+
+    /// When request `index` is sent, simulated seconds into the leg.
+    pub fn send_at_s(&self, index: usize) -> f64 {
+        self.schedule.send_at_s(index)
+    }
 
     /// Request `index`.
     pub fn request(&self, index: usize) -> PlannedRequest {
         self.churn
-            .keyed_request(OPEN_KEY | index as u64, self.send_at_s[index])
+            .keyed_request(OPEN_KEY | index as u64, self.send_at_s(index))
     }
 
     /// The prefix population and rotation.

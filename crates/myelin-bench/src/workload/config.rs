@@ -15,6 +15,14 @@ pub const BUILTIN_WORKLOADS: &[(&str, &str)] = &[
         include_str!("../../../../benches/shared-prefix.toml"),
     ),
     ("trace", include_str!("../../../../benches/trace.toml")),
+    (
+        "shared-prefix-open",
+        include_str!("../../../../benches/shared-prefix-open.toml"),
+    ),
+    (
+        "multi-turn",
+        include_str!("../../../../benches/multi-turn.toml"),
+    ),
 ];
 
 /// Why a workload could not be loaded.
@@ -31,7 +39,7 @@ pub enum WorkloadError {
         source: Box<toml::de::Error>,
     },
     #[error(
-        "unknown workload `{0}` (built in: churn, churn-open, shared-prefix, trace; or a path to a .toml file)"
+        "unknown workload `{0}` (built in: churn, churn-open, shared-prefix, shared-prefix-open, multi-turn, trace; or a path to a .toml or .json file)"
     )]
     Unknown(String),
     #[error("workload {name}: {problem}")]
@@ -57,6 +65,28 @@ pub enum WorkloadKind {
     SharedPrefix,
     /// Open-loop replay of a Mooncake-format trace by timestamp.
     Trace,
+    /// The shared-prefix groups, open loop (Poisson arrivals as `churn-open`): request `i` is a
+    /// group's system prompt and a question unique to `i`.
+    SharedPrefixOpen,
+    /// Open-loop growing conversations: each request is the next turn of one of the open
+    /// conversations, resending its whole history (first message, then every earlier reply and
+    /// user message) plus a new user message.
+    MultiTurn,
+}
+
+impl WorkloadKind {
+    /// Whether the workload's arrivals are a Poisson process at a rate from `[open_loop]`.
+    pub fn is_poisson(self) -> bool {
+        matches!(
+            self,
+            WorkloadKind::ChurnOpen | WorkloadKind::SharedPrefixOpen | WorkloadKind::MultiTurn
+        )
+    }
+
+    /// Whether requests are sent at their own times (Poisson or trace), not by users.
+    pub fn is_open_loop(self) -> bool {
+        self.is_poisson() || self == WorkloadKind::Trace
+    }
 }
 
 /// Which OpenAI endpoint requests go to.
@@ -179,6 +209,21 @@ pub struct SharedPrefixSettings {
     pub question_tokens: u32,
 }
 
+/// Growing multi-turn conversations (`multi-turn`).
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct MultiTurnSettings {
+    /// Conversations open at once: each arrival is the next turn of one of them, drawn
+    /// uniformly; a conversation that has had `turns` turns is replaced by a new one.
+    pub conversations: u32,
+    /// Turns per conversation.
+    pub turns: u32,
+    /// Length range of a conversation's first user message, tokens, inclusive.
+    pub first_tokens: [u32; 2],
+    /// Length range of every later user message, tokens, inclusive.
+    pub turn_tokens: [u32; 2],
+}
+
 /// A Mooncake-format trace replay.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -195,6 +240,11 @@ pub struct TraceSettings {
     /// Tokens per hash id.
     #[serde(default = "default_trace_block_tokens")]
     pub block_tokens: u32,
+    /// Requests per simulated second the cluster completes on the trace's lines under
+    /// round-robin with every engine saturated (see `crate::capacity`), for the offered load
+    /// of the regime line; measured before the run when absent.
+    #[serde(default)]
+    pub capacity_rps: Option<f64>,
 }
 
 fn default_time_scale() -> f64 {
@@ -249,12 +299,15 @@ pub struct WorkloadConfig {
     pub shared_prefix: Option<SharedPrefixSettings>,
     #[serde(default)]
     pub trace: Option<TraceSettings>,
+    #[serde(default)]
+    pub multi_turn: Option<MultiTurnSettings>,
     #[serde(default, skip_serializing)]
     pub quick: Option<QuickOverrides>,
 }
 
 impl WorkloadConfig {
-    /// Loads a built-in workload by name, or a workload file by path.
+    /// Loads a built-in workload by name, or a workload file by path: TOML, or JSON when the
+    /// name ends in `.json` (the form `myelin bench regimes` writes each cell's workload in).
     pub fn load(name_or_path: &str) -> Result<Self, WorkloadError> {
         if let Some((name, text)) = BUILTIN_WORKLOADS
             .iter()
@@ -269,7 +322,21 @@ impl WorkloadConfig {
             path: name_or_path.to_string(),
             source,
         })?;
+        if name_or_path.ends_with(".json") {
+            return Self::parse_json(name_or_path, &text);
+        }
         Self::parse(name_or_path, &text)
+    }
+
+    /// Parses and validates a workload written as JSON (the serialised config).
+    pub fn parse_json(name: &str, text: &str) -> Result<Self, WorkloadError> {
+        let config: WorkloadConfig =
+            serde_json::from_str(text).map_err(|error| WorkloadError::Invalid {
+                name: name.to_string(),
+                problem: format!("parsing JSON: {error}"),
+            })?;
+        config.validate()?;
+        Ok(config)
     }
 
     /// Parses and validates workload TOML.
@@ -341,28 +408,27 @@ impl WorkloadConfig {
         {
             return Err(self.invalid("users must be > 0"));
         }
+        if self.kind.is_poisson() {
+            let Some(open) = &self.open_loop else {
+                return Err(self.invalid(format!(
+                    "kind = \"{}\" needs an [open_loop] section",
+                    self.kind_name()
+                )));
+            };
+            if !finite_positive(open.rate_fraction) {
+                return Err(self.invalid("open_loop: rate_fraction must be > 0"));
+            }
+            if !open.capacity_rps.is_none_or(finite_positive)
+                || !open.rate_rps.is_none_or(finite_positive)
+            {
+                return Err(self.invalid("open_loop: capacity_rps and rate_rps must be > 0"));
+            }
+        }
         match self.kind {
             WorkloadKind::Churn | WorkloadKind::ChurnOpen => {
                 let Some(churn) = &self.churn else {
                     return Err(self.invalid("kind = \"churn\" needs a [churn] section"));
                 };
-                if self.kind == WorkloadKind::ChurnOpen {
-                    let Some(open) = &self.open_loop else {
-                        return Err(
-                            self.invalid("kind = \"churn-open\" needs an [open_loop] section")
-                        );
-                    };
-                    if !finite_positive(open.rate_fraction) {
-                        return Err(self.invalid("open_loop: rate_fraction must be > 0"));
-                    }
-                    if !open.capacity_rps.is_none_or(finite_positive)
-                        || !open.rate_rps.is_none_or(finite_positive)
-                    {
-                        return Err(
-                            self.invalid("open_loop: capacity_rps and rate_rps must be > 0")
-                        );
-                    }
-                }
                 if churn.population == 0 || churn.active == 0 || churn.active > churn.population {
                     return Err(self.invalid("churn: need 0 < active <= population"));
                 }
@@ -383,11 +449,12 @@ impl WorkloadConfig {
                     );
                 }
             }
-            WorkloadKind::SharedPrefix => {
+            WorkloadKind::SharedPrefix | WorkloadKind::SharedPrefixOpen => {
                 let Some(shared) = &self.shared_prefix else {
-                    return Err(
-                        self.invalid("kind = \"shared-prefix\" needs a [shared_prefix] section")
-                    );
+                    return Err(self.invalid(format!(
+                        "kind = \"{}\" needs a [shared_prefix] section",
+                        self.kind_name()
+                    )));
                 };
                 if shared.groups == 0
                     || shared.prompts_per_group == 0
@@ -407,9 +474,48 @@ impl WorkloadConfig {
                 if trace.block_tokens == 0 {
                     return Err(self.invalid("trace: block_tokens must be > 0"));
                 }
+                if !trace.capacity_rps.is_none_or(finite_positive) {
+                    return Err(self.invalid("trace: capacity_rps must be > 0"));
+                }
+            }
+            WorkloadKind::MultiTurn => {
+                let Some(multi) = &self.multi_turn else {
+                    return Err(self.invalid("kind = \"multi-turn\" needs a [multi_turn] section"));
+                };
+                if multi.conversations == 0 || multi.turns == 0 {
+                    return Err(self.invalid("multi_turn: conversations and turns must be > 0"));
+                }
+                if multi.turns > super::multi_turn::MAX_TURNS {
+                    return Err(self.invalid(format!(
+                        "multi_turn: turns must be at most {}",
+                        super::multi_turn::MAX_TURNS
+                    )));
+                }
+                for (name, range) in [
+                    ("first_tokens", multi.first_tokens),
+                    ("turn_tokens", multi.turn_tokens),
+                ] {
+                    if range[0] == 0 || range[0] > range[1] {
+                        return Err(self.invalid(format!(
+                            "multi_turn: {name} must be [min, max] with 0 < min <= max"
+                        )));
+                    }
+                }
             }
         }
         Ok(())
+    }
+
+    /// The kind as the workload file spells it.
+    pub fn kind_name(&self) -> &'static str {
+        match self.kind {
+            WorkloadKind::Churn => "churn",
+            WorkloadKind::ChurnOpen => "churn-open",
+            WorkloadKind::SharedPrefix => "shared-prefix",
+            WorkloadKind::Trace => "trace",
+            WorkloadKind::SharedPrefixOpen => "shared-prefix-open",
+            WorkloadKind::MultiTurn => "multi-turn",
+        }
     }
 }
 

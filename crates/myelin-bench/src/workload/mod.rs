@@ -1,21 +1,25 @@
 //! Workloads: what each simulated user (or trace line, or open-loop arrival) sends, as pure
 //! functions of the seed, the user, the request number and the elapsed simulated time, so
 //! every leg, every repeat and every user agree on the schedule. Open-loop workloads (trace,
-//! churn-open) send the identical requests on every leg; closed-loop ones (churn,
-//! shared-prefix) the same requests per (user, request number), but how many each user sends
-//! and when depends on the leg's latencies, so legs get statistically identical traffic.
+//! churn-open, shared-prefix-open, multi-turn) send the identical requests on every leg;
+//! closed-loop ones (churn, shared-prefix) the same requests per (user, request number), but how
+//! many each user sends and when depends on the leg's latencies, so legs get statistically
+//! identical traffic.
 
 pub mod alphabet;
 pub mod churn;
 pub mod churn_open;
 pub mod config;
+pub mod multi_turn;
 pub mod shared_prefix;
 pub mod trace;
+pub mod working_set;
 
 pub use alphabet::TokenAlphabet;
 pub use config::{
     Api, OpenLoopSettings, PromptFormat, WorkloadConfig, WorkloadError, WorkloadKind,
 };
+pub use working_set::{WorkingSet, working_set};
 
 /// One request to send: its prompt as token ids and how many tokens to generate.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,6 +52,8 @@ pub enum Workload {
     ChurnOpen(churn_open::ChurnOpenWorkload),
     SharedPrefix(shared_prefix::SharedPrefixWorkload),
     Trace(trace::TraceWorkload),
+    SharedPrefixOpen(shared_prefix::SharedPrefixOpenWorkload),
+    MultiTurn(multi_turn::MultiTurnWorkload),
 }
 
 impl Workload {
@@ -63,7 +69,34 @@ impl Workload {
                 Workload::SharedPrefix(shared_prefix::SharedPrefixWorkload::new(config, alphabet))
             }
             WorkloadKind::Trace => Workload::Trace(trace::TraceWorkload::load(config, alphabet)?),
+            WorkloadKind::SharedPrefixOpen => Workload::SharedPrefixOpen(
+                shared_prefix::SharedPrefixOpenWorkload::new(config, alphabet)?,
+            ),
+            WorkloadKind::MultiTurn => {
+                Workload::MultiTurn(multi_turn::MultiTurnWorkload::new(config, alphabet)?)
+            }
         })
+    }
+
+    /// The Poisson schedule of a Poisson workload (churn-open, shared-prefix-open, multi-turn).
+    pub fn schedule(&self) -> Option<&churn_open::OpenSchedule> {
+        match self {
+            Workload::ChurnOpen(open) => Some(open.schedule()),
+            Workload::SharedPrefixOpen(open) => Some(open.schedule()),
+            Workload::MultiTurn(open) => Some(open.schedule()),
+            Workload::Churn(_) | Workload::SharedPrefix(_) | Workload::Trace(_) => None,
+        }
+    }
+
+    /// The leading tokens of `request` that an earlier request may have left in a cache: the
+    /// churn prefix, the system prompt, the previous turn's prompt, or (trace) the leading
+    /// blocks whose ids an earlier line of the trace already sent.
+    pub fn reusable_len(&self, request: &PlannedRequest) -> usize {
+        match self {
+            Workload::Trace(trace) => trace.reusable_len(request.label as usize),
+            _ => request.shared_len,
+        }
+        .min(request.tokens.len())
     }
 
     /// How requests arrive.
@@ -81,6 +114,12 @@ impl Workload {
             Workload::ChurnOpen(open) => Arrival::OpenLoop {
                 requests: open.len(),
             },
+            Workload::SharedPrefixOpen(open) => Arrival::OpenLoop {
+                requests: open.schedule().len(),
+            },
+            Workload::MultiTurn(open) => Arrival::OpenLoop {
+                requests: open.schedule().len(),
+            },
         }
     }
 
@@ -97,16 +136,21 @@ impl Workload {
     pub fn describe(&self) -> String {
         match self {
             Workload::Churn(churn) => format!("{} closed-loop users", churn.users()),
-            Workload::ChurnOpen(open) => format!(
-                "open loop, {} requests at {:.2} req/s{}",
-                open.len(),
-                open.rate_rps(),
-                open.capacity_rps()
-                    .map_or(String::new(), |capacity| format!(
-                        " ({:.2} of a capacity of {capacity:.2} req/s)",
-                        open.rate_rps() / capacity
-                    ))
-            ),
+            Workload::ChurnOpen(_) | Workload::SharedPrefixOpen(_) | Workload::MultiTurn(_) => {
+                let open = self
+                    .schedule()
+                    .unwrap_or_else(|| unreachable!("a Poisson workload"));
+                format!(
+                    "open loop, {} requests at {:.2} req/s{}",
+                    open.len(),
+                    open.rate_rps(),
+                    open.capacity_rps()
+                        .map_or(String::new(), |capacity| format!(
+                            " ({:.2} of a capacity of {capacity:.2} req/s)",
+                            open.rate_rps() / capacity
+                        ))
+                )
+            }
             Workload::SharedPrefix(shared) => format!("{} closed-loop users", shared.users()),
             Workload::Trace(trace) => format!(
                 "{} requests over {:.0} simulated s from {}",
@@ -134,6 +178,10 @@ impl Workload {
             Workload::SharedPrefix(shared) => shared.request(user, seq),
             Workload::Trace(trace) => trace.request(seq as usize % trace.len().max(1)),
             Workload::ChurnOpen(open) => open.request(seq as usize % open.len().max(1)),
+            Workload::SharedPrefixOpen(open) => {
+                open.request(seq as usize % open.schedule().len().max(1))
+            }
+            Workload::MultiTurn(open) => open.request(seq as usize % open.schedule().len().max(1)),
         }
     }
 
@@ -146,6 +194,12 @@ impl Workload {
             }
             Workload::ChurnOpen(open) if index < open.len() => {
                 Some((open.send_at_s(index), open.request(index)))
+            }
+            Workload::SharedPrefixOpen(open) if index < open.schedule().len() => {
+                Some((open.schedule().send_at_s(index), open.request(index)))
+            }
+            Workload::MultiTurn(open) if index < open.schedule().len() => {
+                Some((open.schedule().send_at_s(index), open.request(index)))
             }
             _ => None,
         }

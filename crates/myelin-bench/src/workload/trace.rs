@@ -93,8 +93,73 @@ pub struct TraceWorkload {
     /// Timestamp of the trace's first line: time zero of the replay, skipped or not.
     first_timestamp: u64,
     records: Vec<TraceRecord>,
+    /// Per record: its leading tokens whose block ids an earlier replayed line already sent.
+    reusable: Vec<usize>,
     skipped: SkippedOverContext,
     alphabet: TokenAlphabet,
+}
+
+/// Per record, in order: how many of its leading tokens are covered by block ids that an
+/// earlier record already had (Mooncake's ids hash the whole prefix up to their block, so an
+/// id seen before stands for the same leading tokens), cut to its `input_length`.
+pub fn reusable_tokens(records: &[TraceRecord], block_tokens: u32) -> Vec<usize> {
+    let mut seen = std::collections::HashSet::new();
+    records
+        .iter()
+        .map(|record| {
+            let leading = record
+                .hash_ids
+                .iter()
+                .take_while(|id| seen.contains(*id))
+                .count();
+            seen.extend(record.hash_ids.iter().copied());
+            (leading * block_tokens as usize).min(record.input_length as usize)
+        })
+        .collect()
+}
+
+/// The distinct tokens the records' block ids stand for: each distinct id counts the tokens of
+/// its block that some record covers (the last block of a line is cut to its `input_length`).
+pub fn distinct_block_tokens(records: &[TraceRecord], block_tokens: u32) -> u64 {
+    let mut covered: std::collections::HashMap<u64, u64> = Default::default();
+    let block = u64::from(block_tokens);
+    for record in records {
+        let input = u64::from(record.input_length);
+        for (position, id) in record.hash_ids.iter().enumerate() {
+            let start = position as u64 * block;
+            if start >= input {
+                break;
+            }
+            let tokens = (input - start).min(block);
+            let entry = covered.entry(*id).or_default();
+            *entry = (*entry).max(tokens);
+        }
+    }
+    covered.values().sum()
+}
+
+/// The lines a trace config replays, before the context cut: the file's (or the built-in
+/// slice's) first `max_requests`, and the name of where they came from.
+pub fn config_records(
+    config: &WorkloadConfig,
+) -> Result<(String, Vec<TraceRecord>), WorkloadError> {
+    let trace = config
+        .trace
+        .clone()
+        .unwrap_or_else(|| unreachable!("validated trace config"));
+    Ok(match &trace.path {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|source| WorkloadError::Read {
+                path: path.clone(),
+                source,
+            })?;
+            (path.clone(), parse_trace(path, &text, trace.max_requests)?)
+        }
+        None => (
+            BUILTIN_SLICE_NAME.to_string(),
+            parse_trace(BUILTIN_SLICE_NAME, BUILTIN_SLICE, trace.max_requests)?,
+        ),
+    })
 }
 
 impl TraceWorkload {
@@ -107,19 +172,7 @@ impl TraceWorkload {
             .trace
             .clone()
             .unwrap_or_else(|| unreachable!("validated trace config"));
-        let (source_name, records) = match &trace.path {
-            Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|source| WorkloadError::Read {
-                    path: path.clone(),
-                    source,
-                })?;
-                (path.clone(), parse_trace(path, &text, trace.max_requests)?)
-            }
-            None => (
-                BUILTIN_SLICE_NAME.to_string(),
-                parse_trace(BUILTIN_SLICE_NAME, BUILTIN_SLICE, trace.max_requests)?,
-            ),
-        };
+        let (source_name, records) = config_records(config)?;
         let first_timestamp = records.first().map_or(0, |record| record.timestamp);
         let context_tokens = config.cluster.context_tokens();
         let (records, over): (Vec<TraceRecord>, Vec<TraceRecord>) =
@@ -147,10 +200,29 @@ impl TraceWorkload {
             time_scale: trace.time_scale,
             source_name,
             first_timestamp,
+            reusable: reusable_tokens(&records, trace.block_tokens),
             records,
             skipped,
             alphabet,
         })
+    }
+
+    /// The leading tokens of the request of file line `line_index` (0-based, the request's
+    /// label) whose block ids an earlier replayed line already sent; 0 for a line not replayed.
+    pub fn reusable_len(&self, line_index: usize) -> usize {
+        self.records
+            .binary_search_by_key(&(line_index + 1), |record| record.line)
+            .map_or(0, |position| self.reusable[position])
+    }
+
+    /// Mean requests per simulated second over the replay: requests over its span.
+    pub fn mean_rate_rps(&self) -> f64 {
+        self.records.len() as f64 / self.span_s().max(1e-9)
+    }
+
+    /// The replayed lines.
+    pub fn records(&self) -> &[TraceRecord] {
+        &self.records
     }
 
     /// The lines left out because they exceed the context length.
@@ -335,5 +407,28 @@ mod tests {
         );
         let cut = parse_trace("t.jsonl", text, Some(1)).unwrap();
         assert_eq!(cut.len(), 1);
+    }
+
+    #[test]
+    fn reuse_counts_the_leading_blocks_an_earlier_line_sent() {
+        let text = "{\"timestamp\":0,\"input_length\":1000,\"output_length\":1,\"hash_ids\":[1,2]}\n\
+                    {\"timestamp\":1,\"input_length\":1200,\"output_length\":1,\"hash_ids\":[1,2,3]}\n\
+                    {\"timestamp\":2,\"input_length\":900,\"output_length\":1,\"hash_ids\":[1,4]}\n\
+                    {\"timestamp\":3,\"input_length\":300,\"output_length\":1,\"hash_ids\":[1,2,3]}\n";
+        let records = parse_trace("t.jsonl", text, None).unwrap();
+        // Line 2 reuses both blocks of line 1 (1,000 tokens: line 1's second block is cut to
+        // 488 tokens, but line 2 holds 512 of it); line 3 block 1; line 4 all of its 300.
+        assert_eq!(reusable_tokens(&records, 512), [0, 1024, 512, 300]);
+        // Distinct ids 1, 2, 3, 4: 512 + 512 + (1,200 - 1,024) + (900 - 512).
+        assert_eq!(distinct_block_tokens(&records, 512), 512 + 512 + 176 + 388);
+        let replay = workload(Some(300));
+        assert_eq!(replay.reusable_len(0), 0);
+        assert_eq!(
+            replay.reusable_len(1),
+            512,
+            "line 2 starts with line 1's block 0"
+        );
+        // The built-in workload replays at a quarter of the trace's rate (time_scale 4).
+        assert!((replay.mean_rate_rps() - 300.0 / (102.0 * 4.0)).abs() < 1e-9);
     }
 }
