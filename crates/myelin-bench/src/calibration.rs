@@ -1499,6 +1499,7 @@ mod tests {
                 running_requests: 0,
                 mean_remaining_output_tokens: 0.0,
             }),
+            ..EngineTruth::default()
         }
     }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use myelin_sim::{ClusterConfig, EngineConfig, FaultConfig, KvEventsConfig, SimCluster};
 
-use myelin_routing::MemoryPressure;
+use myelin_routing::{EngineQueue, KvMemory, MemoryPressure};
 
 use crate::oracle::{CacheOracle, EngineTruth};
 use crate::router_process::BackendEndpoint;
@@ -152,6 +152,23 @@ impl CacheOracle for SimOracle {
                     mean_remaining_output_tokens: probe.load.pending_decode_tokens as f64
                         / (probe.load.running + probe.load.waiting).max(1) as f64,
                 }),
+                // The predicted time to first token's inputs, true: the prefill still to do,
+                // the decoding requests, and the KV memory held now plus what the prefill
+                // still to do will take, the prompt's prefix that running requests hold shared.
+                queue: Some(EngineQueue {
+                    prefill_tokens_ahead: probe.load.pending_prefill_tokens as u64,
+                    requests: (probe.load.running + probe.load.waiting) as u32,
+                    decoding: probe.load.decoding as u32,
+                    mean_remaining_output_tokens: probe.load.pending_decode_tokens as f64
+                        / (probe.load.running + probe.load.waiting).max(1) as f64,
+                    memory: Some(KvMemory {
+                        capacity_tokens: probe.capacity_tokens as u64,
+                        held_tokens: probe.load.kv_usage * probe.capacity_tokens as f64
+                            + probe.load.pending_prefill_tokens as f64,
+                        shared_tokens: probe.held_prefix_tokens as u64,
+                    }),
+                }),
+                step_tokens: u32::try_from(probe.step_tokens).ok(),
             })
             .collect()
     }

@@ -8,8 +8,8 @@
 use std::collections::VecDeque;
 
 use myelin_routing::{
-    BackendId, BackendMatch, BackendState, BackendView, MemoryPressure, Policy, PrefixMatch,
-    ResidencyMode, Router, RouterConfig,
+    BackendId, BackendMatch, BackendState, BackendView, EngineQueue, EngineTiming, KvMemory,
+    MemoryPressure, Policy, PrefixMatch, ResidencyMode, Router, RouterConfig,
 };
 
 /// What an engine truly holds and owes at one instant.
@@ -25,6 +25,11 @@ pub struct EngineTruth {
     pub requests_received: Option<u64>,
     /// The engine's true KV utilization and queue (`None`: unknown, KV memory not scored).
     pub memory: Option<MemoryPressure>,
+    /// The engine's true queue and KV memory as the predicted time to first token reads them
+    /// (`None`: unknown, the default queue of an idle engine).
+    pub queue: Option<EngineQueue>,
+    /// Tokens per scheduler step (`None`: the default timing's).
+    pub step_tokens: Option<u32>,
 }
 
 /// Reads the simulated engines' true state. Implemented over the embedded simulator.
@@ -42,15 +47,26 @@ const MAX_IN_TRANSIT: usize = 256;
 pub struct Oracle {
     router: Router,
     block_size: u32,
-    /// Per engine: requests sent, and the load (uncached prompt plus output tokens) of the most
-    /// recent ones, newest last.
-    sent: Vec<(u64, VecDeque<u64>)>,
+    /// Per engine: requests sent, and the most recent ones, newest last.
+    sent: Vec<(u64, VecDeque<Sent>)>,
+}
+
+/// A request the oracle sent, as an engine that has not received it yet will queue it.
+#[derive(Debug, Clone, Copy, Default)]
+struct Sent {
+    /// Uncached prompt tokens (prefill to do).
+    uncached: u64,
+    /// Prompt tokens (KV memory it will hold).
+    prompt: u64,
+    /// Uncached prompt plus output tokens (the load).
+    load: u64,
 }
 
 impl Oracle {
-    /// The router as `myelin serve --routing prefix` runs it by default (load bound
-    /// [`myelin_routing::DEFAULT_LOAD_BOUND_TOKENS`]), reading residency from a mirror that
-    /// is always exact. `block_size`: the engines' KV block size in tokens.
+    /// The router as `myelin serve --routing prefix` runs it by default (the cost in seconds,
+    /// the predicted time to first token at the default timing, which is the simulated
+    /// profile's), reading residency from a mirror that is always exact and the queues and KV
+    /// memory from the engines themselves. `block_size`: the engines' KV block size in tokens.
     pub fn new(block_size: u32) -> Self {
         Self {
             router: Router::new(
@@ -71,13 +87,18 @@ impl Oracle {
         (sent.saturating_sub(received) as usize).min(recent.len())
     }
 
-    /// Load of the requests sent to `engine` that it has not received yet: the newest
+    /// The requests sent to `engine` that it has not received yet: the newest
     /// `sent - received` of them.
-    fn in_transit_tokens(&self, engine: usize, received: Option<u64>) -> u64 {
+    fn in_transit_requests(
+        &self,
+        engine: usize,
+        received: Option<u64>,
+    ) -> impl Iterator<Item = &Sent> + '_ {
         let in_transit = self.in_transit(engine, received);
         self.sent
             .get(engine)
-            .map_or(0, |(_, recent)| recent.iter().rev().take(in_transit).sum())
+            .into_iter()
+            .flat_map(move |(_, recent)| recent.iter().rev().take(in_transit))
     }
 
     /// The engine the router picks for a prompt of `prompt_len` tokens asking for
@@ -123,12 +144,37 @@ impl Oracle {
                     waiting_requests: memory.waiting_requests.saturating_add(in_transit),
                     ..memory
                 });
+                let transit = self
+                    .in_transit_requests(engine, truth.requests_received)
+                    .fold(Sent::default(), |sum, sent| Sent {
+                        uncached: sum.uncached + sent.uncached,
+                        prompt: sum.prompt + sent.prompt,
+                        load: sum.load + sent.load,
+                    });
+                // Requests in transit join the queue: their prefill ahead, their prompts in
+                // KV memory.
+                let queue = truth.queue.map(|queue| EngineQueue {
+                    prefill_tokens_ahead: queue.prefill_tokens_ahead + transit.uncached,
+                    requests: queue.requests + in_transit,
+                    memory: queue.memory.map(|memory| KvMemory {
+                        held_tokens: memory.held_tokens + transit.prompt as f64,
+                        ..memory
+                    }),
+                    ..queue
+                });
+                let timing = EngineTiming {
+                    step_tokens: truth
+                        .step_tokens
+                        .unwrap_or(EngineTiming::default().step_tokens),
+                    ..EngineTiming::default()
+                };
                 BackendView::new(
                     BackendId(engine as u32),
                     BackendState::Up,
-                    truth.queued_tokens + self.in_transit_tokens(engine, truth.requests_received),
+                    truth.queued_tokens + transit.load,
                 )
                 .with_memory(memory)
+                .with_ttft(timing, queue.unwrap_or_default())
             })
             .collect();
         let decision = self
@@ -142,7 +188,11 @@ impl Oracle {
         let (sent, recent) = &mut self.sent[engine];
         *sent += 1;
         let uncached = (prompt_len as f64 - decision.expected_cached_tokens).max(0.0) as u64;
-        recent.push_back(uncached + u64::from(output_tokens));
+        recent.push_back(Sent {
+            uncached,
+            prompt: prompt_len as u64,
+            load: uncached + u64::from(output_tokens),
+        });
         if recent.len() > MAX_IN_TRANSIT {
             recent.pop_front();
         }
@@ -162,6 +212,7 @@ mod tests {
             queued_tokens,
             requests_received: None,
             memory: None,
+            ..EngineTruth::default()
         }
     }
 
@@ -214,6 +265,7 @@ mod tests {
             queued_tokens: 0,
             requests_received: Some(count),
             memory: None,
+            ..EngineTruth::default()
         };
         let mut oracle = Oracle::new(16);
         // A burst of requests for a prefix engine 0 holds (4,000 of 4,100 tokens): the
@@ -253,6 +305,7 @@ mod tests {
             queued_tokens: 0,
             requests_received: None,
             memory,
+            ..EngineTruth::default()
         };
         let mut oracle = Oracle::new(16);
         // Room on the engine that holds 6,000 of 6,100 tokens: it wins.

@@ -44,6 +44,45 @@ impl PinnedBlocks {
     pub fn distinct(&self) -> usize {
         self.holders.len()
     }
+
+    /// How many leading blocks of a prompt (its chain `hashes`) requests in flight hold, as
+    /// far as the blocks this counter sees tell (`counted`: whether a hash is counted here;
+    /// each data core counts the blocks it owns). A request holds a prefix of its own prompt,
+    /// so held-ness is prefix-closed along a chain: a binary search over the counted blocks
+    /// finds the deepest held one, in O(log n) lookups. 0 when no counted block is held.
+    pub fn held_prefix_blocks(&self, hashes: &[u64], counted: impl Fn(u64) -> bool) -> usize {
+        // The counted block at or before `index`, if any (owners are spread by hash, so the
+        // walk back is a few steps).
+        let counted_at_or_before = |index: usize| {
+            (0..=index)
+                .rev()
+                .take(64)
+                .find(|&position| counted(hashes[position]))
+        };
+        let held = |position: usize| self.holders.contains_key(&hashes[position]);
+        let (mut low, mut high) = (0usize, hashes.len());
+        // Invariant: every counted block before `low` is held; no counted block at or after
+        // `high` is.
+        while low < high {
+            let middle = low + (high - low) / 2;
+            match counted_at_or_before(middle) {
+                Some(position) if position >= low => {
+                    if held(position) {
+                        low = middle + 1;
+                    } else {
+                        high = position;
+                    }
+                }
+                // Nothing counted in [low, middle]: look further right.
+                _ => low = middle + 1,
+            }
+        }
+        // `low` is one past the deepest held counted block's neighbourhood: back off to it.
+        match (0..low).rev().find(|&position| counted(hashes[position])) {
+            Some(position) if held(position) => position + 1,
+            _ => 0,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -68,5 +107,43 @@ mod tests {
         assert_eq!(pinned.unpin(hashes(&[1])), 0);
         assert_eq!(pinned.pin(hashes(&[1])), 1);
         assert_eq!(pinned.distinct(), 1);
+    }
+
+    #[test]
+    fn the_held_prefix_of_a_prompt_is_found_among_the_counted_blocks() {
+        let chain: Vec<u64> = (100..140).collect();
+        let mut pinned = PinnedBlocks::default();
+        // Every block counted here: a request in flight holds the first 25 blocks.
+        pinned.pin(chain[..25].iter().copied());
+        assert_eq!(pinned.held_prefix_blocks(&chain, |_| true), 25);
+        // Only the even hashes are counted here (another core counts the odd ones): the
+        // deepest counted held block is the 25th (hash 124).
+        let mut even = PinnedBlocks::default();
+        even.pin(chain[..25].iter().copied().filter(|hash| hash % 2 == 0));
+        assert_eq!(even.held_prefix_blocks(&chain, |hash| hash % 2 == 0), 25);
+        // Nothing held, nothing counted, an empty chain: 0.
+        assert_eq!(
+            PinnedBlocks::default().held_prefix_blocks(&chain, |_| true),
+            0
+        );
+        assert_eq!(pinned.held_prefix_blocks(&chain, |_| false), 0);
+        assert_eq!(pinned.held_prefix_blocks(&[], |_| true), 0);
+        // The whole chain held.
+        pinned.pin(chain.iter().copied());
+        assert_eq!(pinned.held_prefix_blocks(&chain, |_| true), 40);
+        // Against a linear scan, for every held length.
+        for length in 0..=chain.len() {
+            let mut pins = PinnedBlocks::default();
+            pins.pin(chain[..length].iter().copied());
+            let counted = |hash: u64| hash % 3 != 1;
+            let linear = chain
+                .iter()
+                .enumerate()
+                .filter(|&(_, &hash)| counted(hash) && pins.holders.contains_key(&hash))
+                .map(|(position, _)| position + 1)
+                .max()
+                .unwrap_or(0);
+            assert_eq!(pins.held_prefix_blocks(&chain, counted), linear, "{length}");
+        }
     }
 }

@@ -191,16 +191,21 @@ const PRIOR_DIAGONAL: f64 = TIMING_PRIOR_WEIGHT * PRIOR_FEATURE_SECONDS * PRIOR_
 /// whose speed changes over some hundreds of requests.
 pub const TIMING_FORGETTING: f64 = 0.995;
 /// A fitted figure stays within this factor of the default (either way): a stalled engine or
-/// a broken observation cannot price an engine at zero or at infinity.
+/// a broken observation cannot price an engine at zero or at infinity. (A simulated engine
+/// running ten times faster than the hardware it models is well inside.)
 pub const TIMING_BOUND_FACTOR: f64 = 50.0;
 
 /// An engine's timing fitted online: a ridge regression of observed first-token times on the
 /// prediction's features (steps, steps × sequences, prefill tokens), with exponential
-/// forgetting and the default timing as its prior. Pure: the caller feeds each observation.
+/// forgetting, shrunk towards a prior timing given at each refit. Pure: the caller feeds each
+/// observation and chooses the prior. The server keeps one fit per engine with the pooled fit
+/// of all its engines as prior, and the pooled fit with the default timing as prior, so an
+/// engine with few first tokens is priced like the others rather than by the default (a new
+/// engine priced slower than the fitted ones would never get the requests to learn from).
 #[derive(Debug, Clone)]
 pub struct TimingFit {
-    prior: EngineTiming,
-    /// Decayed sums of x xᵀ and x y over observations, features scaled to the prior's units.
+    /// Decayed sums of x xᵀ and x y over observations, features scaled to the default
+    /// timing's units (each parameter over its default).
     xx: [[f64; 3]; 3],
     xy: [f64; 3],
     fitted: EngineTiming,
@@ -240,20 +245,19 @@ impl PredictionError {
     }
 }
 
+/// The scale of each parameter in the fit: the default timing's figures.
+const SCALE: [f64; 3] = [
+    DEFAULT_ENGINE_TIMING.step_s,
+    DEFAULT_ENGINE_TIMING.step_s_per_sequence,
+    DEFAULT_ENGINE_TIMING.prefill_s_per_token,
+];
+
 impl TimingFit {
-    /// A fit that starts at `prior`.
+    /// A fit with no observations, priced at `prior` until its first refit.
     pub fn new(prior: EngineTiming) -> Self {
-        let mut xx = [[0.0; 3]; 3];
-        let mut xy = [0.0; 3];
-        // In scaled units (each parameter over its prior) the prior is 1 for each parameter.
-        for (index, row) in xx.iter_mut().enumerate() {
-            row[index] = PRIOR_DIAGONAL;
-            xy[index] = PRIOR_DIAGONAL;
-        }
         Self {
-            prior,
-            xx,
-            xy,
+            xx: [[0.0; 3]; 3],
+            xy: [0.0; 3],
             fitted: prior,
             observations: 0,
             error: PredictionError::default(),
@@ -275,16 +279,11 @@ impl TimingFit {
         self.error
     }
 
-    /// Sets the tokens per step (read from the engine) without touching the fitted rates.
-    pub fn set_step_tokens(&mut self, step_tokens: u32) {
-        self.prior.step_tokens = step_tokens.max(1);
-        self.fitted.step_tokens = self.prior.step_tokens;
-    }
-
     /// Learns from one request: `prediction` as made when it was sent (with the timing of
     /// then), `observed_s` the seconds from sending it to its first token. Requests predicted
     /// to wait for KV memory count in the error but do not move the rates: how long such a
-    /// wait lasts depends on other requests' outputs, not on the engine's speed.
+    /// wait lasts depends on other requests' outputs, not on the engine's speed. The timing
+    /// changes at the next [`Self::refit`].
     pub fn observe(&mut self, prediction: &TtftPrediction, observed_s: f64) {
         if !observed_s.is_finite() || observed_s < 0.0 || !prediction.seconds.is_finite() {
             return;
@@ -296,50 +295,59 @@ impl TimingFit {
         // What the request waited beyond the model (another frontend's requests, a wait for
         // memory the router did not see) must not drag the rates far: observations count at
         // most 4x and at least a quarter of what the current fit predicts.
-        let expected = timing_dot(&self.fitted, &prediction.features()).max(1e-6);
+        let expected = timing_dot(&self.fitted, &prediction.features()).max(1e-9);
         let observed = observed_s.clamp(expected / 4.0, expected * 4.0);
-        let scale = [
-            self.prior.step_s,
-            self.prior.step_s_per_sequence,
-            self.prior.prefill_s_per_token,
-        ];
         let raw = prediction.features();
-        let x = [raw[0] * scale[0], raw[1] * scale[1], raw[2] * scale[2]];
+        let x = [raw[0] * SCALE[0], raw[1] * SCALE[1], raw[2] * SCALE[2]];
         for (row, &xi) in self.xx.iter_mut().zip(&x) {
             for (cell, &xj) in row.iter_mut().zip(&x) {
-                *cell *= TIMING_FORGETTING;
-                *cell += xi * xj;
+                *cell = *cell * TIMING_FORGETTING + xi * xj;
             }
         }
         for (cell, &xi) in self.xy.iter_mut().zip(&x) {
             *cell = *cell * TIMING_FORGETTING + xi * observed;
         }
-        // The prior must not fade with the data: keep its weight on the diagonal.
+        self.observations += 1;
+    }
+
+    /// Solves the fit again, shrunk towards `prior` (with the weight of
+    /// [`TIMING_PRIOR_WEIGHT`] observations); without observations the timing is `prior`.
+    pub fn refit(&mut self, prior: &EngineTiming) {
+        let prior_theta = [
+            prior.step_s / SCALE[0],
+            prior.step_s_per_sequence / SCALE[1],
+            prior.prefill_s_per_token / SCALE[2],
+        ];
         let mut xx = self.xx;
         let mut xy = self.xy;
         for index in 0..3 {
-            let missing = PRIOR_DIAGONAL * (1.0 - TIMING_FORGETTING);
-            xx[index][index] += missing;
-            xy[index] += missing;
+            xx[index][index] += PRIOR_DIAGONAL;
+            xy[index] += PRIOR_DIAGONAL * prior_theta[index];
         }
-        self.xx = xx;
-        self.xy = xy;
-        self.observations += 1;
-        if let Some(theta) = solve3(&self.xx, &self.xy) {
-            let bound = |value: f64, prior: f64| {
-                if value.is_finite() {
-                    value.clamp(prior / TIMING_BOUND_FACTOR, prior * TIMING_BOUND_FACTOR)
-                } else {
-                    prior
-                }
-            };
-            self.fitted = EngineTiming {
-                step_s: bound(theta[0] * scale[0], scale[0]),
-                step_s_per_sequence: bound(theta[1] * scale[1], scale[1]),
-                prefill_s_per_token: bound(theta[2] * scale[2], scale[2]),
-                step_tokens: self.prior.step_tokens,
-            };
-        }
+        let bound = |value: f64, scale: f64, fallback: f64| {
+            if value.is_finite() {
+                value.clamp(scale / TIMING_BOUND_FACTOR, scale * TIMING_BOUND_FACTOR)
+            } else {
+                fallback
+            }
+        };
+        self.fitted = match solve3(&xx, &xy) {
+            Some(theta) => EngineTiming {
+                step_s: bound(theta[0] * SCALE[0], SCALE[0], prior.step_s),
+                step_s_per_sequence: bound(
+                    theta[1] * SCALE[1],
+                    SCALE[1],
+                    prior.step_s_per_sequence,
+                ),
+                prefill_s_per_token: bound(
+                    theta[2] * SCALE[2],
+                    SCALE[2],
+                    prior.prefill_s_per_token,
+                ),
+                step_tokens: prior.step_tokens,
+            },
+            None => *prior,
+        };
     }
 }
 
@@ -500,6 +508,7 @@ mod tests {
             let uncached = next(9000) as f64;
             let prediction = predict_ttft(&fit.timing(), &queue, 9000, uncached);
             fit.observe(&prediction, observe(&truth, &queue, 9000, uncached));
+            fit.refit(&DEFAULT_ENGINE_TIMING);
         }
         let fitted = fit.timing();
         let close = |a: f64, b: f64| (a / b - 1.0).abs() < 0.05;
@@ -526,6 +535,7 @@ mod tests {
             fit.observe(&prediction, 0.0);
             fit.observe(&prediction, f64::NAN);
             fit.observe(&prediction, -1.0);
+            fit.refit(&DEFAULT_ENGINE_TIMING);
         }
         let timing = fit.timing();
         for (fitted, prior) in [
@@ -549,8 +559,51 @@ mod tests {
             ..prediction
         };
         fit.observe(&waiting, 30.0);
+        fit.refit(&DEFAULT_ENGINE_TIMING);
         assert_eq!(fit.timing(), DEFAULT_ENGINE_TIMING);
         assert_eq!(fit.error().count, 1);
         assert!(fit.error().bias_s < 0.0, "predicted less than observed");
+    }
+
+    #[test]
+    fn an_engine_without_observations_is_priced_by_its_prior_and_follows_it() {
+        // The server refits each engine towards the pooled fit of all engines: one that has
+        // seen nothing takes the pooled timing, whatever it is.
+        let pooled = EngineTiming {
+            step_s: 0.0013,
+            step_s_per_sequence: 0.0001,
+            prefill_s_per_token: 0.000_007,
+            step_tokens: 2048,
+        };
+        let mut fresh = TimingFit::new(DEFAULT_ENGINE_TIMING);
+        fresh.refit(&pooled);
+        let timing = fresh.timing();
+        for (fitted, expected) in [
+            (timing.step_s, pooled.step_s),
+            (timing.step_s_per_sequence, pooled.step_s_per_sequence),
+            (timing.prefill_s_per_token, pooled.prefill_s_per_token),
+        ] {
+            assert!((fitted / expected - 1.0).abs() < 1e-9, "{timing:?}");
+        }
+        // A few of its own first tokens, twice slower at prefill than the pool, move it there.
+        let own = EngineTiming {
+            prefill_s_per_token: pooled.prefill_s_per_token * 2.0,
+            ..pooled
+        };
+        for ahead in 0..200u64 {
+            let queue = EngineQueue {
+                prefill_tokens_ahead: (ahead * 997) % 7000,
+                requests: 1,
+                decoding: (ahead % 9) as u32,
+                mean_remaining_output_tokens: 200.0,
+                memory: None,
+            };
+            let uncached = ((ahead * 7919) % 9000) as f64;
+            let prediction = predict_ttft(&fresh.timing(), &queue, 9000, uncached);
+            fresh.observe(&prediction, observe(&own, &queue, 9000, uncached));
+            fresh.refit(&pooled);
+        }
+        let learned = fresh.timing().prefill_s_per_token / own.prefill_s_per_token;
+        assert!((learned - 1.0).abs() < 0.1, "{:?}", fresh.timing());
     }
 }

@@ -227,6 +227,8 @@ async fn list(control: &Rc<Control>) -> Response<Body> {
             let mut load = Load::default();
             // The residency estimate's figures, per answering core (each corrects its own).
             let mut corrections = Vec::new();
+            // The predicted-TTFT cost's figures, per answering core (each fits its own).
+            let mut timings = Vec::new();
             for snapshot in &snapshots {
                 if let Some(entry) = snapshot.backends.iter().find(|entry| entry.id == info.id) {
                     load.add(&entry.local);
@@ -240,6 +242,19 @@ async fn list(control: &Rc<Control>) -> Response<Body> {
                         // every data core's and, in a peer cluster, every router's.
                         "admitted_tokens_clock": entry.cache.admitted_tokens,
                     }));
+                    if let Some(figures) = entry.timing {
+                        timings.push(json!({
+                            "step_ms": figures.timing.step_s * 1e3,
+                            "step_ms_per_sequence": figures.timing.step_s_per_sequence * 1e3,
+                            "prefill_ms_per_1k_tokens": figures.timing.prefill_s_per_token * 1e6,
+                            "step_tokens": figures.timing.step_tokens,
+                            "observations": figures.observations,
+                            "predictions_scored": figures.error.count,
+                            "error_bias_ms": figures.error.bias_s * 1e3,
+                            "error_mean_abs_ms": figures.error.mean_abs_s * 1e3,
+                            "error_mean_abs_relative": figures.error.mean_abs_relative,
+                        }));
+                    }
                 }
             }
             let engine_cache = control.engine_cache(info.id);
@@ -277,6 +292,7 @@ async fn list(control: &Rc<Control>) -> Response<Body> {
             // router's own view of the KV memory, used when the engine reports none.
             json["kv_pinned_prompt_tokens"] = json!(load.pinned_prompt_tokens);
             json["residency_estimate"] = json!(corrections);
+            json["ttft_model"] = json!(timings);
             // Tokenization parity: answers whose usage.prompt_tokens differed from the router's
             // count, and the last one (with both counts and the likely cause).
             let parity = crate::token_parity::of(&info.spec.url);

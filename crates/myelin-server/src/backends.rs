@@ -61,17 +61,25 @@ pub struct Load {
     pub decode_tokens: u64,
     pub prefix_replications: u64,
     pub pinned_prompt_tokens: u64,
+    /// Requests in flight that have not had their first token yet (the rest are decoding).
+    pub prefilling: u32,
 }
 
 impl Load {
-    /// Adds `other` to `self` (sums over cores).
+    /// Adds `other` to `self` (sums over cores), saturating: a count from elsewhere (another
+    /// core, a peer) must not wrap a sum.
     pub fn add(&mut self, other: &Load) {
-        self.requests += other.requests;
-        self.tokens += other.tokens;
-        self.admitted_tokens += other.admitted_tokens;
-        self.decode_tokens += other.decode_tokens;
-        self.prefix_replications += other.prefix_replications;
-        self.pinned_prompt_tokens += other.pinned_prompt_tokens;
+        self.requests = self.requests.saturating_add(other.requests);
+        self.tokens = self.tokens.saturating_add(other.tokens);
+        self.admitted_tokens = self.admitted_tokens.saturating_add(other.admitted_tokens);
+        self.decode_tokens = self.decode_tokens.saturating_add(other.decode_tokens);
+        self.prefix_replications = self
+            .prefix_replications
+            .saturating_add(other.prefix_replications);
+        self.pinned_prompt_tokens = self
+            .pinned_prompt_tokens
+            .saturating_add(other.pinned_prompt_tokens);
+        self.prefilling = self.prefilling.saturating_add(other.prefilling);
     }
 }
 

@@ -48,6 +48,7 @@ impl Defaults {
     pub const ENGINE_METRICS_INTERVAL_MS: u64 = 1000;
     pub const PENDING_RESIDENT_MS: u64 = 2000;
     pub const MAX_PREFIX_HOMES: u32 = myelin_routing::DEFAULT_MAX_PREFIX_HOMES;
+    pub const ENGINE_STEP_TOKENS: u32 = myelin_routing::DEFAULT_ENGINE_TIMING.step_tokens;
 }
 
 /// Routing policy (`--routing`).
@@ -342,6 +343,22 @@ pub struct ServeArgs {
     /// (backends holding at least half of its longest match); 0 = no bound. [default: 3]
     #[arg(long, env = "MYELIN_MAX_PREFIX_HOMES", value_name = "N")]
     pub max_prefix_homes: Option<u32>,
+
+    /// Prefix policy: what it minimises. `ttft`: the predicted time to first token on each
+    /// engine, from the prefill queued there, the prompt's uncached part and the wait for KV
+    /// memory, at each engine's rates fitted from its own first tokens (docs/routing.md, "The
+    /// cost in seconds"); `tokens`: the earlier cost in tokens (uncached prefill + load beyond
+    /// --load-bound-tokens + KV wait at --decode-step-tokens). [default: ttft]
+    #[arg(long, env = "MYELIN_COST", value_name = "MODEL",
+          value_parser = |name: &str| name.parse::<myelin_routing::CostModel>())]
+    pub cost: Option<myelin_routing::CostModel>,
+
+    /// Tokens an engine schedules per step (vLLM's `--max-num-batched-tokens`: 2,048 on an
+    /// A100's OpenAI server, 8,192 on H100-class GPUs), for the predicted time to first
+    /// token. [default: 2048]
+    #[arg(long, env = "MYELIN_ENGINE_STEP_TOKENS", value_name = "TOKENS",
+          value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
+    pub engine_step_tokens: Option<u32>,
 }
 
 /// The `--config` file: the same keys as the flags, kebab-case.
@@ -400,6 +417,8 @@ pub struct FileConfig {
     pub engine_metrics_interval_ms: Option<u64>,
     pub pending_resident_ms: Option<u64>,
     pub max_prefix_homes: Option<u32>,
+    pub cost: Option<String>,
+    pub engine_step_tokens: Option<u32>,
 }
 
 /// A backend in the config file: a spec string or a table.
@@ -472,6 +491,8 @@ pub struct ServeConfig {
     pub engine_metrics_interval: Duration,
     pub pending_resident_ms: u64,
     pub max_prefix_homes: u32,
+    pub cost: myelin_routing::CostModel,
+    pub engine_step_tokens: u32,
     /// `--fault-drop-control-messages` (tests only; 0 = off).
     pub fault_drop_control_messages: u64,
 }
@@ -497,6 +518,10 @@ pub enum ConfigError {
     NoBackends,
     #[error("{0}")]
     Gossip(String),
+    #[error("config file key cost: {0}")]
+    Cost(myelin_routing::ParseNameError),
+    #[error("config file key engine-step-tokens must be 1 to 1048576")]
+    EngineStepTokens,
     #[error("{0} must be at least 1")]
     MustBePositive(&'static str),
     #[error("--sim-speedup must be a positive number")]
@@ -896,6 +921,17 @@ impl ServeConfig {
                 .max_prefix_homes
                 .or(file.max_prefix_homes)
                 .unwrap_or(Defaults::MAX_PREFIX_HOMES),
+            cost: match (args.cost, &file.cost) {
+                (Some(cost), _) => cost,
+                (None, Some(name)) => name.parse().map_err(ConfigError::Cost)?,
+                (None, None) => myelin_routing::CostModel::default(),
+            },
+            engine_step_tokens: match args.engine_step_tokens.or(file.engine_step_tokens) {
+                Some(tokens) if !(1..=1_048_576).contains(&tokens) => {
+                    return Err(ConfigError::EngineStepTokens);
+                }
+                tokens => tokens.unwrap_or(Defaults::ENGINE_STEP_TOKENS),
+            },
             fault_drop_control_messages: args.fault_drop_control_messages.unwrap_or(0),
         })
     }

@@ -298,6 +298,10 @@ pub struct LoadGuard {
     probe: Option<myelin_routing::ReuseProbe>,
     /// The prompt's pin key on this core (its blocks count until the response ends).
     pin: u64,
+    /// Counted among the backend's requests without a first token.
+    prefilling: bool,
+    /// The predicted time to first token the request was routed with, and when it was sent.
+    prediction: Option<(myelin_routing::TtftPrediction, Instant)>,
 }
 
 impl LoadGuard {
@@ -322,14 +326,37 @@ impl LoadGuard {
         }
     }
 
+    /// The request is about to be sent, routed with `prediction`: its first token teaches
+    /// this core the engine's timing ([`Self::first_token`]).
+    pub fn set_prediction(&mut self, prediction: myelin_routing::TtftPrediction) {
+        self.prediction = Some((prediction, Instant::now()));
+    }
+
+    /// The predicted time to first token the request was routed with, seconds.
+    pub fn predicted_ttft_seconds(&self) -> Option<f64> {
+        self.prediction.map(|(prediction, _)| prediction.seconds)
+    }
+
     /// The engine produced its first output token, so the prompt is prefilled: from now on the
-    /// request only queues its decode work there.
-    pub fn prefill_done(&mut self) {
+    /// request only queues its decode work there. `streamed`: the answer is an event stream,
+    /// so this moment is the first token's, and the engine's timing learns from it (a
+    /// non-streaming answer's first byte comes with the whole completion).
+    pub fn first_token(&mut self, streamed: bool) {
         let prefilled = std::mem::take(&mut self.prefill_tokens);
-        if prefilled > 0 {
+        let was_prefilling = std::mem::take(&mut self.prefilling);
+        if prefilled > 0 || was_prefilling {
             self.core.change_load(self.backend, |load| {
                 load.tokens = load.tokens.saturating_sub(prefilled);
+                if was_prefilling {
+                    load.prefilling = load.prefilling.saturating_sub(1);
+                }
             });
+        }
+        if let Some((prediction, sent)) = self.prediction.take()
+            && streamed
+        {
+            self.core
+                .observe_ttft(self.backend, &prediction, sent.elapsed().as_secs_f64());
         }
     }
 }
@@ -341,8 +368,12 @@ impl Drop for LoadGuard {
         }
         let remaining = self.prefill_tokens + self.decode_tokens;
         let decode = self.decode_tokens;
+        let prefilling = self.prefilling;
         self.core.change_load(self.backend, |load| {
             load.requests = load.requests.saturating_sub(1);
+            if prefilling {
+                load.prefilling = load.prefilling.saturating_sub(1);
+            }
             load.tokens = load.tokens.saturating_sub(remaining);
             load.decode_tokens = load.decode_tokens.saturating_sub(decode);
         });
@@ -502,6 +533,7 @@ impl DataCore {
                 local: entry.local,
                 residency: routing.residency_of(entry.info.id),
                 cache: routing.cache_figures(entry.info.id),
+                timing: routing.timing_figures(entry.info.id),
             })
             .collect();
         ReplicaSnapshot {
@@ -679,10 +711,15 @@ impl DataCore {
             .get(backend)
             .map(|entry| entry.metrics.in_flight.clone());
         self.change_load(backend, |load| {
-            load.requests += 1;
-            load.tokens += prefill_tokens + decode_tokens;
-            load.admitted_tokens += admitted_prefill_tokens + decode_tokens;
-            load.decode_tokens += decode_tokens;
+            load.requests = load.requests.saturating_add(1);
+            load.prefilling = load.prefilling.saturating_add(1);
+            load.tokens = load
+                .tokens
+                .saturating_add(prefill_tokens.saturating_add(decode_tokens));
+            load.admitted_tokens = load
+                .admitted_tokens
+                .saturating_add(admitted_prefill_tokens.saturating_add(decode_tokens));
+            load.decode_tokens = load.decode_tokens.saturating_add(decode_tokens);
         });
         let key = self.next_pin_key.get();
         self.next_pin_key.set(key + 1);
@@ -703,6 +740,47 @@ impl DataCore {
             in_flight,
             probe: None,
             pin: key,
+            prefilling: true,
+            prediction: None,
+        }
+    }
+
+    /// Per backend, the tokens of a prompt (its chain) that requests in flight there already
+    /// hold, as far as the blocks this core counts tell (see [`PinnedBlocks::held_prefix_blocks`]):
+    /// those blocks need no new KV memory there. Backends holding none are left out.
+    pub fn shared_tokens(&self, chain: &myelin_routing::BlockChain) -> Vec<(BackendId, u64)> {
+        let shards = self.shards.max(1) as u64;
+        let shard = self.shard as u64;
+        let block_size = u64::from(chain.block_size().get());
+        self.backends
+            .borrow()
+            .iter()
+            .filter_map(|entry| {
+                let blocks = entry
+                    .pinned
+                    .held_prefix_blocks(chain.hashes(), |hash| hash % shards == shard);
+                (blocks > 0).then(|| (entry.info.id, blocks as u64 * block_size))
+            })
+            .collect()
+    }
+
+    /// A request routed to `backend` with `prediction` had its first token after `observed_s`
+    /// seconds: this core's fit of the engine's timing learns, and the error is recorded.
+    fn observe_ttft(
+        &self,
+        backend: BackendId,
+        prediction: &myelin_routing::TtftPrediction,
+        observed_s: f64,
+    ) {
+        let error = self
+            .routing
+            .borrow_mut()
+            .observe_ttft(backend, prediction, observed_s);
+        if let Some(error) = error {
+            self.meters.ttft_prediction_error.record(error);
+            self.meters
+                .ttft_prediction_relative_error
+                .record(error.abs() / observed_s.max(1e-6));
         }
     }
 

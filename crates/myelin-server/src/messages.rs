@@ -7,7 +7,7 @@ use std::sync::Arc;
 use myelin_routing::WriteOp;
 
 use crate::pins::PinChange;
-use crate::routing_glue::{BlockCounts, CacheFigures};
+use crate::routing_glue::{BlockCounts, CacheFigures, TimingFigures};
 
 /// What a data core's replica holds, for the admin API's listing (answer to `Snapshot`).
 #[derive(Debug, Clone, Default)]
@@ -28,6 +28,8 @@ pub struct ReplicaBackend {
     pub residency: &'static str,
     /// This core's residency-estimate figures for it (capacity, correction, admitted tokens).
     pub cache: CacheFigures,
+    /// This core's fitted timing for it and the error of its predicted times to first token.
+    pub timing: Option<TimingFigures>,
 }
 
 /// A route another cluster node learned: `backend` was routed the prompt of `chain`, with the

@@ -119,6 +119,11 @@ pub const BACKEND_KV_UTILIZATION: &str = "myelin_backend_kv_utilization";
 /// reported its reuse (`usage.prompt_tokens_details.cached_tokens`).
 pub const RESIDENCY_PREDICTED_VS_REPORTED_TOKENS: &str =
     "myelin_residency_predicted_vs_reported_tokens";
+/// Predicted minus observed time to first token of each streamed request, seconds (send to the
+/// engine's first byte; the prediction is the routing cost's, made when it was sent).
+pub const TTFT_PREDICTION_ERROR: &str = "myelin_router_ttft_prediction_error";
+/// |predicted − observed| / observed time to first token of each streamed request.
+pub const TTFT_PREDICTION_RELATIVE_ERROR: &str = "myelin_router_ttft_prediction_relative_error";
 /// Reuse reports of estimated requests, by `outcome`: `as_history` (the engine reused at least
 /// what history said), `short` (less: an eviction the estimate learns from).
 pub const RESIDENCY_REUSE_REPORTS_TOTAL: &str = "myelin_residency_reuse_reports_total";
@@ -146,6 +151,8 @@ pub struct CoreMetrics {
     pub upstream_stream_errors: Counter,
     pub load_view_staleness: Histogram,
     pub residency_predicted_vs_reported: Histogram,
+    pub ttft_prediction_error: Histogram,
+    pub ttft_prediction_relative_error: Histogram,
     pub backend_resyncs: Counter,
     /// Pins of in-flight prompts released because their unpin was lost (`pins.rs`).
     pub pins_reconciled: Counter,
@@ -192,6 +199,8 @@ impl CoreMetrics {
             residency_predicted_vs_reported: metrics::histogram!(
                 RESIDENCY_PREDICTED_VS_REPORTED_TOKENS
             ),
+            ttft_prediction_error: metrics::histogram!(TTFT_PREDICTION_ERROR),
+            ttft_prediction_relative_error: metrics::histogram!(TTFT_PREDICTION_RELATIVE_ERROR),
             backend_resyncs: metrics::counter!(STATE_RESYNCS_TOTAL, "kind" => "backends"),
             pins_reconciled: metrics::counter!(STATE_RESYNCS_TOTAL, "kind" => "kv_pins"),
             tokenize_prompts: Family::new(
@@ -303,6 +312,15 @@ const SIGNED_TOKEN_BUCKETS: &[f64] = &[
     1024.0, 4096.0, 16384.0, 65536.0,
 ];
 
+/// Histogram buckets for signed prediction errors in seconds (predicted minus observed TTFT).
+const SIGNED_SECONDS_BUCKETS: &[f64] = &[
+    -30.0, -10.0, -5.0, -2.5, -1.0, -0.5, -0.25, -0.1, -0.05, -0.025, -0.01, 0.0, 0.01, 0.025,
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+/// Histogram buckets for relative errors (|predicted − observed| / observed).
+const RELATIVE_BUCKETS: &[f64] = &[0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0];
+
 /// Installs the process-wide recorder and returns the handle that renders it. Called once;
 /// a second call (tests running several servers in one process) keeps the first recorder.
 pub fn install() -> PrometheusHandle {
@@ -315,6 +333,18 @@ pub fn install() -> PrometheusHandle {
             builder.set_buckets_for_metric(
                 Matcher::Full(RESIDENCY_PREDICTED_VS_REPORTED_TOKENS.into()),
                 SIGNED_TOKEN_BUCKETS,
+            )
+        })
+        .and_then(|builder| {
+            builder.set_buckets_for_metric(
+                Matcher::Full(TTFT_PREDICTION_ERROR.into()),
+                SIGNED_SECONDS_BUCKETS,
+            )
+        })
+        .and_then(|builder| {
+            builder.set_buckets_for_metric(
+                Matcher::Full(TTFT_PREDICTION_RELATIVE_ERROR.into()),
+                RELATIVE_BUCKETS,
             )
         });
     let recorder = match builder {
@@ -351,6 +381,15 @@ fn describe() {
         TOKENIZATION_MISMATCH_TOTAL,
         "Answers whose usage.prompt_tokens differs from the router's own token count of the \
          prompt (a different chat template or tokenizer than the engine's), by backend."
+    );
+    describe_histogram!(
+        TTFT_PREDICTION_ERROR,
+        Unit::Seconds,
+        "Predicted minus observed time to first token (send to first byte), streamed requests."
+    );
+    describe_histogram!(
+        TTFT_PREDICTION_RELATIVE_ERROR,
+        "|predicted - observed| / observed time to first token, streamed requests."
     );
     describe_histogram!(
         TTFT_SECONDS,

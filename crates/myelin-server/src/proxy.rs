@@ -9,6 +9,10 @@ use myelin_http::client::{ClientError, Pool};
 
 /// Response header naming the backend that served the request.
 pub const BACKEND_HEADER: &str = "x-myelin-backend";
+/// Response header: the time to first token the router predicted for the request on the
+/// backend it chose, in microseconds from sending it there (the routing cost's figure; the
+/// harness compares it with what it observes).
+pub const PREDICTED_TTFT_HEADER: &str = "x-myelin-predicted-ttft-us";
 
 /// Headers that describe one connection, not the message (RFC 9110 section 7.6.1), plus the
 /// ones the client pool sets itself.

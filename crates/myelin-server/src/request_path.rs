@@ -20,7 +20,9 @@ use crate::data_core::{DataCore, InFlightPermit, LoadGuard};
 use crate::metrics as names;
 use crate::openai::{ApiError, Endpoint, GenerationRequest, parse_generation_request};
 use crate::pins::PromptBlocks;
-use crate::proxy::{self, Attempt, BACKEND_HEADER, FailedAttempt, UpstreamRequest};
+use crate::proxy::{
+    self, Attempt, BACKEND_HEADER, FailedAttempt, PREDICTED_TTFT_HEADER, UpstreamRequest,
+};
 use crate::relay::{RelayBody, RelayObserver, StreamEnd, Usage};
 use crate::routing_glue::deepest_match;
 use crate::token_parity::{self, PromptKind};
@@ -324,10 +326,11 @@ async fn generate(
     // Score: lowest expected cost wins.
     let prompt_tokens = tokens.estimated_total;
     let mut tried: Vec<BackendId> = Vec::new();
+    let shared = core.shared_tokens(&query.chain);
     let mut choice = core
         .routing
         .borrow_mut()
-        .decide(&answer, prompt_tokens, &tried);
+        .decide(&answer, prompt_tokens, &tried, &shared);
     let decision_time = lookup_started
         .elapsed()
         .saturating_sub(if extent == "prefix_then_whole" {
@@ -391,6 +394,7 @@ async fn generate(
             PromptBlocks::new(query.chain.clone(), prompt_tokens as u64),
         );
         load.set_probe(probe);
+        load.set_prediction(chosen.predicted_ttft);
         // A streaming answer's head comes before the first token; a non-streaming one's comes
         // with the whole completion, so it gets the longer deadline.
         let head_timeout = if generation.stream {
@@ -454,7 +458,7 @@ async fn generate(
             choice = core
                 .routing
                 .borrow_mut()
-                .decide(&answer, prompt_tokens, &tried);
+                .decide(&answer, prompt_tokens, &tried, &shared);
         }
         if choice.is_none() {
             return match failure {
@@ -563,11 +567,13 @@ struct ResponseObserver {
     /// The router's token count of the prompt and its kind, to compare with the engine's
     /// `usage.prompt_tokens` (`None`: not comparable).
     parity: Option<(u64, PromptKind)>,
+    /// The answer is an event stream: its first byte is the first token's.
+    streamed: bool,
 }
 
 impl RelayObserver for ResponseObserver {
     fn first_byte(&mut self) {
-        self.load.prefill_done();
+        self.load.first_token(self.streamed);
         self.core
             .meters
             .ttft
@@ -637,6 +643,7 @@ fn relay_response(
 ) -> Response<Body> {
     let (parts, body) = response.into_parts();
     let is_event_stream = proxy::is_event_stream(&parts.headers);
+    let predicted_ttft = load.predicted_ttft_seconds();
     let observer = ResponseObserver {
         core: core.clone(),
         backend: load.backend(),
@@ -645,6 +652,7 @@ fn relay_response(
         load,
         _permit: permit,
         parity,
+        streamed: is_event_stream,
     };
     let drain_expired = core.drain_expired.clone();
     let relayed = RelayBody::new(body, is_event_stream, observer)
@@ -661,6 +669,12 @@ fn relay_response(
     client_response
         .headers_mut()
         .insert(BACKEND_HEADER, HeaderValue::from(backend));
+    if let Some(seconds) = predicted_ttft.filter(|seconds| seconds.is_finite()) {
+        client_response.headers_mut().insert(
+            PREDICTED_TTFT_HEADER,
+            HeaderValue::from((seconds * 1e6).clamp(0.0, 1e12) as u64),
+        );
+    }
     client_response
 }
 

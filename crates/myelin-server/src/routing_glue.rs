@@ -7,8 +7,9 @@ use std::time::{Duration, Instant};
 
 pub use myelin_routing::BlockCounts;
 use myelin_routing::{
-    BackendView, BlockChain, MemoryPressure, Policy, PrefixMatch, ReuseObservation, ReuseProbe,
-    RoomCalibration, Router, RouterConfig, Shard, ShardConfig, WriteOp,
+    BackendView, BlockChain, EngineQueue, EngineTiming, KvMemory, MemoryPressure, Policy,
+    PredictionError, PrefixMatch, ReuseObservation, ReuseProbe, RoomCalibration, Router,
+    RouterConfig, Shard, ShardConfig, TimingFit, TtftPrediction, WriteOp,
 };
 
 use crate::backends::{BackendId, BackendInfo, BackendState, Load};
@@ -39,7 +40,7 @@ pub fn deepest_match(answer: &LookupAnswer) -> u32 {
 }
 
 /// The decision for one request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RouteChoice {
     pub backend: BackendId,
     pub matched_blocks: u32,
@@ -48,6 +49,19 @@ pub struct RouteChoice {
     pub residency_downgrade: bool,
     /// The engine with the prefix had its KV memory full: this one becomes a second home.
     pub prefix_replication: bool,
+    /// The predicted time to first token there, as the cost priced it.
+    pub predicted_ttft: TtftPrediction,
+}
+
+/// A backend's predicted-TTFT figures on one core (admin API).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TimingFigures {
+    /// The timing this core prices the backend with now.
+    pub timing: EngineTiming,
+    /// First tokens the fit learned from.
+    pub observations: u64,
+    /// The error of this core's predictions for the backend.
+    pub error: PredictionError,
 }
 
 struct ShardBackend {
@@ -62,6 +76,8 @@ struct ShardBackend {
     /// The engine's KV utilization and queue at the last scrape that read them, and when it
     /// came in.
     scraped_memory: Option<(ScrapedMemory, Instant)>,
+    /// This core's fit of the engine's timing from the first tokens of its own requests.
+    timing: TimingFit,
 }
 
 /// A backend's residency-estimate figures on one core (admin API).
@@ -92,6 +108,10 @@ pub struct RoutingShard {
     clock_origin: Instant,
     /// Scraped KV figures older than this are not trusted (three scrape intervals).
     memory_max_age: Duration,
+    /// The timing the pooled fit starts from.
+    default_timing: EngineTiming,
+    /// The fit of every backend's first tokens together: the prior of each backend's own fit.
+    pooled_timing: TimingFit,
 }
 
 fn policy_of(policy: RoutingPolicy) -> Policy {
@@ -137,6 +157,7 @@ impl RoutingShard {
                 policy_of(config.routing),
                 residency_of(config.residency),
                 RouterConfig {
+                    cost: config.cost,
                     load_bound_tokens: config.load_bound_tokens,
                     decode_step_tokens: config.decode_step_tokens,
                     pending_resident_ms: config.pending_resident_ms,
@@ -148,6 +169,14 @@ impl RoutingShard {
             views: Vec::new(),
             clock_origin,
             memory_max_age: config.engine_metrics_interval * 3,
+            default_timing: EngineTiming {
+                step_tokens: config.engine_step_tokens,
+                ..EngineTiming::default()
+            },
+            pooled_timing: TimingFit::new(EngineTiming {
+                step_tokens: config.engine_step_tokens,
+                ..EngineTiming::default()
+            }),
         })
     }
 
@@ -225,6 +254,7 @@ impl RoutingShard {
                 scraped_capacity: None,
                 calibration: RoomCalibration::default(),
                 scraped_memory: None,
+                timing: TimingFit::new(self.pooled_timing.timing()),
             });
         entry.state = info.state;
         entry.configured_capacity = info.spec.capacity_tokens;
@@ -391,12 +421,15 @@ impl RoutingShard {
         }
     }
 
-    /// Scores the up backends not in `excluded` (already tried for this request).
+    /// Scores the up backends not in `excluded` (already tried for this request). `shared`:
+    /// per backend, the tokens of this prompt that requests in flight there already hold
+    /// (their blocks need no new KV memory), from the pinned blocks.
     pub fn decide(
         &mut self,
         answer: &LookupAnswer,
         prompt_tokens: usize,
         excluded: &[BackendId],
+        shared: &[(BackendId, u64)],
     ) -> Option<RouteChoice> {
         let mut views = std::mem::take(&mut self.views);
         views.clear();
@@ -413,6 +446,12 @@ impl RoutingShard {
             for load in &backend.load_by_core {
                 total.add(load);
             }
+            let shared_tokens = shared
+                .iter()
+                .find(|(backend, _)| *backend == id)
+                .map_or(0, |&(_, tokens)| tokens);
+            let memory = memory_pressure(backend, &total, now, max_age);
+            let queue = engine_queue(backend, &total, memory.as_ref(), shared_tokens);
             let id = myelin_routing::BackendId(id);
             BackendView::new(id, state_of(state), total.tokens)
                 .with_cache(
@@ -420,7 +459,8 @@ impl RoutingShard {
                     total.admitted_tokens,
                     shard.evicted_below(id),
                 )
-                .with_memory(memory_pressure(backend, &total, now, max_age))
+                .with_memory(memory)
+                .with_ttft(backend.timing.timing(), queue)
         }));
         let decision = self.router.decide(prompt_tokens as u64, answer, &views);
         self.views = views;
@@ -432,7 +472,91 @@ impl RoutingShard {
             expected_cached_tokens: decision.expected_cached_tokens.max(0.0).round() as u64,
             residency_downgrade: decision.residency_downgrade,
             prefix_replication: decision.prefix_replication,
+            predicted_ttft: decision.predicted_ttft,
         })
+    }
+
+    /// A request routed to `id` with `prediction` had its first token `observed_s` seconds
+    /// after it was sent: this core's fit of the engine's timing learns from it. Returns the
+    /// prediction's error (predicted − observed), or `None` when the backend is gone.
+    pub fn observe_ttft(
+        &mut self,
+        id: BackendId,
+        prediction: &TtftPrediction,
+        observed_s: f64,
+    ) -> Option<f64> {
+        let entry = self.backends.get_mut(&id)?;
+        entry.timing.observe(prediction, observed_s);
+        self.pooled_timing.observe(prediction, observed_s);
+        self.pooled_timing.refit(&self.default_timing);
+        // Every backend's fit is shrunk towards the pool: one with few first tokens of its
+        // own follows what the others taught.
+        let pooled = self.pooled_timing.timing();
+        for backend in self.backends.values_mut() {
+            backend.timing.refit(&pooled);
+        }
+        Some(prediction.seconds - observed_s)
+    }
+
+    /// A backend's predicted-TTFT figures on this core.
+    pub fn timing_figures(&self, id: BackendId) -> Option<TimingFigures> {
+        let entry = self.backends.get(&id)?;
+        Some(TimingFigures {
+            timing: entry.timing.timing(),
+            observations: entry.timing.observations(),
+            error: entry.timing.error(),
+        })
+    }
+}
+
+/// What is in front of a new request on a backend, for the predicted time to first token:
+/// the prefill of the routers' requests there that have not had their first token, those
+/// decoding, and its KV memory when its capacity is known. Held memory is the larger of the
+/// routers' own count (the distinct prompt blocks of their requests in flight plus half of the
+/// output they expect) and, while fresh, the engine's reported utilization plus what its
+/// waiting requests will need: the first sees requests sent since the last scrape, the second
+/// other frontends' requests.
+fn engine_queue(
+    backend: &ShardBackend,
+    total: &Load,
+    memory: Option<&MemoryPressure>,
+    shared_tokens: u64,
+) -> EngineQueue {
+    let mean_remaining_output_tokens = mean_remaining_output(total);
+    let capacity = backend.scraped_capacity.or(backend.configured_capacity);
+    let kv = capacity.filter(|&capacity| capacity > 0).map(|capacity| {
+        let routed = total.pinned_prompt_tokens as f64 + total.decode_tokens as f64 / 2.0;
+        let reported = memory.map_or(0.0, |memory| {
+            let per_request = if total.requests > 0 {
+                routed / f64::from(total.requests)
+            } else {
+                0.0
+            };
+            memory.utilization.clamp(0.0, 1.0) * capacity as f64
+                + f64::from(memory.waiting_requests) * per_request
+        });
+        KvMemory {
+            capacity_tokens: capacity,
+            held_tokens: routed.max(reported),
+            shared_tokens,
+        }
+    });
+    EngineQueue {
+        prefill_tokens_ahead: total.tokens.saturating_sub(total.decode_tokens),
+        requests: total.requests,
+        decoding: total.requests.saturating_sub(total.prefilling),
+        mean_remaining_output_tokens,
+        memory: kv,
+    }
+}
+
+/// The output a running request still owes on a backend, on average: half of what the
+/// routers' requests in flight there expect.
+fn mean_remaining_output(total: &Load) -> f64 {
+    if total.requests > 0 {
+        total.decode_tokens as f64 / f64::from(total.requests) / 2.0
+    } else {
+        DEFAULT_REMAINING_OUTPUT_TOKENS
     }
 }
 
@@ -453,11 +577,7 @@ fn memory_pressure(
     now: Instant,
     max_age: Duration,
 ) -> Option<MemoryPressure> {
-    let mean_remaining_output_tokens = if total.requests > 0 {
-        total.decode_tokens as f64 / f64::from(total.requests) / 2.0
-    } else {
-        DEFAULT_REMAINING_OUTPUT_TOKENS
-    };
+    let mean_remaining_output_tokens = mean_remaining_output(total);
     match backend.scraped_memory {
         Some((memory, at)) if now.saturating_duration_since(at) <= max_age => {
             Some(MemoryPressure {
@@ -548,20 +668,20 @@ pub(crate) mod tests {
         let prompt: Vec<u32> = (0..160).collect();
         let query = shard.query(&prompt);
         let first = shard
-            .decide(&shard.lookup(&query), prompt.len(), &[])
+            .decide(&shard.lookup(&query), prompt.len(), &[], &[])
             .unwrap();
         let write = shard.learn(&query, first.backend);
         assert!(matches!(write, WriteOp::Learn { backend, .. } if backend.0 == first.backend));
         let again = shard
-            .decide(&shard.lookup(&query), prompt.len(), &[])
+            .decide(&shard.lookup(&query), prompt.len(), &[], &[])
             .unwrap();
         assert_eq!(again.backend, first.backend);
         assert_eq!(again.matched_blocks, 10);
         let retry = shard
-            .decide(&shard.lookup(&query), prompt.len(), &[first.backend])
+            .decide(&shard.lookup(&query), prompt.len(), &[first.backend], &[])
             .unwrap();
         assert_ne!(retry.backend, first.backend);
-        let none = shard.decide(&shard.lookup(&query), prompt.len(), &[0, 1, 2]);
+        let none = shard.decide(&shard.lookup(&query), prompt.len(), &[0, 1, 2], &[]);
         assert_eq!(none, None);
     }
 
@@ -571,7 +691,7 @@ pub(crate) mod tests {
         let prompt: Vec<u32> = (0..4096).collect();
         let query = shard.query(&prompt);
         let home = shard
-            .decide(&shard.lookup(&query), prompt.len(), &[])
+            .decide(&shard.lookup(&query), prompt.len(), &[], &[])
             .unwrap()
             .backend;
         shard.learn(&query, home);
@@ -584,14 +704,14 @@ pub(crate) mod tests {
         let scraped_at = Instant::now();
         shard.set_scraped_memory(home, full(0), scraped_at);
         let choice = shard
-            .decide(&shard.lookup(&query), prompt.len(), &[])
+            .decide(&shard.lookup(&query), prompt.len(), &[], &[])
             .unwrap();
         assert_eq!((choice.backend, choice.prefix_replication), (home, false));
         // Three requests waiting there: (3 + 1) admissions of 128 / 6 steps at 300 tokens cost
         // 25,600 tokens, more than prefilling 4,096 elsewhere.
         shard.set_scraped_memory(home, full(3), scraped_at);
         let choice = shard
-            .decide(&shard.lookup(&query), prompt.len(), &[])
+            .decide(&shard.lookup(&query), prompt.len(), &[], &[])
             .unwrap();
         assert!(choice.prefix_replication && choice.backend != home);
         // Every engine waiting as long: waiting is no reason to leave the cache.
@@ -599,7 +719,7 @@ pub(crate) mod tests {
             shard.set_scraped_memory(id, full(3), scraped_at);
         }
         let choice = shard
-            .decide(&shard.lookup(&query), prompt.len(), &[])
+            .decide(&shard.lookup(&query), prompt.len(), &[], &[])
             .unwrap();
         assert_eq!((choice.backend, choice.prefix_replication), (home, false));
         for id in (0..3).filter(|&id| id != home) {
@@ -609,7 +729,7 @@ pub(crate) mod tests {
         let old = scraped_at - shard.memory_max_age - Duration::from_millis(1);
         shard.set_scraped_memory(home, full(3), old);
         let choice = shard
-            .decide(&shard.lookup(&query), prompt.len(), &[])
+            .decide(&shard.lookup(&query), prompt.len(), &[], &[])
             .unwrap();
         assert_eq!((choice.backend, choice.prefix_replication), (home, false));
     }
@@ -648,7 +768,7 @@ pub(crate) mod tests {
         let prompt: Vec<u32> = (0..4096).collect();
         let query = shard.query(&prompt);
         let home = shard
-            .decide(&shard.lookup(&query), prompt.len(), &[])
+            .decide(&shard.lookup(&query), prompt.len(), &[], &[])
             .unwrap()
             .backend;
         shard.learn(&query, home);
@@ -663,7 +783,7 @@ pub(crate) mod tests {
         };
         shard.set_load(home, 0, busy);
         let choice = shard
-            .decide(&shard.lookup(&query), prompt.len(), &[])
+            .decide(&shard.lookup(&query), prompt.len(), &[], &[])
             .unwrap();
         assert_eq!((choice.backend, choice.prefix_replication), (home, false));
         // 10 in flight holding 45,000: about 3 wait behind 7 running, (3 + 1) · 128 / 7 steps
@@ -672,7 +792,7 @@ pub(crate) mod tests {
         busy.pinned_prompt_tokens = 45_000;
         shard.set_load(home, 0, busy);
         let choice = shard
-            .decide(&shard.lookup(&query), prompt.len(), &[])
+            .decide(&shard.lookup(&query), prompt.len(), &[], &[])
             .unwrap();
         assert!(choice.prefix_replication && choice.backend != home);
         // The same load with no capacity known: no memory view, the request stays home.
@@ -680,7 +800,7 @@ pub(crate) mod tests {
         blind.learn(&query, home);
         blind.set_load(home, 0, busy);
         let choice = blind
-            .decide(&blind.lookup(&query), prompt.len(), &[])
+            .decide(&blind.lookup(&query), prompt.len(), &[], &[])
             .unwrap();
         assert_eq!((choice.backend, choice.prefix_replication), (home, false));
     }
@@ -714,13 +834,13 @@ pub(crate) mod tests {
         // Little pressure since: backend 0 keeps it.
         shard.set_load(0, 0, admitted(2_000));
         let answer = shard.lookup(&query);
-        let choice = shard.decide(&answer, prompt.len(), &[]).unwrap();
+        let choice = shard.decide(&answer, prompt.len(), &[], &[]).unwrap();
         assert_eq!(choice.backend, 0);
         assert_eq!(choice.expected_cached_tokens, 160);
         // 40_000 tokens later (4x the cache) the estimate no longer counts it cached.
         shard.set_load(0, 0, admitted(41_500));
         let answer = shard.lookup(&query);
-        let choice = shard.decide(&answer, prompt.len(), &[1]).unwrap();
+        let choice = shard.decide(&answer, prompt.len(), &[1], &[]).unwrap();
         assert!(choice.expected_cached_tokens < 5, "{choice:?}");
         let probe = shard.probe(&answer, &choice, 170).unwrap();
         assert_eq!(probe.stamps, vec![1_500; 10]);
@@ -764,7 +884,9 @@ pub(crate) mod tests {
         shard.set_state(0, BackendState::Down);
         shard.set_state(1, BackendState::Draining);
         for _ in 0..5 {
-            let choice = shard.decide(&LookupAnswer::default(), 10, &[]).unwrap();
+            let choice = shard
+                .decide(&LookupAnswer::default(), 10, &[], &[])
+                .unwrap();
             assert_eq!(choice.backend, 2);
         }
     }
@@ -808,7 +930,9 @@ pub(crate) mod tests {
                 ..Load::default()
             },
         );
-        let choice = shard.decide(&LookupAnswer::default(), 10, &[]).unwrap();
+        let choice = shard
+            .decide(&LookupAnswer::default(), 10, &[], &[])
+            .unwrap();
         assert_eq!(choice.backend, 1);
     }
 }

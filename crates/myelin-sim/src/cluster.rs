@@ -161,6 +161,12 @@ pub struct EngineProbe {
     pub load: EngineLoad,
     /// Requests the engine has accepted since it started.
     pub requests_received: u64,
+    /// Of `cached_prefix_tokens`, those held by requests in flight (shared memory).
+    pub held_prefix_tokens: usize,
+    /// KV capacity in tokens.
+    pub capacity_tokens: usize,
+    /// Tokens per scheduler step.
+    pub step_tokens: usize,
 }
 
 /// N simulated engines running in this process. Dropping it stops them.
@@ -415,6 +421,9 @@ impl SimCluster {
                     prompt_hit_tokens: cached_prefix_tokens.min(cap),
                     load: model.load(),
                     requests_received: model.requests_received(),
+                    held_prefix_tokens: model.held_prefix_tokens_of_chain(&chain),
+                    capacity_tokens: model.capacity_tokens(),
+                    step_tokens: model.config().max_num_batched_tokens,
                 }
             })
             .collect()

@@ -200,6 +200,8 @@ pub struct EngineLoad {
     pub pending_prefill_tokens: usize,
     /// Output tokens still to generate across all requests.
     pub pending_decode_tokens: usize,
+    /// Running requests whose prompt is computed (decoding).
+    pub decoding: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -460,6 +462,23 @@ impl EngineModel {
         self.pool.cached_prefix_blocks(chain) * self.config.block_size
     }
 
+    /// Of [`EngineModel::cached_prefix_tokens_of_chain`], the leading tokens whose blocks
+    /// requests in flight hold right now (shared with them: a request with this prefix needs
+    /// no new KV memory for them).
+    pub fn held_prefix_tokens_of_chain(&self, chain: &[BlockHash]) -> usize {
+        let held = chain
+            .iter()
+            .map_while(|hash| self.pool.cached_block(hash))
+            .take_while(|&block| self.pool.ref_count(block) > 0)
+            .count();
+        held * self.config.block_size
+    }
+
+    /// KV capacity in tokens.
+    pub fn capacity_tokens(&self) -> usize {
+        self.pool.num_blocks() * self.config.block_size
+    }
+
     /// Requests waiting to be admitted (or readmitted after preemption); cheaper than
     /// [`EngineModel::load`].
     pub fn num_waiting(&self) -> usize {
@@ -470,8 +489,14 @@ impl EngineModel {
     pub fn load(&self) -> EngineLoad {
         let mut pending_prefill_tokens = 0;
         let mut pending_decode_tokens = 0;
+        let mut decoding = 0;
         for request in self.requests.values() {
             pending_decode_tokens += request.remaining_output_tokens();
+            if request.state == RequestState::Running
+                && request.num_computed_tokens >= request.prompt_len
+            {
+                decoding += 1;
+            }
             let uncomputed = request.num_tokens() - request.num_computed_tokens;
             pending_prefill_tokens += match request.state {
                 // A decoding request has exactly its last sampled token uncomputed.
@@ -485,6 +510,7 @@ impl EngineModel {
             kv_usage: self.pool.usage(),
             pending_prefill_tokens,
             pending_decode_tokens,
+            decoding,
         }
     }
 
