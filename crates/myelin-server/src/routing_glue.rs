@@ -685,9 +685,21 @@ pub(crate) mod tests {
         assert_eq!(none, None);
     }
 
+    /// [`shard_over`] with the cost in tokens (`--cost tokens`), whose KV-memory rules the
+    /// tests below check.
+    fn tokens_shard(spec_options: &str) -> RoutingShard {
+        let args = ServeArgs {
+            routing: Some(RoutingPolicy::Prefix),
+            shards: Some(1),
+            cost: Some(myelin_routing::CostModel::Tokens),
+            ..ServeArgs::default()
+        };
+        shard_from(args, 1, 3, spec_options)
+    }
+
     #[test]
     fn a_full_engine_with_a_queue_sends_its_prefix_to_a_second_home_while_its_figures_are_fresh() {
-        let mut shard = shard(RoutingPolicy::Prefix, 1);
+        let mut shard = tokens_shard("");
         let prompt: Vec<u32> = (0..4096).collect();
         let query = shard.query(&prompt);
         let home = shard
@@ -735,6 +747,108 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn in_seconds_a_prompt_goes_where_it_fits_beside_what_requests_in_flight_hold() {
+        // The default cost: three 8,000-token requests in flight on backend 0 (24,000 tokens
+        // pinned, 600 of output so far) leave no room for a 9,000-token prompt among 32,768;
+        // backend 1 runs five short ones. Scored in tokens both loads are within the bound.
+        let args = ServeArgs {
+            routing: Some(RoutingPolicy::Prefix),
+            shards: Some(1),
+            ..ServeArgs::default()
+        };
+        let mut shard = shard_from(args, 1, 2, ",capacity-tokens=32768");
+        let long = |requests, pinned_prompt_tokens| Load {
+            requests,
+            tokens: u64::from(requests) * 400,
+            decode_tokens: u64::from(requests) * 400,
+            pinned_prompt_tokens,
+            ..Load::default()
+        };
+        shard.set_load(0, 0, long(3, 24_000));
+        shard.set_load(1, 0, long(5, 5_000));
+        let prompt: Vec<u32> = (0..9000).collect();
+        let query = shard.query(&prompt);
+        let answer = shard.lookup(&query);
+        for _ in 0..3 {
+            let choice = shard.decide(&answer, prompt.len(), &[], &[]).unwrap();
+            assert_eq!(choice.backend, 1);
+            assert_eq!(choice.predicted_ttft.memory_wait_steps, 0.0);
+        }
+        // Alone, backend 0 is predicted to wait for one of its requests to finish.
+        let waits = shard.decide(&answer, prompt.len(), &[1], &[]).unwrap();
+        assert_eq!(waits.backend, 0);
+        assert!(waits.predicted_ttft.memory_wait_steps > 0.0, "{waits:?}");
+        // Unless its requests in flight hold the prompt's first 8,000 tokens already.
+        let shared = shard
+            .decide(&answer, prompt.len(), &[1], &[(0, 8_000)])
+            .unwrap();
+        assert_eq!(shared.predicted_ttft.memory_wait_steps, 0.0);
+    }
+
+    #[test]
+    fn first_tokens_fit_the_engine_s_timing_and_the_pool_moves_the_others() {
+        let mut shard = shard(RoutingPolicy::Prefix, 1);
+        let prompt: Vec<u32> = (0..4000).collect();
+        let query = shard.query(&prompt);
+        let before: Vec<EngineTiming> = (0..3)
+            .map(|id| shard.timing_figures(id).unwrap().timing)
+            .collect();
+        assert!(
+            before
+                .iter()
+                .all(|timing| *timing == EngineTiming::default())
+        );
+        // Backend 0's first tokens come ten times faster than the default timing predicts
+        // (a simulated engine at speedup 10).
+        for _ in 0..100 {
+            let choice = shard
+                .decide(&shard.lookup(&query), prompt.len(), &[1, 2], &[])
+                .unwrap();
+            assert_eq!(choice.backend, 0);
+            let observed = choice.predicted_ttft.seconds / 10.0;
+            let error = shard
+                .observe_ttft(0, &choice.predicted_ttft, observed)
+                .unwrap();
+            assert!(error.is_finite());
+        }
+        let fitted = shard.timing_figures(0).unwrap();
+        assert_eq!(fitted.observations, 100);
+        assert_eq!(fitted.error.count, 100);
+        let mut seconds = |id: BackendId| {
+            let others: Vec<BackendId> = (0..3).filter(|&other| other != id).collect();
+            shard
+                .decide(&shard.lookup(&query), prompt.len(), &others, &[])
+                .unwrap()
+                .predicted_ttft
+                .seconds
+        };
+        let default_seconds = myelin_routing::predict_ttft(
+            &EngineTiming::default(),
+            &myelin_routing::EngineQueue::default(),
+            4000,
+            4000.0,
+        )
+        .seconds;
+        // Learned: within 20% of a tenth of the default's prediction.
+        assert!((seconds(0) / (default_seconds / 10.0) - 1.0).abs() < 0.2);
+        // Backends 1 and 2 saw nothing: they follow the pool, not the default.
+        let own = seconds(0);
+        assert!((seconds(1) / own - 1.0).abs() < 0.2);
+        assert!((seconds(2) / own - 1.0).abs() < 0.2);
+        drop(seconds);
+        // A backend gone has no figures to learn into.
+        assert_eq!(shard.observe_ttft(7, &fitted_prediction(), 1.0), None);
+    }
+
+    fn fitted_prediction() -> TtftPrediction {
+        TtftPrediction {
+            steps: 1.0,
+            seconds: 0.1,
+            ..TtftPrediction::default()
+        }
+    }
+
+    #[test]
     fn sent_memory_waits_only_for_what_is_held_beyond_the_capacity() {
         let load = |requests, pinned_prompt_tokens, decode_tokens| Load {
             requests,
@@ -759,12 +873,7 @@ pub(crate) mod tests {
 
     #[test]
     fn an_engine_without_figures_waits_by_what_routers_sent_it_when_its_capacity_is_known() {
-        let args = ServeArgs {
-            routing: Some(RoutingPolicy::Prefix),
-            shards: Some(1),
-            ..ServeArgs::default()
-        };
-        let mut shard = shard_from(args, 1, 3, ",capacity-tokens=32768");
+        let mut shard = tokens_shard(",capacity-tokens=32768");
         let prompt: Vec<u32> = (0..4096).collect();
         let query = shard.query(&prompt);
         let home = shard

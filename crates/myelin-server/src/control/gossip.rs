@@ -637,7 +637,7 @@ mod tests {
     fn peer_load_is_scored_like_the_cores_own() {
         let mut shard = shard(RoutingPolicy::LeastLoad);
         let nothing = crate::routing_glue::LookupAnswer::default();
-        assert_eq!(shard.decide(&nothing, 10, &[]).unwrap().backend, 0);
+        assert_eq!(shard.decide(&nothing, 10, &[], &[]).unwrap().backend, 0);
         // The slot after the data cores' (here: 1) is the other nodes' load.
         let peers = Load {
             requests: 3,
@@ -645,10 +645,10 @@ mod tests {
             ..Load::default()
         };
         shard.set_load(0, 1, peers);
-        assert_eq!(shard.decide(&nothing, 10, &[]).unwrap().backend, 1);
+        assert_eq!(shard.decide(&nothing, 10, &[], &[]).unwrap().backend, 1);
         shard.set_load(0, 1, Load::default());
         shard.set_load(1, 1, peers);
-        assert_eq!(shard.decide(&nothing, 10, &[]).unwrap().backend, 0);
+        assert_eq!(shard.decide(&nothing, 10, &[], &[]).unwrap().backend, 0);
     }
 
     #[test]
@@ -657,12 +657,12 @@ mod tests {
         let prompt: Vec<u32> = (0..320).collect();
         let query = shard.query(&prompt);
         let before = shard
-            .decide(&shard.lookup(&query), prompt.len(), &[])
+            .decide(&shard.lookup(&query), prompt.len(), &[], &[])
             .unwrap();
         let other = 1 - before.backend;
         shard.learn_peer(query.chain.clone(), other, 0);
         let after = shard
-            .decide(&shard.lookup(&query), prompt.len(), &[])
+            .decide(&shard.lookup(&query), prompt.len(), &[], &[])
             .unwrap();
         assert_eq!(after.backend, other);
         assert_eq!(after.matched_blocks, 20);
