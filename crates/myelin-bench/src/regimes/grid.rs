@@ -76,7 +76,7 @@ pub const QUICK_SHAPES: &[Shape] = &[Shape::Rotating, Shape::AllActive, Shape::S
 pub const QUICK_WORKING_SETS: &[f64] = &[0.5, 1.5, 3.0];
 pub const QUICK_LOADS: &[f64] = &[0.6];
 /// The full grid's axes.
-pub const FULL_WORKING_SETS: &[f64] = &[0.3, 0.5, 0.7, 1.0, 1.5, 3.0];
+pub const FULL_WORKING_SETS: &[f64] = &[0.3, 0.7, 1.0, 1.5, 3.0];
 pub const FULL_LOADS: &[f64] = &[0.3, 0.6, 0.9];
 
 /// One cell of the grid.
@@ -194,15 +194,33 @@ pub fn largest_request_tokens(config: &WorkloadConfig) -> Option<u64> {
     }
 }
 
+/// Measured requests per leg run a cell's duration aims at: the warm-up plus this many
+/// requests at the cell's rate, within [`MIN_DURATION_S`] and [`MAX_DURATION_S`].
+pub const TARGET_REQUESTS: f64 = 600.0;
+/// Shortest and longest simulated traffic per cell (synthetic shapes).
+pub const MIN_DURATION_S: f64 = 60.0;
+pub const MAX_DURATION_S: f64 = 120.0;
+/// Simulated seconds of warm-up per leg (synthetic shapes).
+pub const WARMUP_S: f64 = 20.0;
+
+/// A synthetic cell's simulated seconds of traffic at `rate_rps`: the warm-up plus
+/// `target_requests` at the rate, within [`MIN_DURATION_S`] and [`MAX_DURATION_S`].
+pub fn duration_for(rate_rps: f64, warmup_s: f64, target_requests: f64) -> f64 {
+    (warmup_s + target_requests / rate_rps.max(1e-9)).clamp(MIN_DURATION_S, MAX_DURATION_S)
+}
+
 /// How cells are run: what `myelin bench regimes`' flags set.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct CellOptions {
     pub engines: u32,
     pub seed: Option<u64>,
     pub prompt: Option<PromptFormat>,
-    /// Simulated seconds of traffic (synthetic shapes; a trace replays its whole slice).
-    pub duration_s: f64,
+    /// One duration for every synthetic cell, simulated seconds (`None`: [`duration_for`]; a
+    /// trace replays its whole slice).
+    pub duration_s: Option<f64>,
     pub warmup_s: f64,
+    /// Measured requests per leg run the duration aims at.
+    pub target_requests: f64,
     /// A fixed speedup for every cell (`None`: [`speedup_for`]).
     pub speedup: Option<f64>,
     pub max_wall_rps: f64,
@@ -245,8 +263,9 @@ fn shaped(cell: &Cell, options: &CellOptions) -> Result<WorkloadConfig, Workload
     if let Some(prompt) = options.prompt {
         config.prompt = prompt;
     }
-    config.duration_s = options.duration_s;
-    config.warmup_s = options.warmup_s;
+    // Placeholders until the rate is known (see `cell_plan`).
+    config.duration_s = options.duration_s.unwrap_or(MAX_DURATION_S);
+    config.warmup_s = options.warmup_s.min(config.duration_s / 5.0);
     Ok(config)
 }
 
@@ -309,6 +328,10 @@ pub fn cell_plan(
             open.capacity_rps = Some(capacity_rps);
             open.rate_rps = Some(rate_rps);
         }
+        config.duration_s = options
+            .duration_s
+            .unwrap_or_else(|| duration_for(rate_rps, options.warmup_s, options.target_requests));
+        config.warmup_s = options.warmup_s.min(config.duration_s / 5.0);
     } else if config.kind == WorkloadKind::Trace {
         // The slice's own mean rate, at time scale 1, over the lines the engines accept.
         if let Some(trace) = config.trace.as_mut() {
@@ -375,8 +398,9 @@ mod tests {
             engines: 8,
             seed: None,
             prompt: None,
-            duration_s: 150.0,
-            warmup_s: 30.0,
+            duration_s: None,
+            warmup_s: 20.0,
+            target_requests: 600.0,
             speedup: None,
             max_wall_rps: 40.0,
             max_speedup: 10.0,
@@ -398,7 +422,7 @@ mod tests {
         assert_eq!(names[2], "rotating-ws3-load60");
         assert_eq!(names[8], "shared-system-ws3-load60");
         let full = grid(SHAPES, FULL_WORKING_SETS, FULL_LOADS);
-        assert_eq!(full.len(), 5 * 6 * 3);
+        assert_eq!(full.len(), 5 * 5 * 3);
         assert!(full.iter().any(|cell| cell.name() == "trace-ws0.3-load90"));
     }
 
@@ -430,11 +454,34 @@ mod tests {
         assert_eq!(plan.config.cluster.kv_blocks, plan.kv_blocks);
         // 2.4 req/s: 40 / 2.4 = 16.7 wall requests' worth, capped at speedup 10.
         assert_eq!(plan.speedup, 10.0);
-        assert_eq!(plan.wall_per_leg_s, 15.0);
+        // 20 s of warm-up and 600 requests at 2.4 req/s: 270 s, cut to the longest, 120 s.
+        assert_eq!(plan.config.duration_s, 120.0);
+        assert_eq!(plan.wall_per_leg_s, 12.0);
         let longer = doubled(&plan).unwrap();
-        assert_eq!(longer.config.duration_s, 300.0);
+        assert_eq!(longer.config.duration_s, 240.0);
         assert_eq!(longer.config.warmup_s, plan.config.warmup_s);
         assert_eq!(longer.name, "rotating-ws1.5-load60-2x");
+    }
+
+    #[test]
+    fn the_duration_aims_at_the_target_requests_within_its_bounds() {
+        // 20 s + 600 requests at 10 req/s: 80 s.
+        assert_eq!(duration_for(10.0, 20.0, 600.0), 80.0);
+        assert_eq!(duration_for(100.0, 20.0, 600.0), MIN_DURATION_S);
+        assert_eq!(duration_for(1.0, 20.0, 600.0), MAX_DURATION_S);
+        // A fixed duration wins.
+        let cell = Cell {
+            shape: Shape::AllActive,
+            working_set: 1.5,
+            load: 0.6,
+        };
+        let fixed = CellOptions {
+            duration_s: Some(30.0),
+            ..options()
+        };
+        let (config, tokens, definition) = cell_kv(&cell, &fixed).unwrap();
+        let plan = cell_plan(&cell, &fixed, config, tokens, definition, 40.0).unwrap();
+        assert_eq!((plan.duration_s, plan.warmup_s), (30.0, 6.0));
     }
 
     #[test]

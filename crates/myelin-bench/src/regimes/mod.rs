@@ -30,23 +30,17 @@ use output::{CellOutcome, DurationCheck, GridReport, PlanFigures, Targets};
 
 /// The legs every cell runs by default.
 pub const DEFAULT_REGIME_LEGS: &str = "least-load,prefix+off,prefix+auto";
-/// Simulated seconds of traffic per cell: `--quick`, and the full grid.
-pub const QUICK_DURATION_S: f64 = 150.0;
-pub const FULL_DURATION_S: f64 = 300.0;
-/// Simulated seconds of warm-up per cell: `--quick`, and the full grid.
-pub const QUICK_WARMUP_S: f64 = 30.0;
-pub const FULL_WARMUP_S: f64 = 60.0;
 /// Wall seconds a leg run costs besides its traffic (the cluster's and router's start, the
 /// drain, the stop), for the plan's estimate; measured on the 2-core machine.
-pub const LEG_OVERHEAD_S: f64 = 4.0;
+pub const LEG_OVERHEAD_S: f64 = 3.0;
 
 /// The regime grid (docs/benchmark.md, "Regime grid").
 #[derive(Debug, Clone, clap::Args)]
 pub struct RegimeArgs {
     /// The short grid: working sets 0.5, 1.5 and 3x at 60% load on rotating, all-active and
-    /// shared-system, 150 simulated s per cell (under 30 minutes on a 2-core machine with the
-    /// default legs and 3 repeats). Without it: the full grid (5 shapes x 6 working sets x 3
-    /// loads, 300 s per cell).
+    /// shared-system (9 cells, under 30 minutes on a 2-core machine with the default legs and 3
+    /// repeats). Without it: the full grid (5 shapes x working sets 0.3, 0.7, 1, 1.5, 3 x loads
+    /// 0.3, 0.6, 0.9: 75 cells, about 4 hours).
     #[arg(long)]
     pub quick: bool,
 
@@ -56,7 +50,7 @@ pub struct RegimeArgs {
     pub shapes: Option<String>,
 
     /// Working set / KV capacity ratios, comma-separated [quick: 0.5,1.5,3; full:
-    /// 0.3,0.5,0.7,1,1.5,3].
+    /// 0.3,0.7,1,1.5,3].
     #[arg(long, value_name = "RATIOS")]
     pub working_sets: Option<String>,
 
@@ -83,15 +77,20 @@ pub struct RegimeArgs {
     #[arg(long, default_value_t = 3)]
     pub repeat: u32,
 
-    /// Simulated seconds of traffic per cell [quick: 150; full: 300]; trace cells replay the
+    /// Simulated seconds of traffic for every cell [default: per cell, the warm-up plus
+    /// --requests-per-leg at the cell's rate, within 60 and 120 s]; trace cells replay the
     /// whole slice whatever this is.
     #[arg(long, value_name = "SECONDS")]
     pub duration: Option<f64>,
 
-    /// Simulated seconds at the start of each leg left out of the statistics [quick: 30; full:
-    /// 60; trace cells: a tenth of the replay].
-    #[arg(long, value_name = "SECONDS")]
-    pub warmup: Option<f64>,
+    /// Simulated seconds at the start of each leg left out of the statistics (at most a fifth
+    /// of the duration; trace cells: a tenth of the replay).
+    #[arg(long, value_name = "SECONDS", default_value_t = grid::WARMUP_S)]
+    pub warmup: f64,
+
+    /// Measured requests per leg run a cell's duration aims at.
+    #[arg(long, value_name = "N", default_value_t = grid::TARGET_REQUESTS)]
+    pub requests_per_leg: f64,
 
     /// One speedup for every cell [default: per cell, the highest up to --max-speedup at which
     /// the cell offers at most --max-wall-rps requests per wall second].
@@ -99,7 +98,7 @@ pub struct RegimeArgs {
     pub speedup: Option<f64>,
 
     /// Most requests per wall second a cell may offer when its speedup is chosen.
-    #[arg(long, default_value_t = 40.0, value_name = "RPS")]
+    #[arg(long, default_value_t = 50.0, value_name = "RPS")]
     pub max_wall_rps: f64,
 
     /// Highest speedup a cell is given.
@@ -241,20 +240,6 @@ impl RegimeArgs {
 
     /// How cells are run.
     pub fn options(&self) -> CellOptions {
-        let duration_s = self.duration.unwrap_or(if self.quick {
-            QUICK_DURATION_S
-        } else {
-            FULL_DURATION_S
-        });
-        let default_warmup = if self.quick {
-            QUICK_WARMUP_S
-        } else {
-            FULL_WARMUP_S
-        };
-        // The default warm-up shrinks with a short --duration (a fifth of it at most).
-        let warmup_s = self
-            .warmup
-            .unwrap_or_else(|| default_warmup.min(duration_s / 5.0));
         CellOptions {
             engines: self.engines.max(1),
             seed: self.seed,
@@ -265,8 +250,9 @@ impl RegimeArgs {
                     PromptFormat::TokenIds
                 }
             }),
-            duration_s,
-            warmup_s,
+            duration_s: self.duration,
+            warmup_s: self.warmup,
+            target_requests: self.requests_per_leg.max(1.0),
             speedup: self.speedup,
             max_wall_rps: self.max_wall_rps,
             max_speedup: self.max_speedup,
@@ -677,11 +663,7 @@ fn write_outputs(out: &Path, report: &mut GridReport) -> Result<(), RegimeError>
     })?;
     std::fs::write(&json_path, json + "\n").map_err(io_error("writing", &json_path))?;
     let default_leg = verdict::DEFAULT_LEG;
-    let figures: [(
-        &str,
-        &str,
-        fn(&verdict::Verdict) -> &Option<verdict::RatioCheck>,
-    ); 2] = [
+    let figures: [(&str, &str, output::RatioPick); 2] = [
         ("heatmap_p99.png", "TTFT P99", |verdict| &verdict.p99),
         ("heatmap_p50.png", "TTFT P50", |verdict| &verdict.p50),
     ];
@@ -721,12 +703,12 @@ mod tests {
         let cells = quick.cells().unwrap();
         assert_eq!(cells.len(), 9);
         let options = quick.options();
-        assert_eq!((options.duration_s, options.warmup_s), (150.0, 30.0));
+        assert_eq!((options.duration_s, options.warmup_s), (None, 20.0));
+        assert_eq!(options.target_requests, 600.0);
         assert_eq!(quick.repeat, 3);
         assert_eq!(quick.legs, "least-load,prefix+off,prefix+auto");
         let full = parse(&[]);
-        assert_eq!(full.cells().unwrap().len(), 90);
-        assert_eq!(full.options().duration_s, 300.0);
+        assert_eq!(full.cells().unwrap().len(), 75);
         let some = parse(&["--quick", "--cells", "rotating-*,*-ws3-load60"]);
         let names: Vec<String> = some.cells().unwrap().iter().map(Cell::name).collect();
         assert_eq!(
@@ -752,11 +734,8 @@ mod tests {
         assert!(parse(&["--shapes", "nope"]).cells().is_err());
         assert!(parse(&["--loads", "0"]).cells().is_err());
         assert!(parse(&["--cells", "nothing"]).cells().is_err());
-        // A short --duration shrinks the warm-up with it.
-        let short = parse(&["--quick", "--duration", "20"]).options();
-        assert_eq!((short.duration_s, short.warmup_s), (20.0, 4.0));
-        let explicit = parse(&["--duration", "20", "--warmup", "1"]).options();
-        assert_eq!(explicit.warmup_s, 1.0);
+        let fixed = parse(&["--quick", "--duration", "20", "--warmup", "1"]).options();
+        assert_eq!((fixed.duration_s, fixed.warmup_s), (Some(20.0), 1.0));
     }
 
     #[test]

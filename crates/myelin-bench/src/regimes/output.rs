@@ -399,6 +399,9 @@ pub fn render_markdown(report: &GridReport, heatmaps: &[(&str, &str)]) -> String
 /// One heatmap cell: the ratio and whether the target was met.
 pub type HeatValue = Option<(f64, bool)>;
 
+/// Which of a verdict's ratio checks a figure shows.
+pub type RatioPick = fn(&Verdict) -> &Option<RatioCheck>;
+
 /// A heatmap of `values[row][column]`: ratios coloured green below 1, white at 1, red above
 /// (log scale, saturating at 0.5x and 2x), each cell labelled with its ratio; cells without a
 /// value grey.
@@ -488,7 +491,7 @@ pub fn ratio_color(ratio: f64) -> RGBColor {
 /// figure's values.
 pub fn heat_values(
     cells: &[CellOutcome],
-    pick: fn(&Verdict) -> &Option<RatioCheck>,
+    pick: RatioPick,
 ) -> (Vec<String>, Vec<String>, Vec<Vec<HeatValue>>) {
     let mut rows: Vec<(String, String, f64)> = Vec::new();
     let mut columns: Vec<f64> = Vec::new();
