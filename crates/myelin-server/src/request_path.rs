@@ -402,11 +402,33 @@ async fn generate(
         } else {
             core.config.upstream_response_timeout
         };
-        let attempted = myelin_http::rt::timeout(
+        let attempt = myelin_http::rt::timeout(
             head_timeout,
             proxy::attempt(&core.pool, &base_url, &upstream),
-        )
-        .await;
+        );
+        let attempted = if generation.stream {
+            attempt.await
+        } else {
+            // A non-streaming answer's head is its end: its prompt counts as prefilled once
+            // the predicted time to first token has passed, so that its decode is not priced
+            // as prefill queued ahead of later requests (docs/routing.md).
+            let mut attempt = std::pin::pin!(attempt);
+            let predicted = Duration::from_secs_f64(
+                chosen.predicted_ttft.seconds.clamp(0.0, 3600.0),
+            );
+            let early = futures_lite::future::or(async { Some(attempt.as_mut().await) }, async {
+                Timer::new(predicted).await;
+                None
+            })
+            .await;
+            match early {
+                Some(attempted) => attempted,
+                None => {
+                    load.first_token(false);
+                    attempt.await
+                }
+            }
+        };
         let attempted = attempted.unwrap_or_else(|| {
             core.meters.timeout(if generation.stream {
                 "upstream_header"

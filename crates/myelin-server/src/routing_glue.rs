@@ -835,7 +835,6 @@ pub(crate) mod tests {
         let own = seconds(0);
         assert!((seconds(1) / own - 1.0).abs() < 0.2);
         assert!((seconds(2) / own - 1.0).abs() < 0.2);
-        drop(seconds);
         // A backend gone has no figures to learn into.
         assert_eq!(shard.observe_ttft(7, &fitted_prediction(), 1.0), None);
     }
