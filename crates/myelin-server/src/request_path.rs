@@ -413,9 +413,8 @@ async fn generate(
             // the predicted time to first token has passed, so that its decode is not priced
             // as prefill queued ahead of later requests (docs/routing.md).
             let mut attempt = std::pin::pin!(attempt);
-            let predicted = Duration::from_secs_f64(
-                chosen.predicted_ttft.seconds.clamp(0.0, 3600.0),
-            );
+            let predicted =
+                Duration::from_secs_f64(chosen.predicted_ttft.seconds.clamp(0.0, 3600.0));
             let early = futures_lite::future::or(async { Some(attempt.as_mut().await) }, async {
                 Timer::new(predicted).await;
                 None
