@@ -29,6 +29,11 @@ use crate::token_parity::{self, PromptKind};
 
 /// Output tokens assumed for load accounting when a request sets no `max_tokens`.
 const DEFAULT_EXPECTED_OUTPUT_TOKENS: u64 = 256;
+/// Most output tokens one request counts for in load, the admitted-tokens clock and the
+/// predicted TTFT, whatever its `max_tokens` says: no model's context is longer, and a client's
+/// number must not move shared state by more than a request can cost (the engine rejects what
+/// its context cannot hold).
+const MAX_ACCOUNTED_OUTPUT_TOKENS: u64 = 1 << 20;
 /// Time allowed for one backend's `/v1/models` answer.
 const MODELS_TIMEOUT: Duration = Duration::from_secs(2);
 /// Largest `/v1/models` answer read from one backend (larger ones are left out of the union).
@@ -355,7 +360,8 @@ async fn generate(
     };
     let decode_tokens = generation
         .max_tokens
-        .unwrap_or(DEFAULT_EXPECTED_OUTPUT_TOKENS);
+        .unwrap_or(DEFAULT_EXPECTED_OUTPUT_TOKENS)
+        .min(MAX_ACCOUNTED_OUTPUT_TOKENS);
     // Tokenization parity: the engine's usage.prompt_tokens against the router's own count,
     // when the router tokenized the whole (single) prompt and the answer carries usage.
     let parity = (tokens.complete && !generation.batch && generation.usage_expected).then(|| {

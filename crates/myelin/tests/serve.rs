@@ -1195,3 +1195,77 @@ fn prompts_in_flight_hold_a_shared_prefix_once_across_cores() {
     }
     wait_until("the pins to be released", || pinned() == 0);
 }
+
+#[test]
+fn a_client_s_max_tokens_moves_load_and_the_admitted_clock_by_a_bounded_amount() {
+    // Issue 25's poisoning request: a max_tokens of 2^62 would add 2^62 to the backend's load
+    // and to the residency estimate's clock. It counts as at most 2^20 output tokens.
+    let engine = Engine::start("gated", Behavior::Gated { chunks: 1 });
+    let router = Router::start(&["--backend", &engine.url()]);
+    let prompt: Vec<u32> = (1000..1100).collect();
+    let body = json!({"model": "m", "prompt": prompt, "max_tokens": 4_611_686_018_427_387_904u64,
+                      "stream": true});
+    let stream = router.post_json("/v1/completions", &body);
+    assert_eq!(stream.status, 200);
+    let bound = 100 + (1 << 20);
+    wait_until("the request's load to show", || {
+        router.backends()[0]["in_flight_tokens"].as_u64() == Some(bound)
+    });
+    let admitted = router.backends()[0]["admitted_tokens"].as_u64().unwrap();
+    assert!(admitted <= bound, "admitted {admitted}");
+    engine.release();
+    let _ = stream.body();
+    wait_until("the load to clear", || {
+        router.backends()[0]["in_flight_tokens"].as_u64() == Some(0)
+    });
+}
+
+#[test]
+fn streamed_first_tokens_teach_the_ttft_model_and_every_answer_carries_its_prediction() {
+    let engine = Engine::start("normal", normal());
+    let router = Router::start(&["--backend", &engine.url()]);
+    let requests = 12u64;
+    for request in 0..requests as u32 {
+        let prompt: Vec<u32> = (0..96)
+            .map(|token| 2_000 + request * 1000 + token)
+            .collect();
+        let body = json!({"model": "m", "prompt": prompt, "max_tokens": 4, "stream": true});
+        let response = router.post_json("/v1/completions", &body);
+        assert_eq!(response.status, 200);
+        let predicted: u64 = response
+            .header("x-myelin-predicted-ttft-us")
+            .expect("the prediction header")
+            .parse()
+            .unwrap();
+        assert!(predicted > 0);
+        let _ = response.body();
+    }
+    // Non-streaming answers carry it too, and teach nothing.
+    let response = router.post_json(
+        "/v1/completions",
+        &json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 2}),
+    );
+    assert_eq!(response.status, 200);
+    assert!(response.header("x-myelin-predicted-ttft-us").is_some());
+    let observations = || -> u64 {
+        router.backends()[0]["ttft_model"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|core| core["observations"].as_u64().unwrap())
+            .sum()
+    };
+    wait_until("every streamed first token to be learned from", || {
+        observations() == requests
+    });
+    let model = &router.backends()[0]["ttft_model"];
+    for core in model.as_array().unwrap() {
+        assert!(
+            core["prefill_ms_per_1k_tokens"].as_f64().unwrap() > 0.0,
+            "{core}"
+        );
+        assert!(core["step_ms"].as_f64().unwrap() > 0.0, "{core}");
+        assert_eq!(core["step_tokens"], 2048);
+        assert!(core["error_mean_abs_ms"].as_f64().unwrap().is_finite());
+    }
+}
