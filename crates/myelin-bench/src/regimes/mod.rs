@@ -32,7 +32,7 @@ use output::{CellOutcome, DurationCheck, GridReport, PlanFigures, Targets};
 pub const DEFAULT_REGIME_LEGS: &str = "least-load,prefix+off,prefix+auto";
 /// Wall seconds a leg run costs besides its traffic (the cluster's and router's start, the
 /// drain, the stop), for the plan's estimate; measured on the 2-core machine.
-pub const LEG_OVERHEAD_S: f64 = 3.0;
+pub const LEG_OVERHEAD_S: f64 = 2.0;
 
 /// The regime grid (docs/benchmark.md, "Regime grid").
 #[derive(Debug, Clone, clap::Args)]
@@ -359,6 +359,7 @@ fn plan_table(plans: &[(Cell, Result<CellPlan, String>)], legs: usize, repeat: u
     let table = crate::report::Table {
         header: [
             "cell",
+            "working set",
             "kv blocks",
             "ws/KV",
             "capacity",
@@ -376,6 +377,7 @@ fn plan_table(plans: &[(Cell, Result<CellPlan, String>)], legs: usize, repeat: u
             .map(|(cell, plan)| match plan {
                 Ok(plan) => vec![
                     plan.name.clone(),
+                    plan.working_set_tokens.to_string(),
                     plan.kv_blocks.to_string(),
                     format!("{:.2}", plan.working_set_ratio),
                     format!("{:.2}", plan.capacity_rps),
