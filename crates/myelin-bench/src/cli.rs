@@ -38,7 +38,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 1)]
     pub repeat: u32,
 
-    /// The short version CI runs (the workload's [quick] section: about 2 minutes for the
+    /// The short version CI runs (the workload's [quick] section: about 2.5 minutes for the
     /// default legs). Explicit flags still override it.
     #[arg(long)]
     pub quick: bool,

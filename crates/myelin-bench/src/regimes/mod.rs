@@ -32,7 +32,7 @@ use output::{CellOutcome, DurationCheck, GridReport, PlanFigures, Targets};
 pub const DEFAULT_REGIME_LEGS: &str = "least-load,prefix+off,prefix+auto";
 /// Wall seconds a leg run costs besides its traffic (the cluster's and router's start, the
 /// drain, the stop), for the plan's estimate; measured on the 2-core machine.
-pub const LEG_OVERHEAD_S: f64 = 2.0;
+pub const LEG_OVERHEAD_S: f64 = 3.0;
 
 /// The regime grid (docs/benchmark.md, "Regime grid").
 #[derive(Debug, Clone, clap::Args)]
