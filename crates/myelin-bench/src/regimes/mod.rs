@@ -129,7 +129,8 @@ pub struct RegimeArgs {
     #[arg(long)]
     pub plan: bool,
 
-    /// Keep the cells whose report.json is already in --out (an interrupted grid resumes).
+    /// Keep the cells whose report.json is already in --out and whose workload.json is the one
+    /// this grid plans (an interrupted grid resumes; a cell planned differently reruns).
     #[arg(long)]
     pub resume: bool,
 
@@ -404,7 +405,7 @@ fn run_cell(args: &RegimeArgs, out: &Path, plan: &CellPlan) -> Result<CellOutcom
     let (bench_args, reproduce) = args.cell_args(&dir, &workload_path);
     let started = Instant::now();
     let mut error = None;
-    if !(args.resume && report_path.exists()) {
+    if !(args.resume && report_path.exists() && same_workload(&workload_path, &plan.config)) {
         let json =
             serde_json::to_string_pretty(&plan.config).map_err(|source| RegimeError::Io {
                 what: "serialising",
@@ -459,6 +460,15 @@ fn run_cell(args: &RegimeArgs, out: &Path, plan: &CellPlan) -> Result<CellOutcom
         }
     }
     Ok(outcome)
+}
+
+/// Whether the workload.json at `path` is `config` (a resumed cell must have run the workload
+/// this grid plans for it).
+fn same_workload(path: &Path, config: &crate::workload::WorkloadConfig) -> bool {
+    let stored = std::fs::read_to_string(path)
+        .ok()
+        .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok());
+    stored.is_some() && stored == serde_json::to_value(config).ok()
 }
 
 fn cell_line(outcome: &CellOutcome) -> String {
@@ -775,5 +785,33 @@ mod tests {
             "{reproduce}"
         );
         assert!(reproduce.ends_with("--out /o/cells/c"), "{reproduce}");
+    }
+
+    #[test]
+    fn a_cell_resumes_only_from_the_workload_it_is_planned_with() {
+        let cell = Cell {
+            shape: Shape::SharedSystem,
+            working_set: 1.5,
+            load: 0.6,
+        };
+        let options = parse(&["--quick"]).options();
+        let (config, tokens, definition) = grid::cell_kv(&cell, &options).unwrap();
+        let plan = grid::cell_plan(&cell, &options, config, tokens, definition, 8.1).unwrap();
+        let path = std::env::temp_dir().join(format!("myelin-resume-{}.json", std::process::id()));
+        std::fs::write(&path, serde_json::to_string_pretty(&plan.config).unwrap()).unwrap();
+        assert!(same_workload(&path, &plan.config));
+        // The stored workload parses back as the same config (it reruns the cell alone), less
+        // the shape file's [quick] section, which is not written.
+        let stored = crate::workload::WorkloadConfig::load(path.to_str().unwrap()).unwrap();
+        let expected = crate::workload::WorkloadConfig {
+            quick: None,
+            ..plan.config.clone()
+        };
+        assert_eq!(stored, expected);
+        let mut other = plan.config.clone();
+        other.cluster.kv_blocks += 1;
+        assert!(!same_workload(&path, &other));
+        let _ = std::fs::remove_file(&path);
+        assert!(!same_workload(&path, &plan.config), "no file, no resume");
     }
 }

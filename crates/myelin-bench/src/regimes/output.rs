@@ -403,8 +403,8 @@ pub type HeatValue = Option<(f64, bool)>;
 pub type RatioPick = fn(&Verdict) -> &Option<RatioCheck>;
 
 /// A heatmap of `values[row][column]`: ratios coloured green below 1, white at 1, red above
-/// (log scale, saturating at 0.5x and 2x), each cell labelled with its ratio; cells without a
-/// value grey.
+/// (log scale, saturating at 0.71x and 1.41x), each cell labelled with its ratio; cells
+/// without a value grey.
 pub fn heatmap(
     path: &Path,
     title: &str,
@@ -420,7 +420,7 @@ pub fn heatmap(
     let (left, top, cell_w, cell_h) = (230i32, 90i32, 150i32, 56i32);
     let width = (left + cell_w * columns.len().max(1) as i32 + 40) as u32;
     let height = (top + cell_h * rows.len().max(1) as i32 + 70) as u32;
-    let root = BitMapBackend::new(path, (width.max(600), height)).into_drawing_area();
+    let root = BitMapBackend::new(path, (width.max(1000), height)).into_drawing_area();
     root.fill(&WHITE).map_err(|error| draw(error.to_string()))?;
     let font = |size: u32| ("sans-serif", size).into_font();
     root.draw(&Text::new(title.to_string(), (20, 20), font(22)))
@@ -471,10 +471,10 @@ pub fn heatmap(
     Ok(())
 }
 
-/// Green (0.5x or lower) through white (1.0x) to red (2x or higher), on a log scale.
+/// Green (0.71x or lower) through white (1.0x) to red (1.41x or higher), on a log scale.
 pub fn ratio_color(ratio: f64) -> RGBColor {
     let position = if ratio.is_finite() && ratio > 0.0 {
-        ratio.log2().clamp(-1.0, 1.0)
+        (ratio.log2() * 2.0).clamp(-1.0, 1.0)
     } else {
         1.0
     };
