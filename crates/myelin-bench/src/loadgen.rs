@@ -330,6 +330,7 @@ async fn exchange(
     // routing, so the oracle's includes its own.
     let sent_at = Instant::now();
     let sent_at_us = sent_at.duration_since(shared.started).as_micros() as u64;
+    let mut oracle_prediction = None;
     let (url, chosen_engine) = match &shared.target {
         Target::Router { base_url } => (format!("{base_url}{path}"), None),
         Target::Routers { base_urls } => {
@@ -365,6 +366,11 @@ async fn exchange(
                 .probe_us
                 .borrow_mut()
                 .push(probe_started.elapsed().as_micros() as u64);
+            oracle_prediction = shared
+                .oracle
+                .borrow()
+                .last_predicted_ttft_s()
+                .map(|simulated_s| (simulated_s / plan.speedup * 1e6) as u64);
             (format!("{}{path}", engine_urls[engine]), Some(engine))
         }
     };
@@ -390,6 +396,7 @@ async fn exchange(
         prefix_resident: shared.resident.as_ref().and_then(|probe| {
             RequestRecord::resident_verdict(reusable_tokens, resident_tokens, probe.block_size)
         }),
+        predicted_ttft_us: oracle_prediction,
     };
     plan.progress.sent.fetch_add(1, Ordering::Relaxed);
     let mut ticket = shared.calibration.as_ref().map(|calibrator| {
@@ -449,6 +456,14 @@ async fn stream_response(
         .and_then(|value| value.to_str().ok())
     {
         record.backend = Some(backend.to_string());
+    }
+    if let Some(predicted) = response
+        .headers()
+        .get("x-myelin-predicted-ttft-us")
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse().ok())
+    {
+        record.predicted_ttft_us = Some(predicted);
     }
     let status = response.status();
     if let (Some(calibrator), Some(ticket), Some(backend), true) = (

@@ -49,6 +49,8 @@ pub struct Oracle {
     block_size: u32,
     /// Per engine: requests sent, and the most recent ones, newest last.
     sent: Vec<(u64, VecDeque<Sent>)>,
+    /// The predicted time to first token of the last choice, simulated seconds.
+    last_predicted_ttft_s: Option<f64>,
 }
 
 /// A request the oracle sent, as an engine that has not received it yet will queue it.
@@ -76,7 +78,14 @@ impl Oracle {
             ),
             block_size: block_size.max(1),
             sent: Vec::new(),
+            last_predicted_ttft_s: None,
         }
+    }
+
+    /// The predicted time to first token of the last [`Self::choose`], in the timing's
+    /// (simulated) seconds.
+    pub fn last_predicted_ttft_s(&self) -> Option<f64> {
+        self.last_predicted_ttft_s
     }
 
     /// Requests sent to `engine` that it has not received yet (at most the recent ones kept).
@@ -182,6 +191,7 @@ impl Oracle {
             .decide(prompt_len as u64, &matched, &views)
             .ok()?;
         let engine = decision.backend.0 as usize;
+        self.last_predicted_ttft_s = Some(decision.predicted_ttft.seconds);
         if self.sent.len() < truths.len() {
             self.sent.resize_with(truths.len(), Default::default);
         }
@@ -202,16 +212,21 @@ impl Oracle {
 
 #[cfg(test)]
 mod tests {
-    use myelin_routing::DEFAULT_LOAD_BOUND_TOKENS;
+    use myelin_routing::{DEFAULT_ENGINE_TIMING, predict_ttft};
 
     use super::*;
 
-    fn truth(cached_tokens: u64, queued_tokens: u64) -> EngineTruth {
+    /// An engine holding `cached_tokens` of the prompt with `prefill_ahead` tokens queued.
+    fn truth(cached_tokens: u64, prefill_ahead: u64) -> EngineTruth {
         EngineTruth {
             cached_tokens,
-            queued_tokens,
-            requests_received: None,
-            memory: None,
+            queued_tokens: prefill_ahead,
+            queue: Some(EngineQueue {
+                prefill_tokens_ahead: prefill_ahead,
+                requests: u32::from(prefill_ahead > 0),
+                mean_remaining_output_tokens: 200.0,
+                ..EngineQueue::default()
+            }),
             ..EngineTruth::default()
         }
     }
@@ -219,24 +234,20 @@ mod tests {
     #[test]
     fn prefers_the_cached_engine_unless_its_queue_costs_more() {
         let mut oracle = Oracle::new(16);
+        // 4,000 cached of 5,000 behind 1,000 queued: 2,000 tokens to prefill against 5,000.
         let truths = [truth(0, 0), truth(4000, 1000), truth(0, 100)];
         assert_eq!(oracle.choose(5000, 10, &truths), Some(1));
+        let seconds = oracle.last_predicted_ttft_s().unwrap();
+        let expected = predict_ttft(
+            &DEFAULT_ENGINE_TIMING,
+            &truths[1].queue.unwrap(),
+            5000,
+            1000.0,
+        );
+        assert!((seconds - expected.seconds).abs() < 1e-12);
+        // 9,000 queued ahead cost more than prefilling the whole prompt elsewhere.
         let busy = [truth(0, 0), truth(4000, 9000)];
         assert_eq!(oracle.choose(5000, 10, &busy), Some(0));
-    }
-
-    #[test]
-    fn load_within_the_routers_bound_is_noise_as_in_the_router() {
-        let mut oracle = Oracle::new(16);
-        // Engine 1 holds 1,600 more tokens but has 3,000 more queued. Scored on raw load (no
-        // bound) engine 0 would win (5,000 + 0 < 3,400 + 3,000); the router counts load only
-        // beyond the least-loaded engine's plus the bound, so engine 1 wins.
-        const { assert!(3000 - 1600 < DEFAULT_LOAD_BOUND_TOKENS) };
-        let truths = [truth(0, 0), truth(1600, 3000)];
-        assert_eq!(oracle.choose(5000, 10, &truths), Some(1));
-        // Beyond the bound the load counts in full.
-        let truths = [truth(0, 0), truth(1600, 3000 + DEFAULT_LOAD_BOUND_TOKENS)];
-        assert_eq!(oracle.choose(5000, 10, &truths), Some(0));
     }
 
     #[test]
@@ -259,21 +270,18 @@ mod tests {
     }
 
     #[test]
-    fn requests_sent_but_not_yet_received_count_as_load() {
+    fn requests_sent_but_not_yet_received_queue_their_prefill() {
         let received = |count: u64, cached_tokens: u64| EngineTruth {
-            cached_tokens,
-            queued_tokens: 0,
             requests_received: Some(count),
-            memory: None,
-            ..EngineTruth::default()
+            ..truth(cached_tokens, 0)
         };
         let mut oracle = Oracle::new(16);
         // A burst of requests for a prefix engine 0 holds (4,000 of 4,100 tokens): the
-        // engines have received none of them yet. The first goes to engine 0; each one still
-        // in transit adds its 100 uncached + 400 output tokens to engine 0's load, and once
-        // that load is beyond the bound by more than the cache saves, the next goes elsewhere.
+        // engines have received none of them yet. Each one in transit to engine 0 queues its
+        // 100 uncached tokens there; once that prefill ahead costs more than prefilling all
+        // 4,100 on engine 1, the next goes there.
         let mut picks = Vec::new();
-        for _ in 0..20 {
+        for _ in 0..60 {
             picks.push(
                 oracle
                     .choose(4100, 400, &[received(0, 4000), received(0, 0)])
@@ -282,55 +290,76 @@ mod tests {
         }
         assert_eq!(picks[0], 0);
         let first_elsewhere = picks.iter().position(|&engine| engine == 1).unwrap();
-        // (n x 500 - 2,048) > 4,000 from n = 13 in transit.
-        assert_eq!(first_elsewhere, 13, "{picks:?}");
-        // Once engine 0 has received them, their load is its true queue's business: with an
+        let cold = predict_ttft(
+            &DEFAULT_ENGINE_TIMING,
+            &EngineQueue::default(),
+            4100,
+            4100.0,
+        );
+        let behind = |in_transit: u64| {
+            predict_ttft(
+                &DEFAULT_ENGINE_TIMING,
+                &EngineQueue {
+                    prefill_tokens_ahead: in_transit * 100,
+                    requests: in_transit as u32,
+                    ..EngineQueue::default()
+                },
+                4100,
+                100.0,
+            )
+            .seconds
+        };
+        // At equal predictions the tie rotates to engine 1.
+        let crossing = (0..60).find(|&n| behind(n) >= cold.seconds).unwrap();
+        assert_eq!(first_elsewhere as u64, crossing, "{picks:?}");
+        // Once engine 0 has received them, their queue is its true queue's business: with an
         // empty queue reported, engine 0 wins again.
         assert_eq!(
-            oracle.choose(4100, 400, &[received(13 + 7, 4000), received(1, 0)]),
+            oracle.choose(4100, 400, &[received(60, 4000), received(1, 0)]),
             Some(0)
         );
     }
 
     #[test]
-    fn a_cache_hit_waiting_for_kv_memory_goes_elsewhere_as_in_the_router() {
-        let full = |waiting_requests| MemoryPressure {
-            utilization: 0.99,
-            waiting_requests,
-            running_requests: 8,
-            mean_remaining_output_tokens: 200.0,
-        };
-        let holder = |memory| EngineTruth {
+    fn a_cache_hit_that_cannot_fit_in_kv_memory_goes_elsewhere_as_in_the_router() {
+        let holder = |held_tokens: f64, requests_received| EngineTruth {
             cached_tokens: 6000,
-            queued_tokens: 0,
-            requests_received: None,
-            memory,
+            requests_received,
+            queue: Some(EngineQueue {
+                requests: 4,
+                decoding: 4,
+                mean_remaining_output_tokens: 200.0,
+                memory: Some(KvMemory {
+                    capacity_tokens: 32_768,
+                    held_tokens,
+                    shared_tokens: 0,
+                }),
+                ..EngineQueue::default()
+            }),
             ..EngineTruth::default()
         };
         let mut oracle = Oracle::new(16);
-        // Room on the engine that holds 6,000 of 6,100 tokens: it wins.
-        let roomy = [holder(Some(full(0))), truth(0, 0)];
-        assert_eq!(oracle.choose(6100, 400, &roomy), Some(0));
-        // Its memory full with 4 requests waiting: 5 admissions of 25 decode steps each
-        // cost more than prefilling 6,100 tokens on the idle engine.
-        let saturated = [holder(Some(full(4))), truth(0, 0)];
-        assert_eq!(oracle.choose(6100, 400, &saturated), Some(1));
-        // Requests the oracle sent that the engine has not received yet join its queue.
-        let received = |count| EngineTruth {
-            requests_received: Some(count),
-            ..holder(Some(MemoryPressure {
-                waiting_requests: 0,
-                ..full(0)
-            }))
-        };
-        let mut oracle = Oracle::new(16);
+        // Room on the engine that holds 6,000 of 6,100 tokens (its cached blocks free): it wins.
         assert_eq!(
-            oracle.choose(6100, 400, &[received(0), truth(0, 0)]),
+            oracle.choose(6100, 400, &[holder(20_000.0, None), truth(0, 0)]),
             Some(0)
         );
-        // Engine 0 has not received that request: it waits, memory full.
+        // Four running requests hold 30,000 tokens: the prompt waits for one to finish there,
+        // longer than prefilling it on the idle engine.
         assert_eq!(
-            oracle.choose(6100, 400, &[received(0), truth(0, 0)]),
+            oracle.choose(6100, 400, &[holder(30_000.0, None), truth(0, 0)]),
+            Some(1)
+        );
+        // Requests the oracle sent that the engine has not received yet hold memory too.
+        // 24,000 held: the first request fits (30,100), the second, with the first still in
+        // transit, would not (36,200).
+        let mut oracle = Oracle::new(16);
+        assert_eq!(
+            oracle.choose(6100, 400, &[holder(24_000.0, Some(0)), truth(0, 0)]),
+            Some(0)
+        );
+        assert_eq!(
+            oracle.choose(6100, 400, &[holder(24_000.0, Some(0)), truth(0, 0)]),
             Some(1)
         );
     }

@@ -67,6 +67,10 @@ pub struct RequestRecord {
     /// Whether, at send time, some engine held every full block of its reusable prefix
     /// (`None`: not probed, or a reusable prefix shorter than one block).
     pub prefix_resident: Option<bool>,
+    /// The time to first token the router predicted for it on the engine it chose, wall
+    /// microseconds (`x-myelin-predicted-ttft-us`; the oracle's own prediction on its leg;
+    /// `None` for routers that give none).
+    pub predicted_ttft_us: Option<u64>,
 }
 
 impl RequestRecord {
@@ -95,7 +99,7 @@ pub struct LegRecords<'a> {
 }
 
 /// The requests.csv header.
-pub const CSV_HEADER: &str = "leg,repeat,user,seq,label,send_s,ttft_ms,e2e_ms,prompt_tokens,output_tokens,cached_tokens,backend,status,in_warmup,ttft_wall_us,reusable_tokens,resident_tokens,prefix_resident";
+pub const CSV_HEADER: &str = "leg,repeat,user,seq,label,send_s,ttft_ms,e2e_ms,prompt_tokens,output_tokens,cached_tokens,backend,status,in_warmup,ttft_wall_us,reusable_tokens,resident_tokens,prefix_resident,predicted_ttft_ms";
 
 /// Writes requests.csv: one line per request, times in simulated units.
 pub fn write_csv(mut out: impl Write, legs: &[LegRecords<'_>]) -> std::io::Result<()> {
@@ -109,7 +113,7 @@ pub fn write_csv(mut out: impl Write, legs: &[LegRecords<'_>]) -> std::io::Resul
             };
             writeln!(
                 out,
-                "{},{},{},{},{},{:.3},{},{},{},{},{},{},{},{},{},{},{},{}",
+                "{},{},{},{},{},{:.3},{},{},{},{},{},{},{},{},{},{},{},{},{}",
                 csv_field(leg.leg),
                 leg.repeat,
                 record.user,
@@ -134,6 +138,7 @@ pub fn write_csv(mut out: impl Write, legs: &[LegRecords<'_>]) -> std::io::Resul
                 record
                     .prefix_resident
                     .map_or(String::new(), |resident| resident.to_string()),
+                optional_ms(record.predicted_ttft_us),
             )?;
         }
     }
@@ -171,6 +176,7 @@ mod tests {
             reusable_tokens: 4000,
             resident_tokens: Some(3984),
             prefix_resident: Some(false),
+            predicted_ttft_us: Some(1500),
         };
         let mut out = Vec::new();
         let legs = [LegRecords {
@@ -185,7 +191,7 @@ mod tests {
         let line = text.lines().nth(1).unwrap();
         assert_eq!(
             line,
-            "prefix+off,0,3,9,17,20.000,125.000,4000.000,5000,400,4992,http://127.0.0.1:9000,\"failed: reset, by peer\",true,12500,4000,3984,false"
+            "prefix+off,0,3,9,17,20.000,125.000,4000.000,5000,400,4992,http://127.0.0.1:9000,\"failed: reset, by peer\",true,12500,4000,3984,false,15.000"
         );
         assert_eq!(text.lines().next().unwrap(), CSV_HEADER);
     }

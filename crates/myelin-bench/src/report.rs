@@ -406,6 +406,52 @@ fn harness_table(legs: &[LegSummary]) -> Table {
     }
 }
 
+/// The routers' predicted time to first token against the observed one, per leg that
+/// carried predictions (`None`: no leg did).
+fn prediction_table(legs: &[LegSummary]) -> Option<Table> {
+    let rows: Vec<Vec<String>> = legs
+        .iter()
+        .filter_map(|leg| {
+            let prediction = leg.ttft_prediction?;
+            let per_repeat: Vec<String> = leg
+                .repeats
+                .iter()
+                .map(|repeat| {
+                    repeat.ttft_prediction.map_or("-".into(), |figures| {
+                        format!("{:.0}%", figures.relative_abs_error_p50 * 100.0)
+                    })
+                })
+                .collect();
+            Some(vec![
+                leg.name.clone(),
+                prediction.requests.to_string(),
+                format!("{:+.0}", prediction.bias_ms),
+                format!("{:.0}", prediction.abs_error_p50_ms),
+                format!("{:.0}", prediction.abs_error_p99_ms),
+                format!("{:.0}%", prediction.relative_abs_error_p50 * 100.0),
+                format!("{:.0}%", prediction.relative_abs_error_p99 * 100.0),
+                per_repeat.join(" "),
+            ])
+        })
+        .collect();
+    (!rows.is_empty()).then(|| Table {
+        header: [
+            "leg",
+            "predicted",
+            "bias (ms)",
+            "|error| p50",
+            "|error| p99",
+            "|error|/TTFT p50",
+            "p99",
+            "p50 per repeat",
+        ]
+        .iter()
+        .map(|cell| cell.to_string())
+        .collect(),
+        rows,
+    })
+}
+
 /// Warnings for legs the harness may have limited.
 fn harness_warnings(legs: &[LegSummary], speedup: f64) -> Vec<String> {
     legs.iter()
@@ -539,6 +585,13 @@ pub fn render_text(report: &Report<'_>) -> String {
         out.push('\n');
     }
     out.push('\n');
+    if let Some(table) = prediction_table(report.legs) {
+        out.push_str(
+            "predicted TTFT against observed (simulated ms; error = predicted - observed)\n",
+        );
+        out.push_str(&table.plain());
+        out.push('\n');
+    }
     out.push_str(&harness_table(report.legs).plain());
     for warning in harness_warnings(report.legs, report.speedup) {
         out.push_str(&warning);
@@ -595,6 +648,13 @@ pub fn render_markdown(report: &Report<'_>, plots: &[(&str, &str)]) -> String {
     out.push('\n');
     for line in spread_lines(report) {
         out.push_str(&format!("{line}\n"));
+    }
+    if let Some(table) = prediction_table(report.legs) {
+        out.push_str(
+            "\n## Predicted TTFT\n\nThe router's predicted time to first token (`x-myelin-predicted-ttft-us`, \
+             the oracle's own prediction) against the observed one; error = predicted − observed.\n\n",
+        );
+        out.push_str(&table.markdown());
     }
     out.push_str("\n## Harness cost\n\n");
     out.push_str(&harness_table(report.legs).markdown());

@@ -168,6 +168,9 @@ pub struct LegSummary {
     /// Of those, the share whose reusable prefix some engine held in full at send time
     /// (`None`: none probed).
     pub prefix_resident_share: Option<f64>,
+    /// The router's predicted time to first token against the observed one, over the
+    /// measured requests that carried a prediction (`None`: none did).
+    pub ttft_prediction: Option<PredictionSummary>,
     pub harness: HarnessSummary,
     /// Every repeat's own figures, in the order the repeats ran.
     pub repeats: Vec<RepeatFigures>,
@@ -198,6 +201,62 @@ pub struct RepeatFigures {
     pub loop_lag_p99_us: u64,
     /// The share of its probed requests whose reusable prefix was resident at send time.
     pub prefix_resident_share: Option<f64>,
+    /// The predicted-TTFT error in this repeat.
+    pub ttft_prediction: Option<PredictionSummary>,
+}
+
+/// How far a router's predicted times to first token were from the observed ones (simulated
+/// milliseconds; error = predicted − observed, so a positive bias is a pessimistic predictor).
+/// The prediction runs from the router sending the request to the engine, the observation
+/// from the harness sending it to the router: the router's own time is in the error.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct PredictionSummary {
+    /// Requests with both a prediction and an observed first token.
+    pub requests: u64,
+    /// Median of predicted − observed.
+    pub bias_ms: f64,
+    /// Mean of predicted − observed.
+    pub mean_error_ms: f64,
+    /// Median and 99th percentile of |predicted − observed|.
+    pub abs_error_p50_ms: f64,
+    pub abs_error_p99_ms: f64,
+    /// Median and 99th percentile of |predicted − observed| / observed.
+    pub relative_abs_error_p50: f64,
+    pub relative_abs_error_p99: f64,
+}
+
+impl PredictionSummary {
+    /// The summary of `(predicted, observed)` pairs in wall microseconds, `None` without any.
+    pub fn of(pairs: impl IntoIterator<Item = (u64, u64)>, speedup: f64) -> Option<Self> {
+        let to_ms = |us: f64| us * speedup / 1000.0;
+        let mut signed = Vec::new();
+        let mut absolute = Vec::new();
+        let mut relative = Vec::new();
+        for (predicted, observed) in pairs {
+            let error = predicted as f64 - observed as f64;
+            signed.push(to_ms(error));
+            absolute.push(to_ms(error.abs()));
+            relative.push(error.abs() / (observed as f64).max(1.0));
+        }
+        if signed.is_empty() {
+            return None;
+        }
+        let quantile = |values: &mut Vec<f64>, q: f64| {
+            values.sort_by(f64::total_cmp);
+            let index = ((values.len() as f64 * q).ceil() as usize).clamp(1, values.len()) - 1;
+            values[index]
+        };
+        let mean_error_ms = signed.iter().sum::<f64>() / signed.len() as f64;
+        Some(PredictionSummary {
+            requests: signed.len() as u64,
+            bias_ms: quantile(&mut signed, 0.5),
+            mean_error_ms,
+            abs_error_p50_ms: quantile(&mut absolute, 0.5),
+            abs_error_p99_ms: quantile(&mut absolute, 0.99),
+            relative_abs_error_p50: quantile(&mut relative, 0.5),
+            relative_abs_error_p99: quantile(&mut relative, 0.99),
+        })
+    }
 }
 
 /// The median, smallest and largest of one figure across a leg's repeats (the median of an
@@ -324,6 +383,7 @@ pub fn summarize(runs: &[&LegRun]) -> LegSummary {
                 slow_ttft_requests: alone.slow_ttft_requests,
                 loop_lag_p99_us: alone.harness.loop_lag_p99_us,
                 prefix_resident_share: alone.prefix_resident_share,
+                ttft_prediction: alone.ttft_prediction,
             }
         })
         .collect();
@@ -428,6 +488,10 @@ fn pooled(runs: &[&LegRun]) -> LegSummary {
         p99_ttft_vs_oracle: None,
         prefix_reusable_requests: probed.len() as u64,
         prefix_resident_share,
+        ttft_prediction: PredictionSummary::of(
+            measured_ok().filter_map(|record| record.predicted_ttft_us.zip(record.ttft_us)),
+            speedup,
+        ),
         repeats: Vec::new(),
         spread: LegSpread::default(),
         harness: HarnessSummary {
@@ -544,6 +608,7 @@ pub(crate) mod tests {
             reusable_tokens: 0,
             resident_tokens: None,
             prefix_resident: None,
+            predicted_ttft_us: None,
         }
     }
 
