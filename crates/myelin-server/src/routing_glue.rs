@@ -78,6 +78,9 @@ struct ShardBackend {
     scraped_memory: Option<(ScrapedMemory, Instant)>,
     /// This core's fit of the engine's timing from the first tokens of its own requests.
     timing: TimingFit,
+    /// KV tokens the engine held at its last scrape beyond what the routers' requests in flight
+    /// there held then: other frontends' requests (0 when the routers account for it all).
+    other_held_tokens: f64,
 }
 
 /// A backend's residency-estimate figures on one core (admin API).
@@ -255,6 +258,7 @@ impl RoutingShard {
                 calibration: RoomCalibration::default(),
                 scraped_memory: None,
                 timing: TimingFit::new(self.pooled_timing.timing()),
+                other_held_tokens: 0.0,
             });
         entry.state = info.state;
         entry.configured_capacity = info.spec.capacity_tokens;
@@ -278,6 +282,25 @@ impl RoutingShard {
     pub fn set_scraped_memory(&mut self, id: BackendId, memory: ScrapedMemory, at: Instant) {
         if let Some(entry) = self.backends.get_mut(&id) {
             entry.scraped_memory = Some((memory, at));
+            // What the engine holds beyond the routers' own requests, as of the scrape. The
+            // routers' part is counted live at each decision, so a scrape taken while the
+            // engine was full does not make it look full after its requests finished.
+            let capacity = entry.scraped_capacity.or(entry.configured_capacity);
+            let mut total = Load::default();
+            for load in &entry.load_by_core {
+                total.add(load);
+            }
+            let routed = routed_held_tokens(&total);
+            entry.other_held_tokens = capacity.map_or(0.0, |capacity| {
+                let per_request = if total.requests > 0 {
+                    routed / f64::from(total.requests)
+                } else {
+                    0.0
+                };
+                let reported = memory.utilization.clamp(0.0, 1.0) * capacity as f64
+                    + f64::from(memory.waiting) * per_request;
+                (reported - routed).max(0.0)
+            });
         }
     }
 
@@ -451,7 +474,10 @@ impl RoutingShard {
                 .find(|(backend, _)| *backend == id)
                 .map_or(0, |&(_, tokens)| tokens);
             let memory = memory_pressure(backend, &total, now, max_age);
-            let queue = engine_queue(backend, &total, memory.as_ref(), shared_tokens);
+            let fresh_scrape = backend
+                .scraped_memory
+                .is_some_and(|(_, at)| now.saturating_duration_since(at) <= max_age);
+            let queue = engine_queue(backend, &total, fresh_scrape, shared_tokens);
             let id = myelin_routing::BackendId(id);
             BackendView::new(id, state_of(state), total.tokens)
                 .with_cache(
@@ -511,33 +537,27 @@ impl RoutingShard {
 
 /// What is in front of a new request on a backend, for the predicted time to first token:
 /// the prefill of the routers' requests there that have not had their first token, those
-/// decoding, and its KV memory when its capacity is known. Held memory is the larger of the
-/// routers' own count (the distinct prompt blocks of their requests in flight plus half of the
-/// output they expect) and, while fresh, the engine's reported utilization plus what its
-/// waiting requests will need: the first sees requests sent since the last scrape, the second
-/// other frontends' requests.
+/// decoding, and its KV memory when its capacity is known. Held memory is the routers' own
+/// count, live (the distinct prompt blocks of their requests in flight plus half of the output
+/// they expect), plus, while the engine's last scrape is fresh, what it held then beyond the
+/// routers' requests (other frontends' requests).
 fn engine_queue(
     backend: &ShardBackend,
     total: &Load,
-    memory: Option<&MemoryPressure>,
+    fresh_scrape: bool,
     shared_tokens: u64,
 ) -> EngineQueue {
     let mean_remaining_output_tokens = mean_remaining_output(total);
     let capacity = backend.scraped_capacity.or(backend.configured_capacity);
     let kv = capacity.filter(|&capacity| capacity > 0).map(|capacity| {
-        let routed = total.pinned_prompt_tokens as f64 + total.decode_tokens as f64 / 2.0;
-        let reported = memory.map_or(0.0, |memory| {
-            let per_request = if total.requests > 0 {
-                routed / f64::from(total.requests)
-            } else {
-                0.0
-            };
-            memory.utilization.clamp(0.0, 1.0) * capacity as f64
-                + f64::from(memory.waiting_requests) * per_request
-        });
+        let others = if fresh_scrape {
+            backend.other_held_tokens
+        } else {
+            0.0
+        };
         KvMemory {
             capacity_tokens: capacity,
-            held_tokens: routed.max(reported),
+            held_tokens: routed_held_tokens(total) + others,
             shared_tokens,
         }
     });
@@ -548,6 +568,12 @@ fn engine_queue(
         mean_remaining_output_tokens,
         memory: kv,
     }
+}
+
+/// KV tokens the routers' requests in flight hold on a backend: their distinct prompt blocks
+/// and half of the output they expect.
+fn routed_held_tokens(total: &Load) -> f64 {
+    total.pinned_prompt_tokens as f64 + total.decode_tokens as f64 / 2.0
 }
 
 /// The output a running request still owes on a backend, on average: half of what the
@@ -783,6 +809,68 @@ pub(crate) mod tests {
             .decide(&answer, prompt.len(), &[1], &[(0, 8_000)])
             .unwrap();
         assert_eq!(shared.predicted_ttft.memory_wait_steps, 0.0);
+    }
+
+    #[test]
+    fn a_scrape_taken_while_the_engine_was_full_does_not_outlive_the_requests_that_filled_it() {
+        let args = ServeArgs {
+            routing: Some(RoutingPolicy::Prefix),
+            shards: Some(1),
+            ..ServeArgs::default()
+        };
+        let mut shard = shard_from(args, 1, 1, ",capacity-tokens=10000");
+        let prompt: Vec<u32> = (0..3900).collect();
+        let query = shard.query(&prompt);
+        let answer = shard.lookup(&query);
+        let wait = |shard: &mut RoutingShard| {
+            shard
+                .decide(&answer, prompt.len(), &[], &[])
+                .unwrap()
+                .predicted_ttft
+                .memory_wait_steps
+        };
+        // Two of the routers' requests hold 8,000 of 10,000 tokens, and the engine says so.
+        let full = Load {
+            requests: 2,
+            decode_tokens: 400,
+            tokens: 400,
+            pinned_prompt_tokens: 7_800,
+            ..Load::default()
+        };
+        shard.set_load(0, 0, full);
+        let scraped = ScrapedMemory {
+            utilization: 0.8,
+            running: 2,
+            waiting: 0,
+        };
+        shard.set_scraped_memory(0, scraped, Instant::now());
+        assert!(wait(&mut shard) > 0.0, "3,900 more do not fit");
+        // They finish: the scrape is still fresh, but what it saw was the routers' own.
+        shard.set_load(0, 0, Load::default());
+        assert_eq!(wait(&mut shard), 0.0);
+        // What the engine holds beyond the routers' requests (another frontend's) counts.
+        let busy_elsewhere = ScrapedMemory {
+            utilization: 0.9,
+            running: 3,
+            waiting: 0,
+        };
+        shard.set_scraped_memory(0, busy_elsewhere, Instant::now());
+        shard.set_load(
+            0,
+            0,
+            Load {
+                requests: 1,
+                decode_tokens: 200,
+                tokens: 200,
+                pinned_prompt_tokens: 100,
+                ..Load::default()
+            },
+        );
+        assert!(wait(&mut shard) > 0.0);
+        // ... until the scrape is too old to trust.
+        let old = Instant::now() - shard.memory_max_age - Duration::from_millis(1);
+        shard.set_scraped_memory(0, busy_elsewhere, old);
+        assert_eq!(wait(&mut shard), 0.0);
     }
 
     #[test]
