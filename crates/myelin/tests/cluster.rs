@@ -53,8 +53,19 @@ fn gossip_addr(port: u16) -> String {
 }
 
 /// Starts one node (one data core) in front of `engines`, joining through `seeds`.
+/// A node with the cost in tokens: the test using it steers fresh prompts onto one engine
+/// through the token cost's load bound (loads within it tie, and ties follow the rotation),
+/// which the cost in seconds does not have (it sends a fresh prompt away from held requests).
 fn start_node(name: &str, port: u16, seeds: &[u16], key: &Path, engines: &[&Engine]) -> Router {
-    start_node_probing(name, port, seeds, key, engines, PROBE_MS)
+    start_node_with(
+        name,
+        port,
+        seeds,
+        key,
+        engines,
+        PROBE_MS,
+        &["--cost", "tokens"],
+    )
 }
 
 fn start_node_probing(
@@ -64,6 +75,18 @@ fn start_node_probing(
     key: &Path,
     engines: &[&Engine],
     probe_ms: u64,
+) -> Router {
+    start_node_with(name, port, seeds, key, engines, probe_ms, &[])
+}
+
+fn start_node_with(
+    name: &str,
+    port: u16,
+    seeds: &[u16],
+    key: &Path,
+    engines: &[&Engine],
+    probe_ms: u64,
+    extra: &[&str],
 ) -> Router {
     let listen = gossip_addr(port);
     let key = key.display().to_string();
@@ -89,6 +112,7 @@ fn start_node_probing(
     for seed in &seeds {
         args.extend(["--peer", seed]);
     }
+    args.extend_from_slice(extra);
     Router::start_with_shards(1, &args)
 }
 
