@@ -174,17 +174,18 @@ fn router_discounts_an_aged_prefix_and_counts_a_downgrade() {
         BackendView::new(BackendId(0), BackendState::Up, 3_000).with_cache(Some(10_000), 51_000, 0),
         BackendView::new(BackendId(1), BackendState::Up, 0).with_cache(Some(10_000), 0, 0),
     ];
-    let mut estimate = Router::new(
-        Policy::Prefix,
-        ResidencyMode::Estimate,
-        RouterConfig::default(),
-    );
+    // The cost in tokens, whose load bound the scenario is built on.
+    let tokens = RouterConfig {
+        cost: myelin_routing::CostModel::Tokens,
+        ..RouterConfig::default()
+    };
+    let mut estimate = Router::new(Policy::Prefix, ResidencyMode::Estimate, tokens);
     let decision = estimate
         .decide(prompt.len() as u64, &answer, &views)
         .unwrap();
     assert_eq!(decision.backend, BackendId(1));
     assert!(decision.residency_downgrade);
-    let mut off = Router::new(Policy::Prefix, ResidencyMode::Off, RouterConfig::default());
+    let mut off = Router::new(Policy::Prefix, ResidencyMode::Off, tokens);
     let decision = off.decide(prompt.len() as u64, &answer, &views).unwrap();
     assert_eq!(decision.backend, BackendId(0));
     // Fresh (little pressure since): the estimate keeps it.

@@ -300,8 +300,11 @@ pub struct LoadGuard {
     pin: u64,
     /// Counted among the backend's requests without a first token.
     prefilling: bool,
-    /// The predicted time to first token the request was routed with, and when it was sent.
+    /// The predicted time to first token the request was routed with, and when it was sent,
+    /// until its first token is learned from.
     prediction: Option<(myelin_routing::TtftPrediction, Instant)>,
+    /// The predicted time to first token, seconds (kept for the response header).
+    predicted_seconds: Option<f64>,
 }
 
 impl LoadGuard {
@@ -330,11 +333,12 @@ impl LoadGuard {
     /// this core the engine's timing ([`Self::first_token`]).
     pub fn set_prediction(&mut self, prediction: myelin_routing::TtftPrediction) {
         self.prediction = Some((prediction, Instant::now()));
+        self.predicted_seconds = Some(prediction.seconds);
     }
 
     /// The predicted time to first token the request was routed with, seconds.
     pub fn predicted_ttft_seconds(&self) -> Option<f64> {
-        self.prediction.map(|(prediction, _)| prediction.seconds)
+        self.predicted_seconds
     }
 
     /// The engine produced its first output token, so the prompt is prefilled: from now on the
@@ -742,6 +746,7 @@ impl DataCore {
             pin: key,
             prefilling: true,
             prediction: None,
+            predicted_seconds: None,
         }
     }
 

@@ -199,8 +199,12 @@ fn complete(router: &Router, prompt: &[u32]) -> u64 {
 }
 
 /// Sends a completion without reading the answer: it stays in flight while the engine holds it.
+/// Streaming: a non-streaming request's prompt stops counting as queued prefill once its
+/// predicted time to first token has passed, and these must keep their load while held.
 fn hold_open(router: &Router, prompt: &[u32]) -> TcpStream {
-    let body = completion_body(prompt).to_string();
+    let mut body = completion_body(prompt);
+    body["stream"] = json!(true);
+    let body = body.to_string();
     let mut stream = TcpStream::connect(router.addr).expect("connect");
     write!(
         stream,

@@ -18,7 +18,9 @@ fn per_core_sum(backend: &serde_json::Value, field: &str) -> u64 {
 
 #[test]
 fn simulated_engines_report_their_capacity_and_reuse() {
-    let router = Router::start(&["--sim", "2", "--residency", "estimate"]);
+    // One data core: the second request must see the first one's route and its end at once (on
+    // two cores a request that ended moments ago can still weigh in the other core's view).
+    let router = Router::start_with_shards(1, &["--sim", "2", "--residency", "estimate"]);
     // The simulated engines publish vLLM's cache_config_info: 1 capacity for the estimate.
     let mut listing = json!(null);
     wait_until("the capacity scrape", || {
