@@ -310,7 +310,8 @@ impl<E: ResidencyEstimator> Router<E> {
                 prompt_tokens,
                 prompt - expected_cached,
             );
-            let candidate = match self.config.cost {
+            // (cost, undiscounted cost, wait) in the cost's unit.
+            let (cost_tokens, undiscounted_cost_tokens, wait_tokens) = match self.config.cost {
                 CostModel::Ttft => {
                     let undiscounted = predict_ttft(
                         &view.timing,
@@ -318,34 +319,32 @@ impl<E: ResidencyEstimator> Router<E> {
                         prompt_tokens,
                         prompt - undiscounted_cached,
                     );
-                    Candidate {
-                        id: view.id,
-                        load_tokens: view.load_tokens,
-                        matched_blocks,
-                        expected_cached_tokens: expected_cached,
-                        cost_tokens: predicted_ttft.seconds,
-                        undiscounted_cost_tokens: undiscounted.seconds,
-                        wait_tokens: predicted_ttft.memory_wait_seconds(&view.timing),
-                        predicted_ttft,
-                    }
+                    (
+                        predicted_ttft.seconds,
+                        undiscounted.seconds,
+                        predicted_ttft.memory_wait_seconds(&view.timing),
+                    )
                 }
                 CostModel::Tokens => {
                     let wait_tokens = view.memory.as_ref().map_or(0.0, |memory| {
                         admission_wait_tokens(memory, self.config.decode_step_tokens)
                     });
-                    Candidate {
-                        id: view.id,
-                        load_tokens: view.load_tokens,
-                        matched_blocks,
-                        expected_cached_tokens: expected_cached,
-                        cost_tokens: prompt - expected_cached + counted_load + wait_tokens,
-                        undiscounted_cost_tokens: prompt - undiscounted_cached
-                            + counted_load
-                            + wait_tokens,
+                    (
+                        prompt - expected_cached + counted_load + wait_tokens,
+                        prompt - undiscounted_cached + counted_load + wait_tokens,
                         wait_tokens,
-                        predicted_ttft,
-                    }
+                    )
                 }
+            };
+            let candidate = Candidate {
+                id: view.id,
+                load_tokens: view.load_tokens,
+                matched_blocks,
+                expected_cached_tokens: expected_cached,
+                cost_tokens,
+                undiscounted_cost_tokens,
+                wait_tokens,
+                predicted_ttft,
             };
             candidates.push(candidate);
         }

@@ -83,6 +83,24 @@ struct ShardBackend {
     other_held_tokens: f64,
 }
 
+impl ShardBackend {
+    /// Its load summed over the cores (and the peer slot), as this core last heard.
+    fn total_load(&self) -> Load {
+        let mut total = Load::default();
+        for load in &self.load_by_core {
+            total.add(load);
+        }
+        total
+    }
+
+    /// The engine's last scraped KV figures, when they are at most `max_age` old at `now`.
+    fn fresh_scrape(&self, now: Instant, max_age: Duration) -> Option<ScrapedMemory> {
+        self.scraped_memory
+            .filter(|(_, at)| now.saturating_duration_since(*at) <= max_age)
+            .map(|(memory, _)| memory)
+    }
+}
+
 /// A backend's residency-estimate figures on one core (admin API).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct CacheFigures {
@@ -153,6 +171,10 @@ impl RoutingShard {
             block_size: u32::try_from(config.block_size).unwrap_or(u32::MAX),
             ..ShardConfig::default()
         })?;
+        let default_timing = EngineTiming {
+            step_tokens: config.engine_step_tokens,
+            ..EngineTiming::default()
+        };
         Ok(RoutingShard {
             shards,
             shard,
@@ -172,14 +194,8 @@ impl RoutingShard {
             views: Vec::new(),
             clock_origin,
             memory_max_age: config.engine_metrics_interval * 3,
-            default_timing: EngineTiming {
-                step_tokens: config.engine_step_tokens,
-                ..EngineTiming::default()
-            },
-            pooled_timing: TimingFit::new(EngineTiming {
-                step_tokens: config.engine_step_tokens,
-                ..EngineTiming::default()
-            }),
+            default_timing,
+            pooled_timing: TimingFit::new(default_timing),
         })
     }
 
@@ -286,10 +302,7 @@ impl RoutingShard {
             // routers' part is counted live at each decision, so a scrape taken while the
             // engine was full does not make it look full after its requests finished.
             let capacity = entry.scraped_capacity.or(entry.configured_capacity);
-            let mut total = Load::default();
-            for load in &entry.load_by_core {
-                total.add(load);
-            }
+            let total = entry.total_load();
             let routed = routed_held_tokens(&total);
             entry.other_held_tokens = capacity.map_or(0.0, |capacity| {
                 let per_request = if total.requests > 0 {
@@ -465,19 +478,14 @@ impl RoutingShard {
             } else {
                 backend.state
             };
-            let mut total = Load::default();
-            for load in &backend.load_by_core {
-                total.add(load);
-            }
+            let total = backend.total_load();
             let shared_tokens = shared
                 .iter()
                 .find(|(backend, _)| *backend == id)
                 .map_or(0, |&(_, tokens)| tokens);
-            let memory = memory_pressure(backend, &total, now, max_age);
-            let fresh_scrape = backend
-                .scraped_memory
-                .is_some_and(|(_, at)| now.saturating_duration_since(at) <= max_age);
-            let queue = engine_queue(backend, &total, fresh_scrape, shared_tokens);
+            let scrape = backend.fresh_scrape(now, max_age);
+            let memory = memory_pressure(backend, &total, scrape);
+            let queue = engine_queue(backend, &total, scrape.is_some(), shared_tokens);
             let id = myelin_routing::BackendId(id);
             BackendView::new(id, state_of(state), total.tokens)
                 .with_cache(
@@ -591,7 +599,7 @@ fn mean_remaining_output(total: &Load) -> f64 {
 const DEFAULT_REMAINING_OUTPUT_TOKENS: f64 = 128.0;
 
 /// A backend's expected-wait inputs. From the engine's last scraped utilization and queue
-/// when they are at most `max_age` old; only the engine's own queue counts as waiting: requests
+/// when they are fresh (`fresh_scrape`, see [`ShardBackend::fresh_scrape`]); only the engine's own queue counts as waiting: requests
 /// routers sent since the scrape may well have been admitted, and counting them as waiting made
 /// every busy engine look full (docs/routing.md). Otherwise, when its KV capacity is known
 /// (scraped or `capacity-tokens=`), from what routers sent it ([`sent_memory`]); else `None`.
@@ -600,20 +608,17 @@ const DEFAULT_REMAINING_OUTPUT_TOKENS: f64 = 128.0;
 fn memory_pressure(
     backend: &ShardBackend,
     total: &Load,
-    now: Instant,
-    max_age: Duration,
+    fresh_scrape: Option<ScrapedMemory>,
 ) -> Option<MemoryPressure> {
     let mean_remaining_output_tokens = mean_remaining_output(total);
-    match backend.scraped_memory {
-        Some((memory, at)) if now.saturating_duration_since(at) <= max_age => {
-            Some(MemoryPressure {
-                utilization: memory.utilization,
-                waiting_requests: memory.waiting,
-                running_requests: memory.running,
-                mean_remaining_output_tokens,
-            })
-        }
-        _ => {
+    match fresh_scrape {
+        Some(memory) => Some(MemoryPressure {
+            utilization: memory.utilization,
+            waiting_requests: memory.waiting,
+            running_requests: memory.running,
+            mean_remaining_output_tokens,
+        }),
+        None => {
             let capacity = backend.scraped_capacity.or(backend.configured_capacity)?;
             Some(sent_memory(total, capacity, mean_remaining_output_tokens))
         }
@@ -631,7 +636,7 @@ pub(crate) fn sent_memory(
     capacity_tokens: u64,
     mean_remaining_output_tokens: f64,
 ) -> MemoryPressure {
-    let held = total.pinned_prompt_tokens as f64 + total.decode_tokens as f64 / 2.0;
+    let held = routed_held_tokens(total);
     let capacity = capacity_tokens.max(1) as f64;
     let waiting_requests = if held > capacity && total.requests > 0 {
         let per_request = held / f64::from(total.requests);
