@@ -1,9 +1,8 @@
 //! The oracle: the router's own decision code (`myelin_routing::Router`, prefix policy, its
-//! default load bound) fed the truth instead of what a router can know: every engine's actual
-//! cache contents as its verified mirror, and every engine's actual queue as its load, plus,
-//! as a router counts its own requests at once, what the oracle sent that the engine has not
-//! received yet; and every engine's true KV utilization and queue for the expected wait for
-//! KV memory. Pure; the probe of the simulator is behind a trait.
+//! default cost: the predicted time to first token) fed the truth instead of what a router can
+//! know: every engine's actual cache contents as its verified mirror, and every engine's actual
+//! queue and KV memory, plus, as a router counts its own requests at once, what the oracle sent
+//! that the engine has not received yet. Pure; the probe of the simulator is behind a trait.
 
 use std::collections::VecDeque;
 
@@ -23,7 +22,8 @@ pub struct EngineTruth {
     /// Requests the engine has accepted since it started (`None`: unknown, so requests in
     /// transit are not counted).
     pub requests_received: Option<u64>,
-    /// The engine's true KV utilization and queue (`None`: unknown, KV memory not scored).
+    /// The engine's true KV utilization and queue (`None`: unknown); the calibration's
+    /// predictors read the utilization.
     pub memory: Option<MemoryPressure>,
     /// The engine's true queue and KV memory as the predicted time to first token reads them
     /// (`None`: unknown, the default queue of an idle engine).
@@ -112,9 +112,9 @@ impl Oracle {
 
     /// The engine the router picks for a prompt of `prompt_len` tokens asking for
     /// `output_tokens`, when every engine's verified resident blocks are its true cached blocks
-    /// and its load is its true queue plus what this oracle sent it that it has not received
-    /// yet: lowest `(prompt − cached) + max(load − load_bound, min_load)`. Records the request
-    /// as sent to the chosen engine. `None` when there are no engines.
+    /// and its queue and KV memory are its true ones plus what this oracle sent it that it has
+    /// not received yet: the lowest predicted time to first token. Records the request as sent
+    /// to the chosen engine. `None` when there are no engines.
     pub fn choose(
         &mut self,
         prompt_len: usize,
@@ -147,12 +147,7 @@ impl Oracle {
             .iter()
             .enumerate()
             .map(|(engine, truth)| {
-                // Requests in transit join the engine's waiting queue.
                 let in_transit = self.in_transit(engine, truth.requests_received) as u32;
-                let memory = truth.memory.map(|memory| MemoryPressure {
-                    waiting_requests: memory.waiting_requests.saturating_add(in_transit),
-                    ..memory
-                });
                 let transit = self
                     .in_transit_requests(engine, truth.requests_received)
                     .fold(Sent::default(), |sum, sent| Sent {
@@ -182,7 +177,6 @@ impl Oracle {
                     BackendState::Up,
                     truth.queued_tokens + transit.load,
                 )
-                .with_memory(memory)
                 .with_ttft(timing, queue.unwrap_or_default())
             })
             .collect();

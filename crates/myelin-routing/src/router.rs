@@ -255,7 +255,11 @@ impl<E: ResidencyEstimator> Router<E> {
     ///   when b's memory figures are unknown), beyond the least wait of the eligible backends;
     ///   when the prefix has `max_prefix_homes` homes (backends with at least half the longest
     ///   match) or more, a home's wait counts beyond the least wait among the homes only.
-    /// - cost(b) = (prompt_tokens − expected_cached(b)) + counted_load(b) + wait(b).
+    /// - cost(b) = (prompt_tokens − expected_cached(b)) + counted_load(b) + wait(b) with
+    ///   [`CostModel::Tokens`]; with [`CostModel::Ttft`] (the default) cost(b) is the predicted
+    ///   time to first token ([`crate::predict_ttft`] with b's timing and queue and
+    ///   prompt_tokens − expected_cached(b) to prefill), waits count in full and the homes
+    ///   bound does not apply.
     ///
     /// `prefix` takes the lowest cost; `least-load` the lowest load; `round-robin` the next id
     /// after the last chosen. Ties go to the first tied id after the last chosen backend,
@@ -336,7 +340,7 @@ impl<E: ResidencyEstimator> Router<E> {
                     )
                 }
             };
-            let candidate = Candidate {
+            candidates.push(Candidate {
                 id: view.id,
                 load_tokens: view.load_tokens,
                 matched_blocks,
@@ -345,8 +349,7 @@ impl<E: ResidencyEstimator> Router<E> {
                 undiscounted_cost_tokens,
                 wait_tokens,
                 predicted_ttft,
-            };
-            candidates.push(candidate);
+            });
         }
         if candidates.is_empty() {
             self.candidates = candidates;

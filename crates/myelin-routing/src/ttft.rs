@@ -127,12 +127,12 @@ pub fn memory_wait_steps(queue: &EngineQueue, prompt_tokens: u64) -> f64 {
     if excess <= 0.0 || queue.requests == 0 {
         return 0.0;
     }
-    let per_request = (held / f64::from(queue.requests)).max(1.0);
+    let requests = f64::from(queue.requests);
+    let per_request = (held / requests).max(1.0);
     let finishes = (excess / per_request).ceil();
-    let running = f64::from(queue.requests.max(1));
     let longest_remaining = 2.0 * sane(queue.mean_remaining_output_tokens, 1e6).max(1.0);
-    // More finishes than requests in flight: every one of them, and then some.
-    (longest_remaining * finishes / (running + 1.0)).min(MAX_STEPS)
+    // Needing more finishes than there are requests in flight prices past the longest output.
+    (longest_remaining * finishes / (requests + 1.0)).min(MAX_STEPS)
 }
 
 fn sane(value: f64, bound: f64) -> f64 {

@@ -300,11 +300,8 @@ pub struct LoadGuard {
     pin: u64,
     /// Counted among the backend's requests without a first token.
     prefilling: bool,
-    /// The predicted time to first token the request was routed with, and when it was sent,
-    /// until its first token is learned from.
+    /// The predicted time to first token the request was routed with, and when it was sent.
     prediction: Option<(myelin_routing::TtftPrediction, Instant)>,
-    /// The predicted time to first token, seconds (kept for the response header).
-    predicted_seconds: Option<f64>,
 }
 
 impl LoadGuard {
@@ -333,12 +330,11 @@ impl LoadGuard {
     /// this core the engine's timing ([`Self::first_token`]).
     pub fn set_prediction(&mut self, prediction: myelin_routing::TtftPrediction) {
         self.prediction = Some((prediction, Instant::now()));
-        self.predicted_seconds = Some(prediction.seconds);
     }
 
     /// The predicted time to first token the request was routed with, seconds.
     pub fn predicted_ttft_seconds(&self) -> Option<f64> {
-        self.predicted_seconds
+        self.prediction.map(|(prediction, _)| prediction.seconds)
     }
 
     /// The engine produced its first output token, so the prompt is prefilled: from now on the
@@ -356,8 +352,10 @@ impl LoadGuard {
                 }
             });
         }
-        if let Some((prediction, sent)) = self.prediction.take()
+        // Learned from once: the first call is the first token's (later ones change nothing).
+        if let Some((prediction, sent)) = self.prediction
             && streamed
+            && was_prefilling
         {
             self.core
                 .observe_ttft(self.backend, &prediction, sent.elapsed().as_secs_f64());
@@ -746,7 +744,6 @@ impl DataCore {
             pin: key,
             prefilling: true,
             prediction: None,
-            predicted_seconds: None,
         }
     }
 
