@@ -68,6 +68,8 @@ pub struct RouterProcess {
     child: Child,
     base_url: String,
     log_path: PathBuf,
+    /// Set once the group has been stopped, so that a drop after `stop` signals nothing.
+    stopped: bool,
 }
 
 /// A loopback port nobody listens on right now.
@@ -287,6 +289,7 @@ impl RouterProcess {
             child,
             base_url: format!("http://127.0.0.1:{port}"),
             log_path: log_path.to_path_buf(),
+            stopped: false,
         };
         router.wait_ready(start_timeout)?;
         Ok(router)
@@ -345,23 +348,31 @@ impl RouterProcess {
         self.terminate();
     }
 
+    /// SIGTERM to the process group, then SIGKILL to whatever of the group is left once the
+    /// leader has exited or the drain deadline has passed: a wrapper (a shell, a Python
+    /// launcher) can exit on SIGTERM before the server it started, and a server left behind
+    /// keeps its ports (an external router's metrics port made the next repeat's start fail).
     fn terminate(&mut self) {
-        if matches!(self.child.try_wait(), Ok(Some(_))) {
+        if std::mem::replace(&mut self.stopped, true) {
             return;
         }
         let group = self.child.id() as libc::pid_t;
-        // SAFETY: kill(2) on the process group this harness created for its own child.
-        unsafe {
-            libc::kill(-group, libc::SIGTERM);
-        }
-        let deadline = Instant::now() + ROUTER_STOP_TIMEOUT;
-        while Instant::now() < deadline {
-            if matches!(self.child.try_wait(), Ok(Some(_))) {
-                return;
+        if !matches!(self.child.try_wait(), Ok(Some(_))) {
+            // SAFETY: kill(2) on the process group this harness created for its own child.
+            unsafe {
+                libc::kill(-group, libc::SIGTERM);
             }
-            std::thread::sleep(Duration::from_millis(50));
+            let deadline = Instant::now() + ROUTER_STOP_TIMEOUT;
+            while Instant::now() < deadline {
+                if matches!(self.child.try_wait(), Ok(Some(_))) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
         }
-        // SAFETY: as above; the leader has not been reaped, so the group id is still ours.
+        // SAFETY: as above. Linux does not hand out a pid while a process group of that id
+        // has members, so after the leader is reaped the id names only what is left of this
+        // group (ESRCH when nothing is).
         unsafe {
             libc::kill(-group, libc::SIGKILL);
         }
@@ -609,5 +620,49 @@ mod tests {
             other => panic!("unexpected {other}"),
         }
         let _ = std::fs::remove_file(log);
+    }
+
+    /// A wrapper that exits on SIGTERM before the server it started (which ignores SIGTERM):
+    /// stopping the leg must still stop the server and free its port.
+    #[test]
+    fn stopping_a_wrapper_stops_the_server_it_left_behind() {
+        let dir = std::env::temp_dir().join(format!("myelin-bench-wrapper-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let server = dir.join("server.py");
+        std::fs::write(
+            &server,
+            "import http.server, signal, sys\n\
+             signal.signal(signal.SIGTERM, signal.SIG_IGN)\n\
+             class Health(http.server.BaseHTTPRequestHandler):\n\
+             \x20   def do_GET(self):\n\
+             \x20       self.send_response(200)\n\
+             \x20       self.send_header('content-length', '0')\n\
+             \x20       self.end_headers()\n\
+             \x20   def log_message(self, *args):\n\
+             \x20       pass\n\
+             http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), Health).serve_forever()\n",
+        )
+        .unwrap();
+        let template = format!(
+            "python3 {} {{port}} & trap 'exit 0' TERM; wait",
+            server.display()
+        );
+        let router =
+            RouterProcess::start_external("wrapper", &template, &backends(), &dir.join("log"))
+                .unwrap();
+        let port: u16 = router.base_url().rsplit(':').next().unwrap().parse().unwrap();
+        router.stop();
+        // SIGKILL is delivered asynchronously: wait (with a deadline) for the listener to go.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut still_listening = true;
+        while Instant::now() < deadline {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+                still_listening = false;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(!still_listening, "the server the wrapper started still listens on {port}");
+        let _ = std::fs::remove_dir_all(dir);
     }
 }
