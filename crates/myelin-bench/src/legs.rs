@@ -6,7 +6,9 @@
 pub const DEFAULT_LEGS: &str =
     "round-robin,least-load,prefix+off,prefix+estimate,prefix+verified,prefix+auto,oracle";
 
-/// Every leg name `--legs` accepts.
+/// Every leg name `--legs` accepts. A router leg may end in `:tokens` to run with the cost in
+/// tokens (`myelin serve --cost tokens`), the cost the router had before the cost in seconds:
+/// `prefix+off:tokens` is history-only prefix routing as it was.
 pub const KNOWN_LEGS: &[&str] = &[
     "round-robin",
     "least-load",
@@ -106,6 +108,8 @@ pub struct LegSpec {
     pub kind: LegKind,
     /// For external legs: the command, with `{port}` and `{backends}` placeholders.
     pub command: Option<String>,
+    /// `myelin serve` flags of this leg after the harness's own (`:tokens`: `--cost tokens`).
+    pub router_args: Vec<String>,
 }
 
 /// Why a leg list was rejected.
@@ -131,7 +135,11 @@ pub fn parse_legs(list: &str) -> Result<Vec<LegSpec>, LegError> {
         .map(str::trim)
         .filter(|name| !name.is_empty())
     {
-        let kind = match name {
+        let (base, router_args) = match name.strip_suffix(":tokens") {
+            Some(base) if base != "oracle" => (base, vec!["--cost".into(), "tokens".into()]),
+            _ => (name, Vec::new()),
+        };
+        let kind = match base {
             "round-robin" => LegKind::RoundRobin,
             "least-load" => LegKind::LeastLoad,
             "prefix+off" | "prefix" => LegKind::Prefix(Residency::Off),
@@ -144,9 +152,14 @@ pub fn parse_legs(list: &str) -> Result<Vec<LegSpec>, LegError> {
         push_unique(
             &mut legs,
             LegSpec {
-                name: kind.describe().to_string(),
+                name: if router_args.is_empty() {
+                    kind.describe().to_string()
+                } else {
+                    format!("{}:tokens", kind.describe())
+                },
                 kind,
                 command: None,
+                router_args,
             },
         )?;
     }
@@ -167,6 +180,7 @@ pub fn parse_external(spec: &str) -> Result<LegSpec, LegError> {
         name: name.to_string(),
         kind: LegKind::External,
         command: Some(command.to_string()),
+        router_args: Vec::new(),
     })
 }
 
@@ -278,6 +292,19 @@ mod tests {
             parse_external("smg=smg launch"),
             Err(LegError::NoPortPlaceholder(_))
         ));
+    }
+
+    #[test]
+    fn a_tokens_suffix_runs_the_leg_with_the_cost_in_tokens() {
+        let legs = parse_legs("prefix+off,prefix+off:tokens,least-load").unwrap();
+        assert_eq!(legs[1].name, "prefix+off:tokens");
+        assert_eq!(legs[1].kind, LegKind::Prefix(Residency::Off));
+        assert_eq!(legs[1].router_args, ["--cost", "tokens"]);
+        assert!(legs[0].router_args.is_empty());
+        assert_eq!(
+            parse_legs("oracle:tokens"),
+            Err(LegError::Unknown("oracle:tokens".into()))
+        );
     }
 
     #[test]

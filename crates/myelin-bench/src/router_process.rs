@@ -650,7 +650,13 @@ mod tests {
         let router =
             RouterProcess::start_external("wrapper", &template, &backends(), &dir.join("log"))
                 .unwrap();
-        let port: u16 = router.base_url().rsplit(':').next().unwrap().parse().unwrap();
+        let port: u16 = router
+            .base_url()
+            .rsplit(':')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
         router.stop();
         // SIGKILL is delivered asynchronously: wait (with a deadline) for the listener to go.
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -662,7 +668,10 @@ mod tests {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        assert!(!still_listening, "the server the wrapper started still listens on {port}");
+        assert!(
+            !still_listening,
+            "the server the wrapper started still listens on {port}"
+        );
         let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -365,6 +365,12 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
             .join("logs")
             .join(format!("{}-{}.log", file_safe(&leg.name), repeat + 1));
     let timing = RouterTiming::scaled(config.cluster.speedup);
+    let router_args: Vec<String> = context
+        .router_args
+        .iter()
+        .chain(&leg.router_args)
+        .cloned()
+        .collect();
     let routers: Vec<RouterProcess> = match leg.kind {
         LegKind::Oracle => Vec::new(),
         LegKind::External => vec![RouterProcess::start_external(
@@ -380,7 +386,7 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
             &backends,
             &timing,
             &[],
-            &context.router_args,
+            &router_args,
             &log_path,
         )?],
         kind => {
@@ -409,7 +415,7 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
                     &backends,
                     &timing,
                     &node_args(index, gossip.as_ref()),
-                    &context.router_args,
+                    &router_args,
                     &node_log,
                 )?);
             }

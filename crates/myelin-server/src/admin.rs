@@ -280,6 +280,12 @@ async fn list(control: &Rc<Control>) -> Response<Body> {
             json["routed_blocks"] = json!(routed);
             json["resident_blocks"] = json!(resident);
             json["resident_blocks_source"] = json!(source);
+            // The KV-event mirror: live, or why not (null: no KV-event stream).
+            json["kv_events_mirror"] = match control.mirror_status(info.id) {
+                None => Value::Null,
+                Some(None) => json!({"live": true}),
+                Some(Some(why)) => json!({"live": false, "reason": why.describe()}),
+            };
             json["kv_capacity_tokens_reported"] = json!(engine_cache.capacity_tokens);
             json["kv_utilization"] = json!(engine_cache.utilization);
             json["admitted_tokens"] = json!(load.admitted_tokens);

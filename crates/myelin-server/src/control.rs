@@ -25,7 +25,7 @@ use crate::backends::{BackendId, BackendInfo, BackendState};
 use crate::config::{AdminListen, AdminToken, HealthConfig, ResidencyMode, ServeConfig};
 use crate::health::{BackendHealth, HealthEvent};
 use crate::kv_feed::{KvFeed, MirrorChange};
-use crate::kv_subscriber::{FeedEvent, KvEndpoints, Subscriber};
+use crate::kv_subscriber::{FeedEvent, KvEndpoints, NotLive, Subscriber};
 use crate::mesh::{Mesh, MeshEnds, OneShot};
 use crate::messages::{Message, ReplicaSnapshot};
 use crate::metrics as names;
@@ -148,6 +148,8 @@ pub(crate) struct Control {
     pool: Pool,
     /// KV-event subscribers by backend; dropping one stops its thread.
     subscribers: RefCell<HashMap<BackendId, Subscriber>>,
+    /// Each followed backend's mirror: live (`None`) or why not, as its subscriber last said.
+    mirror_status: RefCell<HashMap<BackendId, Option<NotLive>>>,
     /// Each backend's KV-cache figures from its last metrics scrape (residency estimate).
     engine_caches: RefCell<HashMap<BackendId, crate::engine_metrics::EngineCache>>,
     /// How often `engine_caches` is refreshed (`--engine-metrics-interval-ms`).
@@ -220,6 +222,7 @@ pub async fn run_control(
         })
         .with_provided_addresses(),
         subscribers: RefCell::new(HashMap::new()),
+        mirror_status: RefCell::new(HashMap::new()),
         engine_caches: RefCell::new(HashMap::new()),
         engine_metrics_interval: config.engine_metrics_interval,
         mirror_dirty: RefCell::new(vec![false; shards]),
@@ -426,8 +429,12 @@ async fn feed_loop(control: Rc<Control>, receiver: crossbeam_channel::Receiver<F
                     };
                     control.broadcast_write(op);
                 }
-                FeedEvent::Live { backend, live } => {
+                FeedEvent::Live { backend, status } => {
+                    let live = status.is_none();
                     if let Some(url) = control.url_of(backend) {
+                        // Only for backends still listed (a removed one's thread says
+                        // `Stopped` after the removal).
+                        control.mirror_status.borrow_mut().insert(backend, status);
                         metrics::gauge!(names::KV_EVENTS_LIVE, "backend" => url).set(if live {
                             1.0
                         } else {
@@ -746,6 +753,13 @@ impl Control {
     }
 
     fn publish_state(&self, id: BackendId, state: BackendState, url: String) {
+        // A dead engine's cache is gone: its mirror leaves routing until its stream says
+        // whether it restarted (kv_subscriber.rs).
+        if state == BackendState::Down
+            && let Some(subscriber) = self.subscribers.borrow().get(&id)
+        {
+            subscriber.suspend();
+        }
         let up = if state == BackendState::Up { 1.0 } else { 0.0 };
         metrics::gauge!(names::BACKEND_UP, "backend" => url).set(up);
         let version = self.state.borrow_mut().take_version();
@@ -770,6 +784,12 @@ impl Control {
     /// Every backend as the control core knows it (its state is the truth the data cores
     /// follow).
     /// A backend's KV-cache figures from its last metrics scrape (default: none yet).
+    /// A followed backend's mirror: `Some(None)` while live, `Some(Some(why))` when not, `None`
+    /// when the backend has no KV-event stream (or its subscriber has said nothing yet).
+    pub(crate) fn mirror_status(&self, id: BackendId) -> Option<Option<NotLive>> {
+        self.mirror_status.borrow().get(&id).copied()
+    }
+
     pub(crate) fn engine_cache(&self, id: BackendId) -> crate::engine_metrics::EngineCache {
         self.engine_caches
             .borrow()
@@ -939,6 +959,7 @@ impl Control {
         }
         if let Some(id) = unfollow {
             self.subscribers.borrow_mut().remove(&id);
+            self.mirror_status.borrow_mut().remove(&id);
             for awaiting in self.mirror_awaiting.borrow_mut().iter_mut() {
                 awaiting.remove(&id);
             }

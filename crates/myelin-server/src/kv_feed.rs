@@ -21,7 +21,10 @@ pub use myelin_routing::MirrorChange;
 use myelin_routing::{ROOT_CHAIN_HASH, chain_hash};
 
 /// Engine blocks remembered per backend before the map is reset (a stream that lost its
-/// removals would otherwise grow it forever; a real engine holds far fewer blocks).
+/// removals would otherwise grow it forever; a real engine holds far fewer blocks). A reset
+/// leaves the mirror inexact (blocks the engine still holds are forgotten and their
+/// extensions become orphans), so the feed reports itself [`KvFeed::overflowed`] until the
+/// engine clears its cache or restarts.
 pub const MAX_TRACKED_BLOCKS: usize = 4 << 20;
 
 /// Why events or blocks were not applied, for metrics.
@@ -42,6 +45,10 @@ pub struct FeedCounters {
     pub skipped_orphan: u64,
     /// Removals of blocks the feed never saw stored.
     pub unknown_removals: u64,
+    /// Times the tracked-block map passed its bound and was reset.
+    pub overflow_clears: u64,
+    /// The block size of the last event skipped for its block size (0: none was).
+    pub foreign_block_size: u32,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -61,6 +68,10 @@ pub struct KvFeed {
     filter: MirrorFilter,
     block_size: NonZeroU32,
     blocks: BlockMap,
+    /// [`MAX_TRACKED_BLOCKS`], smaller in tests.
+    max_tracked: usize,
+    /// The map was reset at its bound since the engine last cleared its cache.
+    overflowed: bool,
     pub counters: FeedCounters,
 }
 
@@ -70,8 +81,21 @@ impl KvFeed {
             filter: MirrorFilter::default(),
             block_size,
             blocks: BlockMap::default(),
+            max_tracked: MAX_TRACKED_BLOCKS,
+            overflowed: false,
             counters: FeedCounters::default(),
         }
+    }
+
+    /// The router's block size, which every mirrored block must have.
+    pub fn block_size(&self) -> NonZeroU32 {
+        self.block_size
+    }
+
+    /// Whether the tracked-block map was reset at its bound since the engine last cleared its
+    /// cache: the mirror then misses blocks the engine holds and must not be trusted.
+    pub fn overflowed(&self) -> bool {
+        self.overflowed
     }
 
     /// Engine blocks currently tracked.
@@ -112,6 +136,7 @@ impl KvFeed {
     /// The engine lost everything (cache reset, or it restarted: its sequence went back).
     pub fn clear(&mut self, out: &mut Vec<MirrorChange>) {
         self.blocks.clear();
+        self.overflowed = false;
         out.push(MirrorChange::Cleared);
     }
 
@@ -123,6 +148,7 @@ impl KvFeed {
         }
         if stored.block_size != self.block_size.get() {
             self.counters.skipped_block_size += blocks;
+            self.counters.foreign_block_size = stored.block_size;
             return;
         }
         let size = self.block_size.get() as usize;
@@ -140,8 +166,11 @@ impl KvFeed {
                 }
             },
         };
-        if self.blocks.len() + stored.block_hashes.len() > MAX_TRACKED_BLOCKS {
-            self.clear(out);
+        if self.blocks.len() + stored.block_hashes.len() > self.max_tracked {
+            self.blocks.clear();
+            self.overflowed = true;
+            self.counters.overflow_clears += 1;
+            out.push(MirrorChange::Cleared);
         }
         for (&engine_hash, tokens) in stored
             .block_hashes
@@ -149,10 +178,26 @@ impl KvFeed {
             .zip(stored.token_ids.chunks_exact(size))
         {
             let chain = chain_hash(parent_chain, tokens);
-            self.blocks
-                .entry(engine_hash)
-                .and_modify(|known| known.copies = known.copies.saturating_add(1))
-                .or_insert(KnownBlock { chain, copies: 1 });
+            match self.blocks.get_mut(&engine_hash) {
+                // Another copy of the same block (vLLM computes a prefix twice when two
+                // requests prefill it at once, and announces and evicts each copy).
+                Some(known) if known.chain == chain => {
+                    known.copies = known.copies.saturating_add(1);
+                }
+                // The engine reuses a hash for other tokens (another parent, a new hash seed):
+                // the old block is gone from the engine's index, so its copies leave the
+                // mirror too, or they would stay resident forever.
+                Some(known) => {
+                    for _ in 0..known.copies {
+                        out.push(MirrorChange::Removed(known.chain));
+                    }
+                    *known = KnownBlock { chain, copies: 1 };
+                }
+                None => {
+                    self.blocks
+                        .insert(engine_hash, KnownBlock { chain, copies: 1 });
+                }
+            }
             out.push(MirrorChange::Stored(chain));
             self.counters.stored_blocks += 1;
             parent_chain = chain;
@@ -283,7 +328,55 @@ mod tests {
         assert_eq!(feed.counters.skipped_other_cache, 3);
         assert_eq!(feed.counters.skipped_lora, 1);
         assert_eq!(feed.counters.skipped_block_size, 1);
+        assert_eq!(feed.counters.foreign_block_size, 16);
         assert_eq!(feed.counters.skipped_malformed, 1);
+    }
+
+    #[test]
+    fn a_hash_stored_again_for_other_tokens_replaces_its_block() {
+        let (first, second): (Vec<u32>, Vec<u32>) = ((1..=4).collect(), (5..=8).collect());
+        let root = |tokens: &[u32]| chain_hash(ROOT_CHAIN_HASH, tokens);
+        let mut feed = feed();
+        let mut out = Vec::new();
+        feed.apply(&stored(&[7], None, &first), &mut out);
+        feed.apply(&stored(&[7], None, &first), &mut out);
+        out.clear();
+        feed.apply(&stored(&[7], None, &second), &mut out);
+        // Both copies of the old block leave the mirror; the new block is one copy.
+        assert_eq!(
+            out,
+            vec![
+                MirrorChange::Removed(root(&first)),
+                MirrorChange::Removed(root(&first)),
+                MirrorChange::Stored(root(&second)),
+            ]
+        );
+        assert_eq!(feed.tracked_blocks(), 1);
+        out.clear();
+        feed.apply(&removed(&[7]), &mut out);
+        assert_eq!(out, vec![MirrorChange::Removed(root(&second))]);
+        assert_eq!(feed.tracked_blocks(), 0);
+    }
+
+    #[test]
+    fn a_reset_at_the_bound_leaves_the_feed_overflowed_until_the_engine_clears() {
+        let mut feed = feed();
+        feed.max_tracked = 2;
+        let mut out = Vec::new();
+        let tokens: Vec<u32> = (1..=12).collect();
+        feed.apply(&stored(&[1, 2], None, &tokens[..8]), &mut out);
+        assert!(!feed.overflowed());
+        out.clear();
+        feed.apply(&stored(&[3], Some(2), &tokens[8..]), &mut out);
+        assert!(feed.overflowed());
+        assert_eq!(feed.counters.overflow_clears, 1);
+        assert_eq!(out[0], MirrorChange::Cleared);
+        assert_eq!(feed.tracked_blocks(), 1);
+        feed.apply(
+            &local(KvEvent::AllBlocksCleared(AllBlocksCleared)),
+            &mut out,
+        );
+        assert!(!feed.overflowed());
     }
 
     #[test]

@@ -16,6 +16,18 @@
 //!   again: after the engine's next `AllBlocksCleared` or restart;
 //! - a sequence going back means the engine restarted with an empty cache: the backend's
 //!   mirror is cleared.
+//!
+//! Three more things take the mirror out of routing (not live: the estimate decides) until
+//! the stream shows it exact again:
+//! - the backend went down ([`Subscriber::suspend`]): a dead engine's blocks are gone, and its
+//!   restarted process publishes nothing until it stores its first block. The next batch
+//!   decides: one that continues the sequence (it was not a restart) brings the mirror back
+//!   as it was, one that starts a new sequence clears it first;
+//! - the engine's blocks are of another size than the router's `--block-size`: none can be
+//!   mirrored (said once in the log, and in `myelin_kv_events_block_size_mismatch`), until the
+//!   engine restarts;
+//! - the tracked-block map passed its bound and was reset ([`KvFeed::overflowed`]), until the
+//!   engine clears its cache or restarts.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,6 +45,10 @@ use crate::metrics as names;
 pub const RECEIVE_TIMEOUT: Duration = Duration::from_millis(100);
 /// Longest wait for the replay socket's next batch.
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+/// Largest message accepted from an engine's sockets (`ZMQ_MAXMSGSIZE`): libzmq drops the
+/// connection of a peer that sends more instead of allocating it (a reconnect then shows as a
+/// gap). A vLLM batch of one step is far smaller: a 16-token block is about 100 bytes.
+pub const MAX_MESSAGE_BYTES: i64 = 64 << 20;
 
 /// Where one engine publishes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,8 +67,11 @@ pub enum FeedEvent {
         backend: BackendId,
         updates: Vec<MirrorChange>,
     },
-    /// The backend's mirror is in sync (`true`) or no longer followed (`false`).
-    Live { backend: BackendId, live: bool },
+    /// The backend's mirror is in sync (`status` is `None`) or not, and why.
+    Live {
+        backend: BackendId,
+        status: Option<NotLive>,
+    },
     /// The whole mirror (`Cleared`, then every block), in stream order with `Updates`, and
     /// whether it is live: asked for by [`Subscriber::request_snapshot`].
     Snapshot {
@@ -62,10 +81,54 @@ pub enum FeedEvent {
     },
 }
 
+/// Why a backend's mirror is not live (routing then uses the estimate for it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotLive {
+    /// No batch applied yet since the subscription.
+    Starting,
+    /// The backend went down; the stream's next batch decides.
+    BackendDown,
+    /// Batches were lost and could not be replayed: exact again after the engine's next cache
+    /// reset or restart.
+    Unsynced,
+    /// The tracked-block map passed its bound: exact again after the engine's next cache
+    /// reset or restart.
+    Overflowed,
+    /// The engine's blocks are not of the router's block size.
+    BlockSize { engine: u32, router: u32 },
+    /// The subscriber stopped.
+    Stopped,
+}
+
+impl NotLive {
+    /// For `GET /admin/backends`.
+    pub fn describe(self) -> String {
+        match self {
+            NotLive::Starting => "no event batch seen yet".into(),
+            NotLive::BackendDown => {
+                "the backend went down: waiting for its stream to show whether it restarted".into()
+            }
+            NotLive::Unsynced => {
+                "event batches were lost: waiting for the engine's next cache reset or restart"
+                    .into()
+            }
+            NotLive::Overflowed => "more blocks than the mirror tracks: waiting for the \
+                                    engine's next cache reset or restart"
+                .into(),
+            NotLive::BlockSize { engine, router } => format!(
+                "the engine's blocks are {engine} tokens, the router's --block-size is {router}: \
+                 not mirrored until they agree"
+            ),
+            NotLive::Stopped => "the subscriber stopped".into(),
+        }
+    }
+}
+
 /// A running subscriber; stops (without waiting) when dropped.
 pub struct Subscriber {
     stop: Arc<AtomicBool>,
     snapshot: Arc<AtomicBool>,
+    suspend: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -82,6 +145,8 @@ impl Subscriber {
         let thread_stop = stop.clone();
         let snapshot = Arc::new(AtomicBool::new(false));
         let thread_snapshot = snapshot.clone();
+        let suspend = Arc::new(AtomicBool::new(false));
+        let thread_suspend = suspend.clone();
         let thread = std::thread::Builder::new()
             .name(format!("myelin-kv-{backend}"))
             .spawn(move || {
@@ -95,22 +160,33 @@ impl Subscriber {
                     sender,
                     last_seq: None,
                     last_live_seq: None,
-                    live: false,
+                    status: Some(NotLive::Starting),
                     unsynced: false,
+                    foreign_block_size: None,
                     snapshot: thread_snapshot,
+                    suspend: thread_suspend,
                     reported: FeedCounters::default(),
                 };
                 follower.run(&endpoints, &thread_stop);
                 let _ = follower.sender.send(FeedEvent::Live {
                     backend,
-                    live: false,
+                    status: Some(NotLive::Stopped),
                 });
             })?;
         Ok(Subscriber {
             stop,
             snapshot,
+            suspend,
             thread: Some(thread),
         })
+    }
+
+    /// The backend went down: its mirror stops being live within about [`RECEIVE_TIMEOUT`]
+    /// and stays out of routing until the stream's next batch shows whether the engine kept
+    /// its cache (the sequence goes on) or restarted (it starts again, and the mirror is
+    /// cleared).
+    pub fn suspend(&self) {
+        self.suspend.store(true, Ordering::Release);
     }
 
     /// Asks the thread to send its whole mirror ([`FeedEvent::Snapshot`]) within about
@@ -153,11 +229,17 @@ struct Follower {
     last_seq: Option<u64>,
     /// Last batch received on the live socket.
     last_live_seq: Option<u64>,
-    live: bool,
+    /// `None` while live.
+    status: Option<NotLive>,
     /// A gap could not be filled: the mirror stays not live until it is exact again.
     unsynced: bool,
+    /// The engine's block size, when it is not the router's: nothing can be mirrored until
+    /// the engine restarts.
+    foreign_block_size: Option<u32>,
     /// Set by [`Subscriber::request_snapshot`].
     snapshot: Arc<AtomicBool>,
+    /// Set by [`Subscriber::suspend`].
+    suspend: Arc<AtomicBool>,
     reported: FeedCounters,
 }
 
@@ -179,17 +261,20 @@ impl Follower {
         if let Some(replay) = &replay {
             self.replay_from(replay, 0, None);
         }
-        if self.last_seq.is_some() {
-            self.set_live(true);
+        if self.last_seq.is_some() && self.exact() {
+            self.set_status(None);
         }
         while !stop.load(Ordering::Acquire) {
+            if self.suspend.swap(false, Ordering::AcqRel) && self.status.is_none() {
+                self.set_status(Some(NotLive::BackendDown));
+            }
             if self.snapshot.swap(false, Ordering::AcqRel) {
                 let mut changes = Vec::new();
                 self.feed.snapshot(&mut changes);
                 let _ = self.sender.send(FeedEvent::Snapshot {
                     backend: self.backend,
                     changes,
-                    live: self.live,
+                    live: self.status.is_none(),
                 });
             }
             let frames = match subscriber.recv_multipart(0) {
@@ -229,10 +314,15 @@ impl Follower {
                 _ => {}
             }
             self.apply(seq, &message.batch);
-            if !self.unsynced {
-                self.set_live(true);
+            if self.exact() {
+                self.set_status(None);
             }
         }
+    }
+
+    /// Whether the mirror holds exactly what the engine announced.
+    fn exact(&self) -> bool {
+        !self.unsynced && self.foreign_block_size.is_none()
     }
 
     fn socket(
@@ -245,6 +335,7 @@ impl Follower {
         let timeout = i32::try_from(RECEIVE_TIMEOUT.as_millis()).unwrap_or(100);
         socket.set_rcvtimeo(timeout).ok()?;
         socket.set_linger(0).ok()?;
+        socket.set_maxmsgsize(MAX_MESSAGE_BYTES).ok()?;
         match socket.connect(endpoint) {
             Ok(()) => Some(socket),
             Err(error) => {
@@ -290,8 +381,12 @@ impl Follower {
         let mut updates = Vec::new();
         self.feed.clear(&mut updates);
         self.last_seq = None;
-        // A new engine process starts empty: the mirror is exact again.
+        // A new engine process starts empty: the mirror is exact again (and its blocks may
+        // now be of the router's size).
         self.unsynced = false;
+        self.foreign_block_size = None;
+        metrics::gauge!(names::KV_EVENTS_BLOCK_SIZE_MISMATCH, "backend" => self.label.clone())
+            .set(0.0);
         self.forward(updates);
     }
 
@@ -300,7 +395,7 @@ impl Follower {
     fn lose_sync(&mut self) {
         metrics::counter!(names::KV_EVENTS_UNSYNCED_TOTAL, "backend" => self.label.clone())
             .increment(1);
-        self.set_live(false);
+        self.set_status(Some(NotLive::Unsynced));
         let mut updates = Vec::new();
         self.feed.clear(&mut updates);
         self.unsynced = true;
@@ -308,6 +403,7 @@ impl Follower {
     }
 
     fn apply(&mut self, seq: u64, batch: &DecodedBatch) {
+        let skipped_for_size = self.feed.counters.skipped_block_size;
         let mut updates = Vec::new();
         for event in &batch.events {
             self.feed.apply(event, &mut updates);
@@ -315,6 +411,29 @@ impl Follower {
         // The engine dropped its whole cache: from here on the mirror is exact again.
         if self.unsynced && updates.contains(&MirrorChange::Cleared) {
             self.unsynced = false;
+        }
+        if self.feed.overflowed() {
+            self.unsynced = true;
+            self.set_status(Some(NotLive::Overflowed));
+        }
+        let foreign = self.feed.counters.foreign_block_size;
+        if self.feed.counters.skipped_block_size > skipped_for_size
+            && self.foreign_block_size.is_none()
+        {
+            self.foreign_block_size = Some(foreign);
+            self.set_status(Some(NotLive::BlockSize {
+                engine: foreign,
+                router: self.feed.block_size().get(),
+            }));
+            eprintln!(
+                "myelin: kv events {}: the engine's KV blocks are {foreign} tokens, the \
+                 router's --block-size is {}: this engine's cache is not mirrored (the \
+                 estimate routes it) until the two agree and the engine restarts",
+                self.label,
+                self.feed.block_size()
+            );
+            metrics::gauge!(names::KV_EVENTS_BLOCK_SIZE_MISMATCH, "backend" => self.label.clone())
+                .set(f64::from(foreign));
         }
         self.last_seq = Some(seq);
         metrics::counter!(names::KV_EVENTS_BATCHES_TOTAL, "backend" => self.label.clone())
@@ -332,12 +451,12 @@ impl Follower {
         }
     }
 
-    fn set_live(&mut self, live: bool) {
-        if self.live != live {
-            self.live = live;
+    fn set_status(&mut self, status: Option<NotLive>) {
+        if self.status != status {
+            self.status = status;
             let _ = self.sender.send(FeedEvent::Live {
                 backend: self.backend,
-                live,
+                status,
             });
         }
     }

@@ -113,6 +113,9 @@ pub const STATE_RESYNCS_TOTAL: &str = "myelin_state_resyncs_total";
 pub const DNS_RESOLUTIONS_TOTAL: &str = "myelin_dns_resolutions_total";
 /// 1 while a backend's KV-event mirror is live (in sync), by backend.
 pub const KV_EVENTS_LIVE: &str = "myelin_kv_events_live";
+/// The block size of a backend's KV events while it is not the router's `--block-size` (its
+/// cache is then not mirrored), 0 otherwise, by backend.
+pub const KV_EVENTS_BLOCK_SIZE_MISMATCH: &str = "myelin_kv_events_block_size_mismatch";
 /// Fraction of a backend's KV cache in use, as its metrics endpoint reports it, by backend.
 pub const BACKEND_KV_UTILIZATION: &str = "myelin_backend_kv_utilization";
 /// Reported minus predicted cached prompt tokens of each estimated request whose engine
@@ -537,5 +540,9 @@ fn describe() {
     describe_gauge!(
         KV_EVENTS_LIVE,
         "1 while a backend's KV-event mirror is in sync."
+    );
+    describe_gauge!(
+        KV_EVENTS_BLOCK_SIZE_MISMATCH,
+        "Block size of a backend's KV events while it is not the router's (not mirrored), else 0."
     );
 }

@@ -1,7 +1,9 @@
 //! OpenAI request validation (what routing needs from a body) and the OpenAI error JSON shape.
 //!
 //! The router never rewrites a request body: it validates the fields it must understand
-//! (`model`, `messages`/`prompt`, `stream`) and forwards the original bytes unchanged.
+//! (`model`, `messages`/`prompt`, `stream`) and forwards the original bytes unchanged. It
+//! refuses the few engine options that would corrupt state it shares between clients
+//! (`vllm_xargs.kv_cache_report_mode`).
 
 use http::StatusCode;
 use serde_json::{Map, Value};
@@ -222,6 +224,7 @@ pub fn parse_generation_request(
         Some(Value::Bool(stream)) => *stream,
         Some(_) => return Err(wrong_type("stream", "a boolean")),
     };
+    refuse_event_options(&object)?;
     let max_tokens = optional_count(&object, "max_tokens")?
         .or(optional_count(&object, "max_completion_tokens")?);
     optional_count(&object, "n")?;
@@ -246,6 +249,33 @@ pub fn parse_generation_request(
         batch,
         usage_expected: !stream || include_usage,
     })
+}
+
+/// vLLM options a client could set per request that change what the engine publishes on its
+/// KV-event stream, which the router's mirror follows for every client: with
+/// `kv_cache_report_mode` vLLM announces the blocks a request reuses as stored again, and each
+/// announcement would count as another copy that vLLM never removes (the mirror would keep
+/// evicted blocks resident). Refused rather than stripped: the router never rewrites a body.
+const EVENT_OPTIONS: &[&str] = &["kv_cache_report_mode"];
+
+fn refuse_event_options(object: &Map<String, Value>) -> Result<(), ApiError> {
+    let Some(Value::Object(extra)) = object.get("vllm_xargs") else {
+        return Ok(());
+    };
+    match EVENT_OPTIONS
+        .iter()
+        .find(|option| extra.contains_key(**option))
+    {
+        None => Ok(()),
+        Some(option) => Err(ApiError::invalid_request(
+            format!(
+                "'vllm_xargs.{option}' is not accepted through this router: it changes the \
+                 engine's KV-cache events, which the router follows for every client"
+            ),
+            Some(&format!("vllm_xargs.{option}")),
+            "unsupported_parameter",
+        )),
+    }
 }
 
 fn wrong_type(param: &str, expected: &str) -> ApiError {
@@ -560,6 +590,29 @@ mod tests {
         for result in [chat("{"), completion(r#"{"model":"m"}"#)] {
             assert_eq!(result.unwrap_err().status, StatusCode::BAD_REQUEST);
         }
+    }
+
+    #[test]
+    fn options_that_change_the_engines_kv_events_are_refused() {
+        let refused = completion(
+            r#"{"model":"m","prompt":"x","vllm_xargs":{"kv_cache_report_mode":"full"}}"#,
+        );
+        assert_eq!(
+            code_of(refused),
+            (
+                400,
+                Some("vllm_xargs.kv_cache_report_mode".to_string()),
+                Some("unsupported_parameter")
+            )
+        );
+        // Other engine options pass through untouched.
+        assert!(
+            completion(r#"{"model":"m","prompt":"x","vllm_xargs":{"priority_boost":1}}"#).is_ok()
+        );
+        assert!(
+            chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"vllm_xargs":{"kv_cache_report_mode":"full"}}"#)
+                .is_err()
+        );
     }
 
     #[test]

@@ -69,7 +69,13 @@ const TEMPLATE_DIFFERENCE_MAX: u64 = 64;
 /// The likely cause of a difference between the router's and the engine's prompt tokens.
 pub fn likely_cause(router_tokens: u64, engine_tokens: u64, kind: PromptKind) -> &'static str {
     let difference = router_tokens.abs_diff(engine_tokens);
-    if difference == 1 {
+    if difference == 1 && kind == PromptKind::Chat {
+        "an added BOS token or a line break: one side adds a beginning-of-sequence token the \
+         other does not (the tokenizer's add_bos_token, or a template that writes its own \
+         bos_token), or the chat template's whitespace renders differently (give myelin serve \
+         the engine model's --chat-template; myelin renders it with trim_blocks and \
+         lstrip_blocks, as Hugging Face and vLLM do)"
+    } else if difference == 1 {
         "an added BOS token: one side adds a beginning-of-sequence token the other does not \
          (the tokenizer's add_bos_token, or a template that writes its own bos_token)"
     } else if kind == PromptKind::Chat && difference <= TEMPLATE_DIFFERENCE_MAX {
@@ -195,7 +201,9 @@ mod tests {
     #[test]
     fn causes_follow_the_size_of_the_difference() {
         assert!(likely_cause(100, 101, PromptKind::Chat).contains("BOS"));
+        assert!(likely_cause(100, 101, PromptKind::Chat).contains("trim_blocks"));
         assert!(likely_cause(101, 100, PromptKind::Completion).contains("BOS"));
+        assert!(!likely_cause(101, 100, PromptKind::Completion).contains("trim_blocks"));
         assert!(likely_cause(100, 112, PromptKind::Chat).contains("chat template"));
         assert!(likely_cause(100, 112, PromptKind::Completion).contains("tokenizer"));
         assert!(likely_cause(1000, 1300, PromptKind::Chat).contains("tokenizer"));

@@ -1,5 +1,12 @@
 //! Chat templates: HuggingFace-style Jinja templates (from a model's `tokenizer_config.json` or
 //! a `.jinja` file) rendered with minijinja, with a bundled ChatML default.
+//!
+//! Rendered the way Hugging Face's `apply_chat_template` (and so vLLM) renders them: Jinja's
+//! `trim_blocks` (the first newline after a block tag is dropped) and `lstrip_blocks` (spaces
+//! and tabs before a block tag on its line are dropped) are on, trailing newlines are not kept,
+//! and `raise_exception` is a global. Without the first two, a template written over several
+//! lines renders with extra line breaks, so every prompt's tokens differ from the engine's and
+//! no prefix can match its cache.
 
 use std::path::{Path, PathBuf};
 
@@ -102,6 +109,9 @@ impl ChatTemplate {
         eos_token: String,
     ) -> Result<Self, TemplateError> {
         let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_keep_trailing_newline(false);
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
@@ -236,6 +246,22 @@ mod tests {
             .expect_err("template raises");
         assert!(error.to_string().contains("no tools"));
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn multi_line_templates_render_with_trim_and_lstrip_blocks() {
+        let source = "{% for message in messages %}\n    {% if message.role == 'user' %}\n<u>{{ message.content }}</u>\n    {% else %}\n<a>{{ message.content }}</a>\n    {% endif %}\n{% endfor %}\n";
+        let template =
+            ChatTemplate::from_source(source.to_string(), String::new(), String::new()).unwrap();
+        let rendered = template
+            .render(
+                &json!([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]),
+                false,
+            )
+            .unwrap();
+        // Without trim_blocks and lstrip_blocks this is "\n    \n<u>q</u>\n    \n..." with a
+        // line break and indentation left by every tag.
+        assert_eq!(rendered, "<u>q</u>\n<a>a</a>\n");
     }
 
     #[test]

@@ -120,3 +120,143 @@ fn the_mirror_follows_engine_events_and_replays_history() {
         cluster.shutdown();
     }
 }
+
+/// The `kv_events_mirror` of the first backend in the admin listing.
+fn mirror(backends: &[Value]) -> &Value {
+    &backends[0]["kv_events_mirror"]
+}
+
+fn reason(backends: &[Value]) -> String {
+    mirror(backends)["reason"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// Sends one chat straight to engine 0 of `cluster` (not through the router), so that it
+/// publishes new blocks.
+fn chat_engine(cluster: &SimCluster, seed: usize) {
+    let addr = cluster.engine_urls()[0]
+        .trim_start_matches("http://")
+        .parse()
+        .unwrap();
+    let answer = request(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        &[("content-type", "application/json")],
+        Some(chat(200, seed).to_string().as_bytes()),
+    );
+    assert_eq!(answer.status, 200);
+}
+
+#[test]
+fn an_engine_of_another_block_size_is_not_mirrored_and_says_why() {
+    let cluster = cluster(WireVersion::V0_33);
+    let args = backend_args(&cluster);
+    let mut all: Vec<&str> = args.iter().map(String::as_str).collect();
+    // The simulated engines' blocks are 16 tokens.
+    all.extend(["--residency", "auto", "--block-size", "32"]);
+    let router = Router::start(&all);
+    chat_engine(&cluster, 1);
+    let backends = wait_for(&router, "the block size refused", |backends| {
+        mirror(backends)["live"] == false && reason(backends).contains("16 tokens")
+    });
+    assert!(
+        reason(&backends).contains("--block-size is 32"),
+        "{backends:?}"
+    );
+    assert_eq!(resident(&backends[0]), 0);
+    // `auto` routes that engine on the estimate.
+    assert_eq!(backends[0]["residency"], "estimate");
+    let metrics = router.metrics();
+    assert_eq!(
+        metric_value(&metrics, &["myelin_kv_events_block_size_mismatch"]),
+        16.0
+    );
+    assert!(
+        metric_value(
+            &metrics,
+            &[
+                "myelin_kv_events_skipped_blocks_total",
+                "reason=\"block_size\""
+            ]
+        ) > 0.0
+    );
+    drop(router);
+    cluster.shutdown();
+}
+
+/// The backend's HTTP side is a scriptable engine whose health the test sets, its KV events
+/// are a simulated engine's stream: when the backend goes down its mirror leaves routing,
+/// and the stream's next batch decides how it comes back.
+#[test]
+fn a_backend_that_goes_down_takes_its_mirror_out_of_routing_until_its_stream_speaks() {
+    let cluster = cluster(WireVersion::V0_33);
+    let events = cluster.kv_event_endpoints()[0].clone().expect("events");
+    let engine = support::engine::Engine::start(
+        "http-side",
+        support::engine::Behavior::Normal {
+            chunks: 2,
+            interval: Duration::from_millis(1),
+        },
+    );
+    let backend = format!(
+        "{},kv-events={},kv-replay={}",
+        engine.url(),
+        events.publish,
+        events.replay
+    );
+    let router = Router::start(&[
+        "--backend",
+        &backend,
+        "--residency",
+        "auto",
+        "--health-interval-ms",
+        "20",
+        "--unhealthy-threshold",
+        "2",
+        "--healthy-threshold",
+        "2",
+    ]);
+    chat_engine(&cluster, 1);
+    let live = wait_for(&router, "the mirror live", |backends| {
+        mirror(backends)["live"] == true && resident(&backends[0]) > 0
+    });
+    let held = resident(&live[0]);
+
+    engine.set_healthy(false);
+    wait_for(&router, "the mirror out of routing", |backends| {
+        backends[0]["state"] == "down"
+            && mirror(backends)["live"] == false
+            && reason(backends).contains("went down")
+    });
+    engine.set_healthy(true);
+    wait_for(&router, "the backend up again", |backends| {
+        backends[0]["state"] == "up" && backends[0]["residency"] == "estimate"
+    });
+    // The same engine process goes on (its sequence continues): the mirror is live again,
+    // with the blocks it held and the new ones.
+    chat_engine(&cluster, 2);
+    let back = wait_for(&router, "the mirror live again", |backends| {
+        mirror(backends)["live"] == true && resident(&backends[0]) > held
+    });
+    assert_eq!(back[0]["residency"], "verified");
+
+    // Down again, and this time the engine restarts (its sequence starts again): the mirror
+    // is cleared before it is live.
+    engine.set_healthy(false);
+    wait_for(&router, "down again", |backends| {
+        mirror(backends)["live"] == false
+    });
+    engine.set_healthy(true);
+    assert!(cluster.restart_kv_publisher(0));
+    chat_engine(&cluster, 3);
+    wait_for(&router, "restarted and live", |backends| {
+        mirror(backends)["live"] == true
+    });
+    let metrics = router.metrics();
+    assert!(metric_value(&metrics, &["myelin_kv_events_restarts_total"]) >= 1.0);
+    drop(router);
+    cluster.shutdown();
+}
