@@ -407,7 +407,24 @@ impl<E: ResidencyEstimator> Router<E> {
                 let least = candidates.iter().map(|c| c.load_tokens).min().unwrap_or(0);
                 rotate_pick(&candidates, after, |c| c.load_tokens == least)
             }
-            Policy::Prefix => lowest(&candidates, after, |c| c.cost_tokens, |_| true),
+            Policy::Prefix => {
+                // Equal costs: the engine expected to hold more of the prompt keeps it (no
+                // second copy of the prefix elsewhere), then rotation.
+                let best = candidates
+                    .iter()
+                    .map(|c| c.cost_tokens)
+                    .min_by(f64::total_cmp)
+                    .unwrap_or(0.0);
+                let most_cached = candidates
+                    .iter()
+                    .filter(|c| c.cost_tokens == best)
+                    .map(|c| c.expected_cached_tokens)
+                    .max_by(f64::total_cmp)
+                    .unwrap_or(0.0);
+                rotate_pick(&candidates, after, |c| {
+                    c.cost_tokens == best && c.expected_cached_tokens == most_cached
+                })
+            }
         };
         let longest = candidates
             .iter()

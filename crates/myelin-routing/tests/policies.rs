@@ -1087,6 +1087,50 @@ fn a_cache_hit_stays_home_while_the_queue_there_costs_less_than_prefilling_elsew
 }
 
 #[test]
+fn equal_costs_go_to_the_engine_holding_the_prompt_not_round_the_engines() {
+    // Engine 0 holds the 6,000-token prompt but shows 6,000 tokens of prefill ahead (a
+    // finished request still counted in flight: another core's view lags); engine 1 would
+    // prefill the whole prompt. Both predict the same seconds: the hit keeps the prompt, every
+    // time, instead of rotating a second copy onto engine 1.
+    let mut shard = shard();
+    let tokens = prompt(1500, 6);
+    shard.learn(&tokens, BackendId(0), 0);
+    let queue = |ahead: u64| EngineQueue {
+        prefill_tokens_ahead: ahead,
+        requests: 1,
+        mean_remaining_output_tokens: 200.0,
+        ..EngineQueue::default()
+    };
+    let views = [
+        up(0, 6000).with_ttft(DEFAULT_ENGINE_TIMING, queue(6000)),
+        up(1, 0).with_ttft(DEFAULT_ENGINE_TIMING, queue(0)),
+    ];
+    let mut router = ttft_router(ResidencyMode::Off);
+    for _ in 0..4 {
+        let decision = decide(&mut router, &shard, &tokens, &views);
+        assert_eq!(decision.backend, BackendId(0));
+        assert_eq!(decision.expected_cached_tokens, 6000.0);
+    }
+    // Without the prompt anywhere, equal engines still take turns.
+    let cold = prompt(1500, 7);
+    let spread: Vec<BackendId> = (0..2)
+        .map(|_| {
+            decide(
+                &mut router,
+                &shard,
+                &cold,
+                &[
+                    up(0, 0).with_ttft(DEFAULT_ENGINE_TIMING, queue(0)),
+                    up(1, 0).with_ttft(DEFAULT_ENGINE_TIMING, queue(0)),
+                ],
+            )
+            .backend
+        })
+        .collect();
+    assert_ne!(spread[0], spread[1], "{spread:?}");
+}
+
+#[test]
 fn a_slower_engine_is_priced_by_its_own_fitted_timing() {
     let shard = shard();
     let tokens = prompt(1000, 3);

@@ -127,6 +127,8 @@ fn admin_route_of(method: &Method, path: &str) -> Result<AdminRoute, ApiError> {
 pub async fn handle(control: Rc<Control>, request: Request<Incoming>) -> Response<Body> {
     let (label, response) = if !authorized(&control, &request) {
         ("other", unauthorized())
+    } else if from_a_browser(&request) {
+        ("other", refused_browser())
     } else if request.uri().path().trim_end_matches('/') == "/admin/cluster" {
         (
             "/admin/cluster",
@@ -162,6 +164,40 @@ fn authorized(control: &Control, request: &Request<Incoming>) -> bool {
             .get(header::AUTHORIZATION)
             .is_some_and(|value| token.accepts(value.as_bytes())),
     }
+}
+
+/// A page in a browser on the host can send simple cross-site requests (a form POST, no
+/// preflight) to a loopback listener. Browsers mark every such request with `Origin` or
+/// `Sec-Fetch-Site`; the admin API is for operators' tools (curl, scripts), which send neither,
+/// so a request carrying either is refused before it is routed.
+fn from_a_browser(request: &Request<Incoming>) -> bool {
+    let headers = request.headers();
+    headers.contains_key(header::ORIGIN)
+        || headers
+            .get("sec-fetch-site")
+            .is_some_and(|site| site.as_bytes() != b"none")
+}
+
+fn refused_browser() -> Response<Body> {
+    error_response(&ApiError {
+        status: StatusCode::FORBIDDEN,
+        message: "the admin API does not accept requests from web pages (Origin or \
+                  Sec-Fetch-Site header present)"
+            .into(),
+        error_type: "invalid_request_error",
+        param: None,
+        code: Some("admin_browser_request"),
+    })
+}
+
+/// Whether a request's body is declared JSON (`application/json`, parameters allowed).
+fn declares_json(request: &Request<Incoming>) -> bool {
+    request
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.split(';').next())
+        .is_some_and(|media| media.trim().eq_ignore_ascii_case("application/json"))
 }
 
 fn unauthorized() -> Response<Body> {
@@ -322,6 +358,16 @@ async fn list(control: &Rc<Control>) -> Response<Body> {
 
 /// POST /admin/backends with `{"url": "...", "kv_events": "...", "kv_replay": "..."}`.
 async fn add(control: &Rc<Control>, request: Request<Incoming>) -> Response<Body> {
+    if !declares_json(&request) {
+        return error_response(&ApiError {
+            status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            message: "POST /admin/backends takes a JSON body (Content-Type: application/json)"
+                .into(),
+            error_type: "invalid_request_error",
+            param: None,
+            code: Some("unsupported_media_type"),
+        });
+    }
     let read = crate::request_path::read_admin_body(request, MAX_ADMIN_BODY_BYTES);
     let body = match myelin_http::rt::timeout(ADMIN_BODY_TIMEOUT, read).await {
         Some(Ok(body)) => body,

@@ -257,7 +257,7 @@ pub async fn run_control(
     glommio::spawn_local(dns_loop(control.clone())).detach();
     let initial_specs = control.check_targets();
     for (id, spec) in initial_specs {
-        control.follow_kv_events(id, &spec);
+        control.follow_backend(id, &spec);
     }
     glommio::spawn_local(feed_loop(control.clone(), feed_receiver)).detach();
 
@@ -496,8 +496,10 @@ async fn receive_loop(control: Rc<Control>, receiver: ConnectedReceiver<Message>
 }
 
 impl Control {
-    /// Starts following a backend's KV events, when its spec names an endpoint.
-    fn follow_kv_events(&self, id: BackendId, spec: &BackendSpec) {
+    /// A backend joined: its labelled series are exported at 0, and its KV events followed
+    /// when its spec names an endpoint.
+    fn follow_backend(&self, id: BackendId, spec: &BackendSpec) {
+        names::export_backend_series(&spec.url, spec.kv_events.as_deref());
         let Some(publish) = spec.kv_events.clone() else {
             return;
         };
@@ -952,7 +954,7 @@ impl Control {
         drop(state);
         let backends_changed = follow.is_some() || unfollow.is_some();
         if let Some((id, spec)) = follow {
-            self.follow_kv_events(id, &spec);
+            self.follow_backend(id, &spec);
         }
         if backends_changed && let Some(resolver) = &self.resolver {
             resolver.follow(self.authorities());

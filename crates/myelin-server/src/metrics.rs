@@ -374,7 +374,56 @@ pub fn install() -> PrometheusHandle {
     for kind in TIMEOUT_KINDS {
         metrics::counter!(TIMEOUTS_TOTAL, "kind" => *kind).increment(0);
     }
+    for reason in RETRY_REASONS {
+        metrics::counter!(RETRIES_TOTAL, "reason" => *reason).increment(0);
+    }
+    for reason in KV_SKIP_REASONS {
+        metrics::counter!(KV_EVENTS_SKIPPED_BLOCKS_TOTAL, "reason" => *reason).increment(0);
+    }
     handle
+}
+
+/// Every `reason` of `myelin_retries_total` (`FailedAttempt::retry_reason`).
+pub const RETRY_REASONS: &[&str] = &[
+    "status_502",
+    "status_503",
+    "connect",
+    "no_response",
+    "header_timeout",
+];
+
+/// Every `reason` of `myelin_kv_events_skipped_blocks_total` (`kv_subscriber.rs`).
+pub const KV_SKIP_REASONS: &[&str] = &[
+    "other_cache",
+    "lora",
+    "block_size",
+    "malformed",
+    "orphan",
+    "unknown_removal",
+];
+
+/// Exports a backend's labelled counters and gauges at 0 from when it is added (Prometheus'
+/// advice: an alert on `rate(...)` or `> 0` over a series that does not exist yet never
+/// fires). `url` labels the backend's series; `kv_events`, its publish endpoint when it has
+/// one, labels the KV-event series.
+pub fn export_backend_series(url: &str, kv_events: Option<&str>) {
+    metrics::counter!(TOKENIZATION_MISMATCH_TOTAL, "backend" => url.to_string()).increment(0);
+    for to in ["up", "down"] {
+        metrics::counter!(HEALTH_TRANSITIONS_TOTAL, "backend" => url.to_string(), "to" => to)
+            .increment(0);
+    }
+    if let Some(endpoint) = kv_events {
+        for counter in [
+            KV_EVENTS_BATCHES_TOTAL,
+            KV_EVENTS_DECODE_ERRORS_TOTAL,
+            KV_EVENTS_GAPS_TOTAL,
+            KV_EVENTS_RESTARTS_TOTAL,
+            KV_EVENTS_UNSYNCED_TOTAL,
+        ] {
+            metrics::counter!(counter, "backend" => endpoint.to_string()).increment(0);
+        }
+        metrics::gauge!(KV_EVENTS_BLOCK_SIZE_MISMATCH, "backend" => endpoint.to_string()).set(0.0);
+    }
 }
 
 fn describe() {

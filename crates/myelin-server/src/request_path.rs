@@ -474,13 +474,22 @@ async fn generate(
             }
         };
 
-        // Nothing reached the client yet: another backend may take it (not a non-streaming
-        // request that ran out of time: the engine may have done the work, and the client's
-        // own deadline has most likely passed).
+        // Nothing reached the client yet: another backend may take it. A non-streaming
+        // request is retried only where the engine certainly did not run it (its own 502/503,
+        // or it never received the request): after its bytes were sent, the engine may have
+        // done the work (and after a timeout the client's own deadline has most likely
+        // passed), so the client gets the error instead of a second run.
         core.report_outcome(chosen.backend, false);
         tried.push(chosen.backend);
         let reason = failure.retry_reason();
-        let retryable = generation.stream || !matches!(failure, FailedAttempt::Timeout(_));
+        let retryable = generation.stream
+            || match &failure {
+                FailedAttempt::Status(_) => true,
+                // The pool already resends a request a closed idle connection handed back
+                // unwritten; any other HTTP error may come after the engine read it.
+                FailedAttempt::Error(error) => error.is_connect(),
+                FailedAttempt::Timeout(_) => false,
+            };
         if retryable && tried.len() <= core.config.max_retries as usize {
             choice = core
                 .routing

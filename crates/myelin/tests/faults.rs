@@ -167,6 +167,127 @@ fn a_non_streaming_request_to_a_silent_engine_gets_504_at_its_deadline() {
     assert_eq!(hung.requests(), 1, "not retried");
 }
 
+/// An engine that reads each POST (a generation request) whole and closes the connection
+/// without an answer (it crashed while running it, or a proxy in front of it dropped it);
+/// health checks get 200, other GETs 404. Counts the POSTs it read.
+struct Dropper {
+    addr: std::net::SocketAddr,
+    received: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Dropper {
+    fn start() -> Dropper {
+        use std::io::{BufRead, BufReader, Read};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let received = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = received.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else { return };
+                let counter = counter.clone();
+                std::thread::spawn(move || {
+                    let _ = stream.set_read_timeout(Some(PATIENCE));
+                    let mut reader = BufReader::new(stream.try_clone().unwrap());
+                    loop {
+                        let mut head = Vec::new();
+                        let mut line = String::new();
+                        let mut length = 0usize;
+                        loop {
+                            line.clear();
+                            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                                return;
+                            }
+                            if let Some(value) =
+                                line.to_ascii_lowercase().strip_prefix("content-length:")
+                            {
+                                length = value.trim().parse().unwrap_or(0);
+                            }
+                            if line == "\r\n" {
+                                break;
+                            }
+                            head.push(line.clone());
+                        }
+                        let mut body = vec![0u8; length];
+                        if reader.read_exact(&mut body).is_err() {
+                            return;
+                        }
+                        // Health checks (200) and the router's scrapes (404) are answered.
+                        if head.first().is_some_and(|first| first.starts_with("GET ")) {
+                            let answer: &[u8] = if head[0].starts_with("GET /health") {
+                                b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
+                            } else {
+                                b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
+                            };
+                            let mut writer = &stream;
+                            let _ = writer.write_all(answer);
+                            continue;
+                        }
+                        counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        let _ = stream.shutdown(std::net::Shutdown::Both);
+                        return;
+                    }
+                });
+            }
+        });
+        Dropper { addr, received }
+    }
+
+    fn received(&self) -> usize {
+        self.received.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// Finding 25.4: a non-streaming request whose bytes reached an engine that then dropped the
+/// connection is not sent to a second engine (the first may have run it): the client gets a
+/// 502. A streaming one, whose client has seen nothing yet, is retried elsewhere.
+#[test]
+fn a_non_streaming_request_is_not_run_twice_after_its_bytes_were_sent() {
+    let dropper = Dropper::start();
+    let steady = Engine::start("steady", normal());
+    let router = Router::start(&[
+        "--routing",
+        "round-robin",
+        "--backend",
+        &format!("http://{}", dropper.addr),
+        "--backend",
+        &steady.url(),
+        // The breaker must not take the dropper out between requests.
+        "--breaker-failures",
+        "1000",
+    ]);
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        let response = router.post_json("/v1/chat/completions", &chat_body("hi", false));
+        let status = response.status;
+        if status == 502 {
+            assert_openai_error_code(&response.json(), "upstream_error");
+        }
+        statuses.push(status);
+    }
+    let failed = statuses.iter().filter(|status| **status == 502).count();
+    let served = statuses.iter().filter(|status| **status == 200).count();
+    assert_eq!(failed + served, 4, "{statuses:?}");
+    assert!(
+        failed >= 1,
+        "round-robin sent none to the dropper: {statuses:?}"
+    );
+    // Each request ran once: the dropped ones never reached the steady engine.
+    assert_eq!(dropper.received(), failed, "{statuses:?}");
+    assert_eq!(steady.requests(), served);
+
+    let before = (dropper.received(), steady.requests());
+    for _ in 0..4 {
+        let response = router.post_json("/v1/chat/completions", &chat_body("hi", true));
+        assert_eq!(response.status, 200);
+        assert!(response.text().ends_with("data: [DONE]\n\n"));
+    }
+    let dropped = dropper.received() - before.0;
+    assert!(dropped >= 1, "round-robin sent no stream to the dropper");
+    // Every stream the dropper took was retried on the steady engine.
+    assert_eq!(steady.requests() - before.1, 4);
+}
+
 /// Finding 3, mid-stream: the engine sends its head and two chunks, then nothing. The client
 /// gets those chunks and an SSE error event, and the engine sees its request aborted.
 #[test]

@@ -579,6 +579,35 @@ fn admin_api_is_separate_authenticated_and_never_leaks_engine_addresses() {
     assert!(text.contains("TLS to engines is not implemented"), "{text}");
     assert_eq!(router.backends_with_token("tok-123").len(), 2);
 
+    // A body that is not declared JSON (what an HTML form sends) is refused: 415.
+    let body = json!({ "url": "http://127.0.0.1:9" }).to_string();
+    let form = request(
+        admin,
+        "POST",
+        "/admin/backends",
+        &[
+            ("content-type", "text/plain"),
+            ("authorization", "Bearer tok-123"),
+        ],
+        Some(body.as_bytes()),
+    );
+    assert_openai_error(form, 415, None);
+    // Anything a browser sends (Origin, Sec-Fetch-Site) is refused, even with the token.
+    for header in [
+        ("origin", "http://evil.example"),
+        ("sec-fetch-site", "cross-site"),
+    ] {
+        let from_page = request(
+            admin,
+            "POST",
+            "/admin/backends/0/drain",
+            &[header, ("authorization", "Bearer tok-123")],
+            None,
+        );
+        assert_openai_error(from_page, 403, None);
+    }
+    assert_eq!(router.backends_with_token("tok-123").len(), 2);
+
     // Clients get ids: the header and the 502 of a dead engine never carry its address.
     let engine_port = engine.addr.port().to_string();
     let dead_port = dead.rsplit(':').next().unwrap().to_string();
@@ -1267,5 +1296,28 @@ fn streamed_first_tokens_teach_the_ttft_model_and_every_answer_carries_its_predi
         assert!(core["step_ms"].as_f64().unwrap() > 0.0, "{core}");
         assert_eq!(core["step_tokens"], 2048);
         assert!(core["error_mean_abs_ms"].as_f64().unwrap().is_finite());
+    }
+}
+
+/// Labelled counters exist at 0 before anything counted them, so an alert on them sees a
+/// series from the start: per backend (tokenization mismatches, health transitions) and for
+/// every known reason (retries, skipped KV blocks).
+#[test]
+fn labelled_series_are_exported_at_zero_before_they_count() {
+    let engine = Engine::start("a", normal());
+    let router = Router::start(&["--backend", &engine.url()]);
+    let metrics = router.metrics();
+    let url = engine.url();
+    for series in [
+        format!("myelin_tokenization_mismatch_total{{backend=\"{url}\"}} 0"),
+        format!("myelin_health_check_transitions_total{{backend=\"{url}\",to=\"down\"}} 0"),
+        "myelin_retries_total{reason=\"connect\"} 0".to_string(),
+        "myelin_retries_total{reason=\"header_timeout\"} 0".to_string(),
+        "myelin_kv_events_skipped_blocks_total{reason=\"orphan\"} 0".to_string(),
+    ] {
+        assert!(
+            metrics.lines().any(|line| line == series),
+            "missing `{series}` in:\n{metrics}"
+        );
     }
 }
