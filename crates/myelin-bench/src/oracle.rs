@@ -303,8 +303,8 @@ mod tests {
             )
             .seconds
         };
-        // At equal predictions the tie rotates to engine 1.
-        let crossing = (0..60).find(|&n| behind(n) >= cold.seconds).unwrap();
+        // At equal predictions engine 0, which holds the prompt, keeps it (the tie rule).
+        let crossing = (0..60).find(|&n| behind(n) > cold.seconds).unwrap();
         assert_eq!(first_elsewhere as u64, crossing, "{picks:?}");
         // Once engine 0 has received them, their queue is its true queue's business: with an
         // empty queue reported, engine 0 wins again.

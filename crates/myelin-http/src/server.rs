@@ -44,6 +44,16 @@ pub struct ServerConfig {
     /// Body of hyper's own answers to unparsable HTTP/1 requests (400, 414, 431), which are
     /// otherwise empty (see [`crate::io::ErrorBodies`]).
     pub error_bodies: Option<crate::io::ErrorBodyRenderer>,
+    /// Connections this loop keeps open at once; one accepted past it is closed at once
+    /// (counted in [`ServeReport::refused`] and passed to `on_refused`).
+    pub max_connections: usize,
+    /// Called for each connection closed because `max_connections` were open.
+    pub on_refused: Option<fn()>,
+    /// Streams one h2 connection may have open at once (hyper's default is 200).
+    pub h2_max_concurrent_streams: u32,
+    /// An h2 connection with no stream open for this long is closed (HTTP/1 keep-alive
+    /// connections get `header_read_timeout` for their next request head).
+    pub h2_idle_timeout: Duration,
 }
 
 impl Default for ServerConfig {
@@ -53,6 +63,10 @@ impl Default for ServerConfig {
             http2: true,
             drain_timeout: Duration::from_secs(30),
             error_bodies: None,
+            max_connections: 8_192,
+            on_refused: None,
+            h2_max_concurrent_streams: 64,
+            h2_idle_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -64,6 +78,8 @@ pub struct ServeReport {
     pub accepted: u64,
     /// Connections still open when the drain deadline passed (0 after a clean drain).
     pub abandoned: usize,
+    /// Connections closed on accept because `max_connections` were open.
+    pub refused: u64,
 }
 
 /// A same-executor shutdown signal: cheap to clone, awaited by accept loops and connections.
@@ -301,6 +317,16 @@ where
             None => break,
             Some(Ok(mut stream)) => {
                 report.accepted += 1;
+                if open.count() >= config.max_connections {
+                    // Closed without a word: the client sees a reset and may retry elsewhere;
+                    // nothing of it is read or buffered.
+                    report.refused += 1;
+                    if let Some(on_refused) = config.on_refused {
+                        on_refused();
+                    }
+                    drop(stream);
+                    continue;
+                }
                 if L::prepare(&mut stream).is_err() {
                     continue;
                 }
@@ -368,17 +394,37 @@ where
         crate::rt::timeout(config.header_read_timeout, sniff_h2_preface(&mut stream)).await;
     let (is_h2, prefix) = sniffed.ok_or(ConnectionError::HeaderTimeout)??;
     let stream = Rewind::new(prefix, stream);
+    // On h2, the streams of this connection being answered (until their body ends), and when
+    // the last one ended: the idle timeout's clock.
+    let activity = Rc::new(Activity::default());
+    let service_activity = (is_h2 && config.http2).then(|| activity.clone());
     let service = service_fn(move |request| {
         let handler = handler.clone();
-        async move { Ok::<_, Infallible>(handler(request).await) }
+        let active = service_activity.as_ref().map(Activity::begin);
+        async move {
+            let response = handler(request).await;
+            Ok::<_, Infallible>(match active {
+                None => response,
+                Some(active) => response.map(|body| {
+                    Body::new(Tracked {
+                        body,
+                        _active: active,
+                    })
+                }),
+            })
+        }
     });
-    // Serves the connection; on shutdown, asks it to finish its in-flight requests and close.
-    // A macro, not a function: hyper's two connection types share no trait for this.
+    // Serves the connection; on shutdown (or `$stop`), asks it to finish its in-flight
+    // requests and close. A macro, not a function: hyper's two connection types share no
+    // trait for this.
     macro_rules! drive_until_shutdown {
-        ($connection:expr) => {{
+        ($connection:expr) => {
+            drive_until_shutdown!($connection, std::future::pending::<()>())
+        };
+        ($connection:expr, $stop:expr) => {{
             let mut connection = pin!($connection);
             let finished = or(async { Some(connection.as_mut().await) }, async {
-                shutdown.wait().await;
+                or(shutdown.wait(), $stop).await;
                 None
             })
             .await;
@@ -396,7 +442,9 @@ where
         drive_until_shutdown!(
             hyper::server::conn::http2::Builder::new(LocalExec)
                 .timer(GlommioTimer)
-                .serve_connection(io, service)
+                .max_concurrent_streams(config.h2_max_concurrent_streams)
+                .serve_connection(io, service),
+            activity.idle_for(config.h2_idle_timeout)
         );
     } else if let Some(render) = config.error_bodies {
         let io = GlommioIo::new(ErrorBodies::new(stream, render));
@@ -418,6 +466,80 @@ where
         );
     }
     Ok(())
+}
+
+/// The streams one h2 connection is answering (each until its response body ends), and since
+/// when it has had none.
+struct Activity {
+    answering: Cell<usize>,
+    idle_since: Cell<std::time::Instant>,
+}
+
+impl Default for Activity {
+    fn default() -> Self {
+        Activity {
+            answering: Cell::new(0),
+            idle_since: Cell::new(std::time::Instant::now()),
+        }
+    }
+}
+
+struct Answering(Rc<Activity>);
+
+/// A response body that keeps its stream counted as answering until hyper drops it (at its
+/// end, or when the client resets the stream).
+struct Tracked {
+    body: Body,
+    _active: Answering,
+}
+
+impl hyper::body::Body for Tracked {
+    type Data = Bytes;
+    type Error = crate::body::BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        hyper::body::Body::is_end_stream(&self.body)
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        hyper::body::Body::size_hint(&self.body)
+    }
+}
+
+impl Activity {
+    fn begin(self: &Rc<Self>) -> Answering {
+        self.answering.set(self.answering.get() + 1);
+        Answering(self.clone())
+    }
+
+    /// Resolves once no request has been answered for `limit` (checked every quarter of it,
+    /// at most every second).
+    async fn idle_for(&self, limit: Duration) {
+        let tick = (limit / 4)
+            .min(Duration::from_secs(1))
+            .max(Duration::from_millis(10));
+        loop {
+            Timer::new(tick).await;
+            if self.answering.get() == 0 && self.idle_since.get().elapsed() >= limit {
+                return;
+            }
+        }
+    }
+}
+
+impl Drop for Answering {
+    fn drop(&mut self) {
+        let activity = &self.0;
+        activity.answering.set(activity.answering.get() - 1);
+        activity.idle_since.set(std::time::Instant::now());
+    }
 }
 
 /// Reads until the bytes either diverge from the h2 preface or complete it. Returns whether

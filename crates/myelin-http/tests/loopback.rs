@@ -253,3 +253,107 @@ fn connect_error_is_marked_retryable() {
         assert!(error.is_connect(), "{error}");
     });
 }
+
+/// Opens an h2c connection to `base` and returns its sender and a flag set when the
+/// connection task ends (the server closed it).
+async fn h2_connection(
+    base: &str,
+) -> (
+    hyper::client::conn::http2::SendRequest<Body>,
+    Rc<Cell<bool>>,
+) {
+    let addr = base.trim_start_matches("http://").to_string();
+    let stream = TcpStream::connect(addr.as_str()).await.expect("connect");
+    let (sender, connection) =
+        hyper::client::conn::http2::handshake(LocalExec, GlommioIo::new(stream))
+            .await
+            .expect("h2 handshake");
+    let closed = Rc::new(Cell::new(false));
+    let flag = closed.clone();
+    glommio::spawn_local(async move {
+        let _ = connection.await;
+        flag.set(true);
+    })
+    .detach();
+    (sender, closed)
+}
+
+/// Polls `condition` every 10 ms for up to 10 s.
+async fn eventually(condition: impl Fn() -> bool) -> bool {
+    for _ in 0..1000 {
+        if condition() {
+            return true;
+        }
+        Timer::new(Duration::from_millis(10)).await;
+    }
+    false
+}
+
+#[test]
+fn an_idle_h2_connection_is_closed_but_not_while_a_stream_runs() {
+    run(|| async {
+        let config = ServerConfig {
+            h2_idle_timeout: Duration::from_millis(300),
+            ..ServerConfig::default()
+        };
+        let (base, shutdown, _, task) = start_server(config);
+        // A stream that lasts longer than the idle timeout keeps its connection open.
+        let (mut sender, closed) = h2_connection(&base).await;
+        let request = Request::get(format!("{base}/stream"))
+            .body(body::empty())
+            .expect("request");
+        let response = sender.send_request(request).await.expect("h2 response");
+        let mut body = response.into_body();
+        let mut frames = 0;
+        while let Some(frame) = body.frame().await {
+            frame.expect("frame");
+            frames += 1;
+            if frames == 300 {
+                break; // about 600 ms of streaming
+            }
+        }
+        assert!(!closed.get(), "closed while a stream was answered");
+        drop(body);
+        // Idle: closed by the server within the timeout (and a bounded wait).
+        assert!(
+            eventually(|| closed.get()).await,
+            "idle h2 connection left open"
+        );
+        shutdown.trigger();
+        task.await;
+    });
+}
+
+#[test]
+fn connections_past_the_cap_are_closed_on_accept_and_counted() {
+    run(|| async {
+        let config = ServerConfig {
+            max_connections: 2,
+            ..ServerConfig::default()
+        };
+        let (base, shutdown, _, task) = start_server(config);
+        let (_first, first_closed) = h2_connection(&base).await;
+        let (_second, second_closed) = h2_connection(&base).await;
+        // The third is accepted and closed at once: its handshake fails or it ends.
+        let addr = base.trim_start_matches("http://").to_string();
+        let stream = TcpStream::connect(addr.as_str()).await.expect("connect");
+        let third =
+            hyper::client::conn::http2::handshake::<_, _, Body>(LocalExec, GlommioIo::new(stream))
+                .await;
+        if let Ok((mut sender, connection)) = third {
+            glommio::spawn_local(async move {
+                let _ = connection.await;
+            })
+            .detach();
+            let request = Request::post(format!("{base}/echo"))
+                .body(body::full("x"))
+                .expect("request");
+            assert!(sender.send_request(request).await.is_err());
+        }
+        assert!(!first_closed.get() && !second_closed.get());
+        shutdown.trigger();
+        let report = task.await;
+        assert_eq!(report.refused, 1);
+        assert_eq!(report.accepted, 3);
+    });
+}

@@ -21,6 +21,7 @@ impl Defaults {
     pub const ADMIN_LISTEN: &'static str = "127.0.0.1:9090";
     pub const BLOCK_SIZE_TOKENS: usize = 16;
     pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
+    pub const MAX_CONNECTIONS_PER_CORE: usize = 4096;
     pub const MAX_IN_FLIGHT_PER_CORE: usize = 1024;
     pub const RETRY_AFTER_SECONDS: u64 = 1;
     pub const MAX_RETRIES: u32 = 2;
@@ -199,10 +200,20 @@ pub struct ServeArgs {
     #[arg(long, env = "MYELIN_MAX_BODY_BYTES", value_name = "BYTES")]
     pub max_body_bytes: Option<usize>,
 
+    /// Client connections open at once per data core; one more is closed on accept
+    /// (myelin_connections_refused_total). [default: 4096]
+    #[arg(long, env = "MYELIN_MAX_CONNECTIONS_PER_CORE", value_name = "N")]
+    pub max_connections_per_core: Option<usize>,
+
     /// Requests in flight per data core before new ones get 429 with Retry-After.
     /// [default: 1024]
     #[arg(long, env = "MYELIN_MAX_IN_FLIGHT_PER_CORE", value_name = "N")]
     pub max_in_flight_per_core: Option<usize>,
+
+    /// The served model's context length (vLLM's --max-model-len): a request whose max_tokens
+    /// or prompt alone exceeds it gets 400 before it is counted anywhere. [default: none]
+    #[arg(long, env = "MYELIN_MAX_MODEL_LEN", value_name = "TOKENS")]
+    pub max_model_len: Option<u64>,
 
     /// Retry-After value sent with 429. [default: 1]
     #[arg(long, env = "MYELIN_RETRY_AFTER_SECONDS", value_name = "SECONDS")]
@@ -390,7 +401,9 @@ pub struct FileConfig {
     pub control_core: Option<usize>,
     pub no_pin: Option<bool>,
     pub max_body_bytes: Option<usize>,
+    pub max_connections_per_core: Option<usize>,
     pub max_in_flight_per_core: Option<usize>,
+    pub max_model_len: Option<u64>,
     pub retry_after_seconds: Option<u64>,
     pub max_retries: Option<u32>,
     pub retry_backoff_ms: Option<u64>,
@@ -470,7 +483,9 @@ pub struct ServeConfig {
     pub block_size: usize,
     pub layout: CoreLayout,
     pub max_body_bytes: usize,
+    pub max_connections_per_core: usize,
     pub max_in_flight_per_core: usize,
+    pub max_model_len: Option<u64>,
     pub retry_after_seconds: u64,
     pub max_retries: u32,
     pub retry_backoff: Duration,
@@ -790,12 +805,22 @@ impl ServeConfig {
                     .unwrap_or(Defaults::MAX_BODY_BYTES),
                 "--max-body-bytes",
             )?,
+            max_connections_per_core: positive_usize(
+                args.max_connections_per_core
+                    .or(file.max_connections_per_core)
+                    .unwrap_or(Defaults::MAX_CONNECTIONS_PER_CORE),
+                "--max-connections-per-core",
+            )?,
             max_in_flight_per_core: positive_usize(
                 args.max_in_flight_per_core
                     .or(file.max_in_flight_per_core)
                     .unwrap_or(Defaults::MAX_IN_FLIGHT_PER_CORE),
                 "--max-in-flight-per-core",
             )?,
+            max_model_len: match args.max_model_len.or(file.max_model_len) {
+                Some(0) => return Err(ConfigError::MustBePositive("--max-model-len")),
+                other => other,
+            },
             retry_after_seconds: args
                 .retry_after_seconds
                 .or(file.retry_after_seconds)

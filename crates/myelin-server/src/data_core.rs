@@ -218,6 +218,8 @@ pub async fn run_data_core(setup: DataCoreSetup) -> ServeReport {
     let server_config = ServerConfig {
         drain_timeout: setup.config.drain_timeout + DRAIN_GRACE,
         error_bodies: Some(crate::request_path::protocol_error_body),
+        max_connections: setup.config.max_connections_per_core,
+        on_refused: Some(crate::metrics::connection_refused),
         ..ServerConfig::default()
     };
     myelin_http::server::serve(

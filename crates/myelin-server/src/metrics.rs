@@ -111,6 +111,14 @@ pub const STATE_RESYNCS_TOTAL: &str = "myelin_state_resyncs_total";
 /// Engine host-name resolutions on the resolver thread, by `result` (`ok`, `error`: the last
 /// good address is kept).
 pub const DNS_RESOLUTIONS_TOTAL: &str = "myelin_dns_resolutions_total";
+/// Client connections closed on accept because `--max-connections-per-core` were open.
+pub const CONNECTIONS_REFUSED_TOTAL: &str = "myelin_connections_refused_total";
+
+/// Counts one connection refused at the cap (the server loop's `on_refused`).
+pub fn connection_refused() {
+    metrics::counter!(CONNECTIONS_REFUSED_TOTAL).increment(1);
+}
+
 /// 1 while a backend's KV-event mirror is live (in sync), by backend.
 pub const KV_EVENTS_LIVE: &str = "myelin_kv_events_live";
 /// The block size of a backend's KV events while it is not the router's `--block-size` (its
@@ -368,6 +376,7 @@ pub fn install() -> PrometheusHandle {
         UPSTREAM_STREAM_ERRORS_TOTAL,
         CLIENT_DISCONNECTS_TOTAL,
         TOKENIZE_BYTES_TOTAL,
+        CONNECTIONS_REFUSED_TOTAL,
     ] {
         metrics::counter!(counter).increment(0);
     }
@@ -589,6 +598,10 @@ fn describe() {
     describe_gauge!(
         KV_EVENTS_LIVE,
         "1 while a backend's KV-event mirror is in sync."
+    );
+    describe_counter!(
+        CONNECTIONS_REFUSED_TOTAL,
+        "Client connections closed on accept at --max-connections-per-core."
     );
     describe_gauge!(
         KV_EVENTS_BLOCK_SIZE_MISMATCH,

@@ -251,6 +251,39 @@ pub fn parse_generation_request(
     })
 }
 
+/// Refuses, before anything is counted, a request that cannot fit the model's context of
+/// `limit` tokens: its `max_tokens` alone, or its prompt alone (`prompt_tokens`, when the
+/// router counted the whole prompt), reaches past it. The sum of the two is left to the
+/// engine: the router's count of a chat prompt can differ from the engine's by a token or two
+/// (BOS, template whitespace), and refusing on the sum would refuse requests the engine takes.
+pub fn check_context(
+    max_tokens: Option<u64>,
+    prompt_tokens: Option<u64>,
+    limit: u64,
+) -> Result<(), ApiError> {
+    if let Some(max_tokens) = max_tokens.filter(|&max_tokens| max_tokens > limit) {
+        return Err(ApiError::invalid_request(
+            format!(
+                "'max_tokens' is too large: {max_tokens}. This model's maximum context length \
+                 is {limit} tokens"
+            ),
+            Some("max_tokens"),
+            "invalid_value",
+        ));
+    }
+    if let Some(prompt) = prompt_tokens.filter(|&prompt| prompt >= limit) {
+        return Err(ApiError::invalid_request(
+            format!(
+                "This model's maximum context length is {limit} tokens. However, your prompt \
+                 has {prompt} tokens, which leaves no room for an answer"
+            ),
+            Some("messages"),
+            "context_length_exceeded",
+        ));
+    }
+    Ok(())
+}
+
 /// vLLM options a client could set per request that change what the engine publishes on its
 /// KV-event stream, which the router's mirror follows for every client: with
 /// `kv_cache_report_mode` vLLM announces the blocks a request reuses as stored again, and each
@@ -590,6 +623,20 @@ mod tests {
         for result in [chat("{"), completion(r#"{"model":"m"}"#)] {
             assert_eq!(result.unwrap_err().status, StatusCode::BAD_REQUEST);
         }
+    }
+
+    #[test]
+    fn requests_past_the_context_are_refused_before_they_count() {
+        assert!(check_context(None, None, 8192).is_ok());
+        assert!(check_context(Some(8192), Some(8191), 8192).is_ok());
+        let huge = check_context(Some(4_611_686_018_427_387_904), None, 8192).unwrap_err();
+        assert_eq!(huge.status, StatusCode::BAD_REQUEST);
+        assert_eq!(huge.param.as_deref(), Some("max_tokens"));
+        assert!(huge.message.contains("8192"), "{}", huge.message);
+        let long = check_context(Some(16), Some(8192), 8192).unwrap_err();
+        assert_eq!(long.code, Some("context_length_exceeded"));
+        // An estimated prompt length (not counted whole) is never refused here.
+        assert!(check_context(Some(16), None, 8192).is_ok());
     }
 
     #[test]

@@ -330,6 +330,15 @@ async fn generate(
 
     // Score: lowest expected cost wins.
     let prompt_tokens = tokens.estimated_total;
+    if let Some(limit) = core.config.max_model_len
+        && let Err(error) = crate::openai::check_context(
+            generation.max_tokens,
+            tokens.complete.then_some(prompt_tokens as u64),
+            limit,
+        )
+    {
+        return error_response(&error);
+    }
     let mut tried: Vec<BackendId> = Vec::new();
     let shared = core.shared_tokens(&query.chain);
     let mut choice = core
@@ -361,6 +370,11 @@ async fn generate(
     let decode_tokens = generation
         .max_tokens
         .unwrap_or(DEFAULT_EXPECTED_OUTPUT_TOKENS)
+        .min(
+            core.config
+                .max_model_len
+                .unwrap_or(MAX_ACCOUNTED_OUTPUT_TOKENS),
+        )
         .min(MAX_ACCOUNTED_OUTPUT_TOKENS);
     // Tokenization parity: the engine's usage.prompt_tokens against the router's own count,
     // when the router tokenized the whole (single) prompt and the answer carries usage.

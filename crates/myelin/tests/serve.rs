@@ -1250,6 +1250,33 @@ fn a_client_s_max_tokens_moves_load_and_the_admitted_clock_by_a_bounded_amount()
 }
 
 #[test]
+fn with_the_models_context_known_an_impossible_request_is_refused_before_it_counts() {
+    let engine = Engine::start("a", normal());
+    let router = Router::start(&["--backend", &engine.url(), "--max-model-len", "4096"]);
+    let huge =
+        json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 4_611_686_018_427_387_904u64});
+    let response = router.post_json("/v1/completions", &huge);
+    assert_eq!(response.status, 400);
+    let body = response.json();
+    assert_eq!(body["error"]["param"], "max_tokens", "{body}");
+    let long: Vec<u32> = (0..4096).collect();
+    let response = router.post_json(
+        "/v1/completions",
+        &json!({"model": "m", "prompt": long, "max_tokens": 8}),
+    );
+    assert_eq!(response.status, 400);
+    assert_eq!(response.json()["error"]["code"], "context_length_exceeded");
+    // Neither reached the engine or moved anything.
+    assert_eq!(engine.requests(), 0);
+    let backend = &router.backends()[0];
+    assert_eq!(backend["admitted_tokens"], 0, "{backend}");
+    assert_eq!(backend["in_flight_tokens"], 0, "{backend}");
+    // One that fits is served.
+    let fits = json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 4000});
+    assert_eq!(router.post_json("/v1/completions", &fits).status, 200);
+}
+
+#[test]
 fn streamed_first_tokens_teach_the_ttft_model_and_every_answer_carries_its_prediction() {
     let engine = Engine::start("normal", normal());
     let router = Router::start(&["--backend", &engine.url()]);
