@@ -783,15 +783,13 @@ impl Control {
         self.residency
     }
 
-    /// Every backend as the control core knows it (its state is the truth the data cores
-    /// follow).
-    /// A backend's KV-cache figures from its last metrics scrape (default: none yet).
     /// A followed backend's mirror: `Some(None)` while live, `Some(Some(why))` when not, `None`
     /// when the backend has no KV-event stream (or its subscriber has said nothing yet).
     pub(crate) fn mirror_status(&self, id: BackendId) -> Option<Option<NotLive>> {
         self.mirror_status.borrow().get(&id).copied()
     }
 
+    /// A backend's KV-cache figures from its last metrics scrape (default: none yet).
     pub(crate) fn engine_cache(&self, id: BackendId) -> crate::engine_metrics::EngineCache {
         self.engine_caches
             .borrow()
@@ -800,6 +798,8 @@ impl Control {
             .unwrap_or_default()
     }
 
+    /// Every backend as the control core knows it (its state is the truth the data cores
+    /// follow).
     pub(crate) fn backend_infos(&self) -> Vec<BackendInfo> {
         self.state
             .borrow()
