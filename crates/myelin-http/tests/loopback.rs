@@ -167,16 +167,7 @@ fn streaming_chunks_arrive_in_order_and_disconnect_reaches_producer() {
 fn h2c_prior_knowledge_is_served() {
     run(|| async {
         let (base, shutdown, _, task) = start_server(ServerConfig::default());
-        let addr = base.trim_start_matches("http://").to_string();
-        let stream = TcpStream::connect(addr.as_str()).await.expect("connect");
-        let (mut sender, connection) =
-            hyper::client::conn::http2::handshake(LocalExec, GlommioIo::new(stream))
-                .await
-                .expect("h2 handshake");
-        glommio::spawn_local(async move {
-            let _ = connection.await;
-        })
-        .detach();
+        let (mut sender, _) = h2_connection(&base).await;
         let request = Request::post(format!("{base}/echo"))
             .body(body::full("over h2"))
             .expect("request");

@@ -384,9 +384,10 @@ impl Follower {
         // A new engine process starts empty: the mirror is exact again (and its blocks may
         // now be of the router's size).
         self.unsynced = false;
-        self.foreign_block_size = None;
-        metrics::gauge!(names::KV_EVENTS_BLOCK_SIZE_MISMATCH, "backend" => self.label.clone())
-            .set(0.0);
+        if self.foreign_block_size.take().is_some() {
+            metrics::gauge!(names::KV_EVENTS_BLOCK_SIZE_MISMATCH, "backend" => self.label.clone())
+                .set(0.0);
+        }
         self.forward(updates);
     }
 

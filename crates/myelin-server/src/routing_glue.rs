@@ -599,8 +599,8 @@ fn mean_remaining_output(total: &Load) -> f64 {
 const DEFAULT_REMAINING_OUTPUT_TOKENS: f64 = 128.0;
 
 /// A backend's expected-wait inputs. From the engine's last scraped utilization and queue
-/// when they are fresh (`fresh_scrape`, see [`ShardBackend::fresh_scrape`]); only the engine's own queue counts as waiting: requests
-/// routers sent since the scrape may well have been admitted, and counting them as waiting made
+/// when they are fresh (`fresh_scrape`, see [`ShardBackend::fresh_scrape`]); only the engine's
+/// own queue counts as waiting: requests routers sent since the scrape may well have been admitted, and counting them as waiting made
 /// every busy engine look full (docs/routing.md). Otherwise, when its KV capacity is known
 /// (scraped or `capacity-tokens=`), from what routers sent it ([`sent_memory`]); else `None`.
 /// The output a running request still owes is taken as half of what the routers' in-flight

@@ -70,16 +70,7 @@ fn the_mirror_follows_engine_events_and_replays_history() {
     for wire in [WireVersion::V0_22, WireVersion::V0_33] {
         let cluster = cluster(wire);
         // Cached before the router exists: only the replay socket can tell it.
-        let engine_url = &cluster.engine_urls()[0];
-        let addr = engine_url.trim_start_matches("http://").parse().unwrap();
-        let answer = request(
-            addr,
-            "POST",
-            "/v1/chat/completions",
-            &[("content-type", "application/json")],
-            Some(chat(300, 1).to_string().as_bytes()),
-        );
-        assert_eq!(answer.status, 200);
+        chat_engine(&cluster, 300, 1);
 
         let args = backend_args(&cluster);
         let mut all: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -133,9 +124,9 @@ fn reason(backends: &[Value]) -> String {
         .to_string()
 }
 
-/// Sends one chat straight to engine 0 of `cluster` (not through the router), so that it
-/// publishes new blocks.
-fn chat_engine(cluster: &SimCluster, seed: usize) {
+/// Sends one chat of `words` words straight to engine 0 of `cluster` (not through the router),
+/// so that it publishes new blocks.
+fn chat_engine(cluster: &SimCluster, words: usize, seed: usize) {
     let addr = cluster.engine_urls()[0]
         .trim_start_matches("http://")
         .parse()
@@ -145,7 +136,7 @@ fn chat_engine(cluster: &SimCluster, seed: usize) {
         "POST",
         "/v1/chat/completions",
         &[("content-type", "application/json")],
-        Some(chat(200, seed).to_string().as_bytes()),
+        Some(chat(words, seed).to_string().as_bytes()),
     );
     assert_eq!(answer.status, 200);
 }
@@ -158,7 +149,7 @@ fn an_engine_of_another_block_size_is_not_mirrored_and_says_why() {
     // The simulated engines' blocks are 16 tokens.
     all.extend(["--residency", "auto", "--block-size", "32"]);
     let router = Router::start(&all);
-    chat_engine(&cluster, 1);
+    chat_engine(&cluster, 200, 1);
     let backends = wait_for(&router, "the block size refused", |backends| {
         mirror(backends)["live"] == false && reason(backends).contains("16 tokens")
     });
@@ -229,7 +220,7 @@ fn a_backend_that_goes_down_takes_its_mirror_out_of_routing_until_its_stream_spe
         "--healthy-threshold",
         "2",
     ]);
-    chat_engine(&cluster, 1);
+    chat_engine(&cluster, 200, 1);
     let live = wait_for(&router, "the mirror live", |backends| {
         mirror(backends)["live"] == true && resident(&backends[0]) > 0
     });
@@ -247,7 +238,7 @@ fn a_backend_that_goes_down_takes_its_mirror_out_of_routing_until_its_stream_spe
     });
     // The same engine process goes on (its sequence continues): the mirror is live again,
     // with the blocks it held and the new ones.
-    chat_engine(&cluster, 2);
+    chat_engine(&cluster, 200, 2);
     let back = wait_for(&router, "the mirror live again", |backends| {
         mirror(backends)["live"] == true && resident(&backends[0]) > held
     });
@@ -261,7 +252,7 @@ fn a_backend_that_goes_down_takes_its_mirror_out_of_routing_until_its_stream_spe
     });
     engine.set_healthy(true);
     assert!(cluster.restart_kv_publisher(0));
-    chat_engine(&cluster, 3);
+    chat_engine(&cluster, 200, 3);
     wait_for(&router, "restarted and live", |backends| {
         mirror(backends)["live"] == true
     });
