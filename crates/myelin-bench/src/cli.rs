@@ -186,7 +186,7 @@ pub enum BenchCommand {
     Calibration(crate::calibration::PoolArgs),
     /// The regime grid: working set / KV capacity x offered load x prompt shape, every cell
     /// with the legs least-load, prefix+off and the default (prefix+auto), a verdict per cell
-    /// and overall, heatmaps, report.json/md (docs/benchmark.md, "Regime grid").
+    /// and overall, heatmaps, report.json/md (docs/reference/benchmark.md, "Regime grid").
     Regimes(crate::regimes::RegimeArgs),
 }
 

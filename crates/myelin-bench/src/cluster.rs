@@ -154,7 +154,8 @@ impl CacheOracle for SimOracle {
                 }),
                 // The predicted time to first token's inputs, true: the prefill still to do,
                 // the decoding requests, and the KV memory held now plus what the prefill
-                // still to do will take, the prompt's prefix that running requests hold shared.
+                // still to do will take, the prompt's prefix that running requests hold shared
+                // and the output they still owe.
                 queue: Some(EngineQueue {
                     prefill_tokens_ahead: probe.load.pending_prefill_tokens as u64,
                     requests: (probe.load.running + probe.load.waiting) as u32,
@@ -166,6 +167,7 @@ impl CacheOracle for SimOracle {
                         held_tokens: probe.load.kv_usage * probe.capacity_tokens as f64
                             + probe.load.pending_prefill_tokens as f64,
                         shared_tokens: probe.held_prefix_tokens as u64,
+                        growth_tokens: probe.load.pending_decode_tokens as f64,
                     }),
                 }),
                 step_tokens: u32::try_from(probe.step_tokens).ok(),

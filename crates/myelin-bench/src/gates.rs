@@ -64,7 +64,7 @@ pub fn verdict(gates: &[Gate]) -> Verdict {
 
 /// How far `prefix+auto`'s TTFT P99 may be above `prefix+off`'s in the CI gate, simulated
 /// milliseconds: the spread of `prefix+off`'s P99 over 12 `--quick` churn runs on the busy
-/// 2-core development machine (623 to 5,693 ms; docs/benchmark.md, "CI gates"). Sized for the
+/// 2-core development machine (623 to 5,693 ms; docs/reference/benchmark.md, "CI gates"). Sized for the
 /// quick churn; another workload needs its own measurement.
 pub const AUTO_OVER_OFF_P99_MARGIN_MS: f64 = 5100.0;
 

@@ -3,7 +3,8 @@
 //!
 //! A run sends the same workload through several router configurations ("legs"), each on a
 //! fresh embedded simulated cluster, and compares TTFT, throughput, cache hit rate and
-//! residency downgrades, with validity gates. docs/benchmark.md is the user guide.
+//! residency downgrades, with validity gates. docs/benchmark.md and docs/reference/benchmark.md
+//! are the user guide.
 
 pub mod blocking_http;
 pub mod calibration;

@@ -327,6 +327,7 @@ mod tests {
                     capacity_tokens: 32_768,
                     held_tokens,
                     shared_tokens: 0,
+                    growth_tokens: 0.0,
                 }),
                 ..EngineQueue::default()
             }),

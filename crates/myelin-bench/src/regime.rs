@@ -2,7 +2,7 @@
 //! cluster's KV capacity, the offered load against the cluster's capacity, and the share of
 //! requests whose reusable prefix some engine held at send time (the simulator's truth). The
 //! first two place a run on the regime grid (`myelin bench regimes`); the third says how much
-//! of the reuse was there to be had. docs/benchmark.md ("Regime grid") has the definitions.
+//! of the reuse was there to be had. docs/reference/benchmark.md ("Definitions") has the definitions.
 
 use serde::Serialize;
 

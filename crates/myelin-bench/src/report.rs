@@ -8,7 +8,7 @@ use crate::stats::{LegSummary, Overlap, Spread};
 use crate::workload::WorkloadConfig;
 use crate::workload::trace::SkippedOverContext;
 
-/// report.json's schema version (docs/benchmark.md describes the schema).
+/// report.json's schema version (docs/reference/benchmark.md, "Output files", describes the schema).
 pub const REPORT_SCHEMA_VERSION: u32 = 2;
 
 /// Everything report.json holds.

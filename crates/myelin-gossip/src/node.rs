@@ -22,6 +22,11 @@ pub const MAX_ANNOUNCE_QUEUE: usize = 4_096;
 pub const ANTI_ENTROPY_MAX_BLOCKS: usize = 2_400;
 /// Members whose anti-entropy position is kept.
 const MAX_ANSWERED: usize = 1_024;
+/// Route blocks one peer may send per second (a token bucket holding one second's worth):
+/// some 2M tokens of new prefixes per second, past any node's traffic; anti-entropy answers
+/// ([`ANTI_ENTROPY_MAX_BLOCKS`]) fit many times over. Packets past it are dropped
+/// ([`DecodeError::RateLimited`]) and anti-entropy carries their routes later.
+pub const MAX_ROUTE_BLOCKS_PER_PEER_PER_S: u64 = 1 << 17;
 
 /// How a node is set up.
 #[derive(Debug, Clone)]
@@ -66,6 +71,8 @@ pub struct NodeCounters {
     pub announce_dropped: u64,
     /// Route pieces that could not be part of a route.
     pub bad_chunks: u64,
+    /// Peer figures clamped to their bounds ([`ClusterState::clamped_values`]).
+    pub clamped_values: u64,
 }
 
 /// One node's side of the cluster.
@@ -88,6 +95,8 @@ pub struct GossipNode {
     /// Per member, where the next anti-entropy answer to it starts (see
     /// [`RouteTable::routes_in`]).
     answered: HashMap<u64, usize>,
+    /// Per peer, the route blocks it may still send and when the bucket was last filled.
+    route_budget: HashMap<u64, (u64, u64)>,
     counters: NodeCounters,
 }
 
@@ -121,6 +130,7 @@ impl GossipNode {
             events: Vec::new(),
             next_partner: 0,
             answered: HashMap::new(),
+            route_budget: HashMap::new(),
             counters: NodeCounters::default(),
         }
     }
@@ -135,11 +145,48 @@ impl GossipNode {
     }
 
     pub fn counters(&self) -> NodeCounters {
-        self.counters
+        NodeCounters {
+            clamped_values: self.cluster.clamped_values(),
+            ..self.counters
+        }
+    }
+
+    /// Takes `blocks` from `sender`'s route budget, refilled at
+    /// [`MAX_ROUTE_BLOCKS_PER_PEER_PER_S`]; false when it does not hold them.
+    fn take_route_budget(&mut self, sender: u64, blocks: u64, now_ms: u64) -> bool {
+        if self.route_budget.len() >= crate::state::MAX_PEERS * 4
+            && !self.route_budget.contains_key(&sender)
+        {
+            self.route_budget.clear();
+        }
+        let (budget, filled_ms) = self
+            .route_budget
+            .entry(sender)
+            .or_insert((MAX_ROUTE_BLOCKS_PER_PEER_PER_S, now_ms));
+        let refill = MAX_ROUTE_BLOCKS_PER_PEER_PER_S
+            .saturating_mul(now_ms.saturating_sub(*filled_ms))
+            / 1_000;
+        if refill > 0 {
+            *budget = budget
+                .saturating_add(refill)
+                .min(MAX_ROUTE_BLOCKS_PER_PEER_PER_S);
+            *filled_ms = now_ms;
+        }
+        if *budget < blocks {
+            return false;
+        }
+        *budget -= blocks;
+        true
     }
 
     pub fn cluster(&self) -> &ClusterState {
         &self.cluster
+    }
+
+    /// This node's own admitted-tokens counter for `engine` (see
+    /// [`ClusterState::set_own_admitted`]).
+    pub fn set_own_admitted(&mut self, engine: u64, tokens: u64) {
+        self.cluster.set_own_admitted(engine, tokens);
     }
 
     pub fn routes(&self) -> &RouteTable {
@@ -280,6 +327,18 @@ impl GossipNode {
             Payload::Routes(routes) => {
                 if routes.block_size != self.config.block_size {
                     return Err(DecodeError::BlockSize);
+                }
+                // Routes only from members, each within its budget.
+                if self.live_member(header.sender, header.boot).is_none() {
+                    return Err(DecodeError::NotMember);
+                }
+                let blocks: u64 = routes
+                    .chunks
+                    .iter()
+                    .map(|chunk| chunk.hashes.0.len() as u64)
+                    .sum();
+                if !self.take_route_budget(header.sender, blocks, now_ms) {
+                    return Err(DecodeError::RateLimited);
                 }
                 let mut learned = Vec::new();
                 for chunk in routes.chunks {

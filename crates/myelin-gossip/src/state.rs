@@ -30,6 +30,23 @@ pub const PENDING_ROUTE_TTL_MS: u64 = 2_000;
 /// Down peers whose admitted-token counters are kept apart (see [`ClusterState::node_down`]).
 const MAX_RETIRED: usize = 64;
 
+/// Bounds on a peer's figures for one engine, applied where they enter ([`ClusterState`]): a
+/// peer holding the cluster key is still not trusted with the shared state. A figure past its
+/// bound is clamped to it and counted ([`ClusterState::clamped_values`]).
+///
+/// Requests one peer may have in flight at one engine.
+pub const MAX_PEER_REQUESTS: u32 = 1 << 20;
+/// Tokens of queued work or of KV capacity one peer may report for one engine.
+pub const MAX_PEER_TOKENS: u64 = 1 << 40;
+/// How fast one peer's admitted-tokens counter for one engine may grow, tokens per second
+/// (some hundred times what any engine processes: an 8B model prefills about 10^5 tokens per
+/// second on an H100). The counter is the residency estimate's clock: a jump would make every
+/// route look evicted, so growth past this rate is clamped.
+pub const MAX_ADMITTED_TOKENS_PER_S: u64 = 1 << 24;
+/// A peer's first report of an admitted-tokens counter, at most (a node that ran for weeks at
+/// the rate above reports less).
+pub const MAX_FIRST_ADMITTED_TOKENS: u64 = 1 << 44;
+
 fn hash64(domain: &[u8], bytes: &[u8]) -> u64 {
     let mut hasher = Sha256::new();
     hasher.update(domain);
@@ -459,6 +476,72 @@ pub struct ClusterState {
     evicted: BTreeMap<u64, u64>,
     /// Node ids by node key, kept after a peer dies (for listings).
     names: BTreeMap<u64, String>,
+    /// Peer figures clamped to their bounds so far.
+    clamped: u64,
+    /// Per engine, the tokens this node itself admitted there (its part of the clock).
+    own_admitted: BTreeMap<u64, u64>,
+}
+
+/// `reported` within `[low, high]`; `clamped` counts a value that was not.
+fn bounded(reported: u64, low: u64, high: u64, clamped: &mut u64) -> u64 {
+    let value = reported.clamp(low, high.max(low));
+    if value != reported {
+        *clamped += 1;
+    }
+    value
+}
+
+/// A peer's figures for one engine within their bounds. `previous`: what the same peer (same
+/// boot) reported before, `elapsed_ms` ago: its admitted-tokens counter never goes back and
+/// grows at most at [`MAX_ADMITTED_TOKENS_PER_S`] (plus one second's worth for delays).
+fn sanitized(
+    engine: EngineState,
+    previous: Option<&EngineState>,
+    elapsed_ms: u64,
+    clamped: &mut u64,
+) -> EngineState {
+    let admitted = match previous {
+        Some(previous) => {
+            let growth = MAX_ADMITTED_TOKENS_PER_S
+                .saturating_mul(elapsed_ms)
+                .saturating_div(1_000)
+                .saturating_add(MAX_ADMITTED_TOKENS_PER_S);
+            bounded(
+                engine.admitted_tokens,
+                previous.admitted_tokens,
+                previous.admitted_tokens.saturating_add(growth),
+                clamped,
+            )
+        }
+        None => bounded(
+            engine.admitted_tokens,
+            0,
+            MAX_FIRST_ADMITTED_TOKENS,
+            clamped,
+        ),
+    };
+    let requests = engine.requests.min(MAX_PEER_REQUESTS);
+    if requests != engine.requests {
+        *clamped += 1;
+    }
+    let capacity_tokens = engine
+        .capacity_tokens
+        .map(|tokens| bounded(tokens, 0, MAX_PEER_TOKENS, clamped));
+    let utilization_ppm = engine.utilization_ppm.map(|ppm| {
+        let bounded = ppm.min(1_000_000);
+        if bounded != ppm {
+            *clamped += 1;
+        }
+        bounded
+    });
+    EngineState {
+        requests,
+        tokens: bounded(engine.tokens, 0, MAX_PEER_TOKENS, clamped),
+        admitted_tokens: admitted,
+        capacity_tokens,
+        utilization_ppm,
+        ..engine
+    }
 }
 
 impl ClusterState {
@@ -488,6 +571,7 @@ impl ClusterState {
             self.names.insert(node, state.node.clone());
         }
         peer.name = state.node;
+        let elapsed_ms = now_ms.saturating_sub(peer.heard_ms);
         peer.heard_ms = now_ms;
         for engine in state.engines {
             if peer.engines.len() >= MAX_ENGINES_PER_PEER
@@ -495,16 +579,62 @@ impl ClusterState {
             {
                 continue;
             }
-            if engine.evicted_below > 0
-                && (self.evicted.contains_key(&engine.engine)
-                    || self.evicted.len() < MAX_EVICTED_ENGINES)
-            {
-                let stamp = self.evicted.entry(engine.engine).or_default();
-                *stamp = (*stamp).max(engine.evicted_below);
-            }
+            let engine = sanitized(
+                engine,
+                peer.engines.get(&engine.engine),
+                elapsed_ms,
+                &mut self.clamped,
+            );
             peer.engines.insert(engine.engine, engine);
         }
+        // Evicted-below stamps after the counters they are read against: a stamp ahead of the
+        // cluster's clock would make every route to come look evicted, and it stays (the
+        // largest is kept), so it is bounded by the clock as this node reads it now.
+        let Some(peer) = self.peers.get(&node) else {
+            return true;
+        };
+        let reported: Vec<(u64, u64)> = peer
+            .engines
+            .values()
+            .filter(|engine| engine.evicted_below > 0)
+            .map(|engine| (engine.engine, engine.evicted_below))
+            .collect();
+        for (engine, evicted_below) in reported {
+            if !self.evicted.contains_key(&engine) && self.evicted.len() >= MAX_EVICTED_ENGINES {
+                continue;
+            }
+            let clock = self.clock(engine);
+            let evicted_below = bounded(evicted_below, 0, clock, &mut self.clamped);
+            let stamp = self.evicted.entry(engine).or_default();
+            *stamp = (*stamp).max(evicted_below);
+        }
         true
+    }
+
+    /// This node's own admitted-tokens counter for `engine` (summed over its data cores), the
+    /// part of the clock no peer reports.
+    pub fn set_own_admitted(&mut self, engine: u64, tokens: u64) {
+        if self.own_admitted.len() < MAX_EVICTED_ENGINES || self.own_admitted.contains_key(&engine)
+        {
+            self.own_admitted.insert(engine, tokens);
+        }
+    }
+
+    /// The cluster's admitted-tokens clock for `engine` as this node reads it: its own counter,
+    /// the live peers' and the dead peers' kept ones.
+    pub fn clock(&self, engine: u64) -> u64 {
+        let own = self.own_admitted.get(&engine).copied().unwrap_or(0);
+        let live = self
+            .peers
+            .values()
+            .filter_map(|peer| peer.engines.get(&engine))
+            .map(|state| state.admitted_tokens);
+        let dead = self
+            .retired
+            .values()
+            .chain(std::iter::once(&self.retired_base))
+            .filter_map(|counters| counters.get(&engine).copied());
+        live.chain(dead).fold(own, u64::saturating_add)
     }
 
     /// A peer died: its in-flight load and scraped figures go with it; its admitted-token
@@ -566,7 +696,15 @@ impl ClusterState {
         self.names.get(&node).map(String::as_str)
     }
 
-    /// Per engine, the largest evicted-below stamp a peer reported.
+    /// Peer figures clamped to their bounds so far (see [`MAX_PEER_REQUESTS`] and the bounds
+    /// after it).
+    pub fn clamped_values(&self) -> u64 {
+        self.clamped
+    }
+
+    /// Per engine, the largest evicted-below stamp a peer reported. A stamp is on the
+    /// cluster's admitted-tokens clock, which this crate does not hold: the caller bounds it by
+    /// its own reading of the clock before applying it.
     pub fn peer_evicted(&self) -> &BTreeMap<u64, u64> {
         &self.evicted
     }

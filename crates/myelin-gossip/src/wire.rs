@@ -90,7 +90,7 @@ pub enum DecodeError {
     Malformed,
     #[error("replayed or out-of-window sequence number")]
     Replayed,
-    #[error("state from a node that is not a live member")]
+    #[error("state or routes from a node that is not a live member")]
     NotMember,
     #[error("membership message refused")]
     Membership,
@@ -98,6 +98,8 @@ pub enum DecodeError {
     BlockSize,
     #[error("another process uses this node's id")]
     DuplicateNode,
+    #[error("routes past the sender's budget")]
+    RateLimited,
 }
 
 impl DecodeError {
@@ -117,6 +119,7 @@ impl DecodeError {
             DecodeError::Membership => "membership",
             DecodeError::BlockSize => "block_size",
             DecodeError::DuplicateNode => "duplicate_node_id",
+            DecodeError::RateLimited => "rate_limited",
         }
     }
 }

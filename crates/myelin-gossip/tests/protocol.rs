@@ -599,3 +599,171 @@ fn a_late_joiner_gets_every_route_by_anti_entropy_even_beyond_one_exchange() {
     );
     assert_eq!(sim.nodes[1].learned.len(), 300);
 }
+
+#[test]
+fn routes_from_a_non_member_are_refused() {
+    let mut lonely = GossipNode::new(GossipConfig {
+        node_name: "lonely".into(),
+        addr: addr(52),
+        boot: 1,
+        key: key(),
+        params: params(),
+        block_size: 16,
+        seeds: vec![],
+    });
+    let mut next_id = 0;
+    let payloads = pack_routes(
+        16,
+        &[Route {
+            engine: 1,
+            stamp: u64::MAX,
+            hashes: (1..=8u64).collect(),
+        }],
+        &mut next_id,
+    );
+    for (seq, payload) in payloads.into_iter().enumerate() {
+        let packet = encode_packet(
+            &key(),
+            Sender { node: 98, boot: 1 },
+            seq as u64 + 1,
+            &Payload::Routes(payload),
+        )
+        .unwrap();
+        assert_eq!(
+            lonely.receive(addr(53), &packet, 0),
+            Err(DecodeError::NotMember)
+        );
+    }
+    assert!(lonely.routes().is_empty());
+}
+
+#[test]
+fn a_peers_figures_are_bounded_where_they_enter() {
+    use myelin_gossip::state::{
+        ClusterState, MAX_ADMITTED_TOKENS_PER_S, MAX_FIRST_ADMITTED_TOKENS, MAX_PEER_REQUESTS,
+        MAX_PEER_TOKENS,
+    };
+    let hostile = |admitted_tokens, evicted_below| StatePayload {
+        node: "hostile".into(),
+        engines: vec![EngineState {
+            engine: 5,
+            requests: u32::MAX,
+            tokens: u64::MAX,
+            admitted_tokens,
+            capacity_tokens: Some(u64::MAX),
+            utilization_ppm: Some(u32::MAX),
+            evicted_below,
+        }],
+    };
+    let mut cluster = ClusterState::new();
+    cluster.set_own_admitted(5, 1_000);
+    assert!(cluster.apply_state(7, 1, hostile(u64::MAX, u64::MAX), 1_000));
+    let engine = &cluster.peer(7).unwrap().engines[&5];
+    assert_eq!(engine.requests, MAX_PEER_REQUESTS);
+    assert_eq!(engine.tokens, MAX_PEER_TOKENS);
+    assert_eq!(engine.capacity_tokens, Some(MAX_PEER_TOKENS));
+    assert_eq!(engine.utilization_ppm, Some(1_000_000));
+    assert_eq!(engine.admitted_tokens, MAX_FIRST_ADMITTED_TOKENS);
+    // An evicted-below stamp is never ahead of the clock (own 1,000 + the peer's counter).
+    assert_eq!(
+        cluster.peer_evicted()[&5],
+        1_000 + MAX_FIRST_ADMITTED_TOKENS
+    );
+    assert_eq!(cluster.clamped_values(), 6);
+    // Many such peers cannot wrap the sums.
+    for node in 100..300 {
+        cluster.apply_state(node, 1, hostile(u64::MAX, 0), 1_000);
+    }
+    let load = cluster.peer_load()[&5];
+    assert_eq!(load.requests, 201 * MAX_PEER_REQUESTS);
+    assert_eq!(load.admitted_tokens, 201 * MAX_FIRST_ADMITTED_TOKENS);
+
+    // The counter grows at most at the bounded rate and never goes back.
+    let mut cluster = ClusterState::new();
+    assert!(cluster.apply_state(7, 1, hostile(10_000, 0), 0));
+    cluster.apply_state(7, 1, hostile(u64::MAX, 0), 2_000);
+    let grown = cluster.peer(7).unwrap().engines[&5].admitted_tokens;
+    assert_eq!(grown, 10_000 + 3 * MAX_ADMITTED_TOKENS_PER_S);
+    cluster.apply_state(7, 1, hostile(5, 0), 2_100);
+    assert_eq!(cluster.peer(7).unwrap().engines[&5].admitted_tokens, grown);
+    // A plausible report passes untouched.
+    let before = cluster.clamped_values();
+    cluster.apply_state(7, 1, hostile(grown + 500, grown / 2), 2_200);
+    let engine = &cluster.peer(7).unwrap().engines[&5];
+    assert_eq!(engine.admitted_tokens, grown + 500);
+    assert_eq!(cluster.peer_evicted()[&5], grown / 2);
+    // (requests, tokens, capacity and utilization are still past their bounds: 4 clamps)
+    assert_eq!(cluster.clamped_values(), before + 4);
+    // A restart (a later boot) starts its counters afresh.
+    cluster.apply_state(7, 2, hostile(42, 0), 2_300);
+    assert_eq!(cluster.peer(7).unwrap().engines[&5].admitted_tokens, 42);
+}
+
+#[test]
+fn a_peer_sending_routes_past_its_budget_is_refused_until_the_budget_refills() {
+    use myelin_gossip::node::MAX_ROUTE_BLOCKS_PER_PEER_PER_S;
+    let mut sim = Sim::new(2);
+    assert!(
+        sim.run_until(10_000, |sim| sim.up_members(0) == 1
+            && sim.up_members(1) == 1),
+        "the two nodes see each other"
+    );
+    let sender = Sender {
+        node: myelin_gossip::node_key("node-1"),
+        boot: 1,
+    };
+    let routes: Vec<Route> = (0..200u64)
+        .map(|index| Route {
+            engine: 77,
+            stamp: index,
+            hashes: (0..2_000u64).map(|block| index << 32 | block).collect(),
+        })
+        .collect();
+    let mut next_id = 0;
+    let payloads = pack_routes(16, &routes, &mut next_id);
+    let now = sim.now_ms;
+    let mut accepted_blocks = 0u64;
+    let mut refused = 0;
+    for (seq, payload) in payloads.iter().enumerate() {
+        let blocks: u64 = payload
+            .chunks
+            .iter()
+            .map(|chunk| chunk.hashes.0.len() as u64)
+            .sum();
+        let packet = encode_packet(
+            &key(),
+            sender,
+            1_000_000 + seq as u64,
+            &Payload::Routes(payload.clone()),
+        )
+        .unwrap();
+        match sim.nodes[0].node.receive(addr(1), &packet, now) {
+            Ok(_) => accepted_blocks += blocks,
+            Err(DecodeError::RateLimited) => refused += 1,
+            Err(other) => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(
+        accepted_blocks <= MAX_ROUTE_BLOCKS_PER_PEER_PER_S,
+        "{accepted_blocks}"
+    );
+    assert!(
+        accepted_blocks > MAX_ROUTE_BLOCKS_PER_PEER_PER_S / 2,
+        "{accepted_blocks}"
+    );
+    assert!(refused > 0);
+    // A second later the budget has refilled.
+    let later = encode_packet(
+        &key(),
+        sender,
+        2_000_000,
+        &Payload::Routes(payloads[payloads.len() - 1].clone()),
+    )
+    .unwrap();
+    assert!(
+        sim.nodes[0]
+            .node
+            .receive(addr(1), &later, now + 1_000)
+            .is_ok()
+    );
+}

@@ -61,6 +61,10 @@ pub struct KvMemory {
     /// Tokens of this request's prompt already held by requests in flight there (a shared
     /// prefix): they need no new memory.
     pub shared_tokens: u64,
+    /// Output tokens the requests in flight there will still write: their KV memory grows by
+    /// this while this request is prefilled and decoded, and vLLM makes room for that growth
+    /// by preempting the newest request (this one).
+    pub growth_tokens: f64,
 }
 
 /// What is in front of a new request on an engine.
@@ -112,7 +116,9 @@ const MAX_STEPS: f64 = 1e7;
 const MAX_TOKENS: f64 = 1e9;
 
 /// Steps a request waits for KV memory on an engine: 0 when its prompt (net of what requests
-/// in flight already hold of it) fits beside what is held. Otherwise blocks come free as
+/// in flight already hold of it) fits beside what is held and what the requests in flight
+/// will still write (a prompt that fits only beside what is held now is admitted, then
+/// preempted as the newest request when the others' outputs grow). Otherwise blocks come free as
 /// running requests finish, each freeing about the average in-flight request's share; with
 /// `R` of them running and their remaining output spread evenly up to twice the mean, the
 /// k-th finishes after about `k / (R + 1)` of that maximum, k the finishes needed to make room.
@@ -121,7 +127,7 @@ pub fn memory_wait_steps(queue: &EngineQueue, prompt_tokens: u64) -> f64 {
         return 0.0;
     };
     let capacity = memory.capacity_tokens as f64;
-    let held = sane(memory.held_tokens, MAX_TOKENS);
+    let held = sane(memory.held_tokens, MAX_TOKENS) + sane(memory.growth_tokens, MAX_TOKENS);
     let need = prompt_tokens.saturating_sub(memory.shared_tokens) as f64;
     let excess = held + need - capacity;
     if excess <= 0.0 || queue.requests == 0 {
@@ -442,6 +448,7 @@ mod tests {
                 capacity_tokens: 32_768,
                 held_tokens,
                 shared_tokens,
+                growth_tokens: 0.0,
             })
         };
         let queue = |held, shared| EngineQueue {
@@ -458,6 +465,18 @@ mod tests {
         assert_eq!(memory_wait_steps(&queue(26_000.0, 0), 9000), 100.0);
         // ... unless most of its prompt is a prefix those requests already hold.
         assert_eq!(memory_wait_steps(&queue(26_000.0, 8000), 9000), 0.0);
+        // A 6,000-token prompt fits beside what is held now, but not beside what the three
+        // will hold once they have written the 1,200 output tokens they still owe: the engine
+        // would admit it, then preempt it (the newest) to let them grow.
+        let growing = |growth_tokens| EngineQueue {
+            memory: Some(KvMemory {
+                growth_tokens,
+                ..memory(26_000.0, 0).unwrap()
+            }),
+            ..queue(26_000.0, 0)
+        };
+        assert_eq!(memory_wait_steps(&growing(600.0), 6000), 0.0);
+        assert_eq!(memory_wait_steps(&growing(1200.0), 6000), 100.0);
         // The wait is priced: an idle engine that must prefill all 9,000 tokens wins.
         let timing = DEFAULT_ENGINE_TIMING;
         let waiting = predict_ttft(&timing, &queue(26_000.0, 0), 9000, 1000.0);

@@ -1023,6 +1023,7 @@ fn engine(id: u32, requests: u32, held: f64, timing: EngineTiming) -> BackendVie
                 capacity_tokens: 32_768,
                 held_tokens: held,
                 shared_tokens: 0,
+                growth_tokens: 0.0,
             }),
         },
     )

@@ -277,6 +277,8 @@ async fn list(control: &Rc<Control>) -> Response<Body> {
                         // Tokens admitted to the backend as this core's estimate counts them:
                         // every data core's and, in a peer cluster, every router's.
                         "admitted_tokens_clock": entry.cache.admitted_tokens,
+                        // Uses stamped below this are known evicted (never above the clock).
+                        "evicted_below_stamp": entry.cache.evicted_below,
                     }));
                     if let Some(figures) = entry.timing {
                         timings.push(json!({

@@ -13,7 +13,7 @@ use serde::Deserialize;
 use crate::backend_spec::{BackendSpec, BackendSpecError, parse_capacity};
 use crate::cores::{CoreLayout, CoreLayoutError, decide_layout, online_cpus};
 
-/// Built-in defaults (documented in `--help` and docs/server.md).
+/// Built-in defaults (documented in `--help` and docs/reference/flags.md).
 pub struct Defaults;
 
 impl Defaults {
@@ -31,6 +31,7 @@ impl Defaults {
     pub const UPSTREAM_HEADER_TIMEOUT_MS: u64 = 30_000;
     pub const UPSTREAM_RESPONSE_TIMEOUT_MS: u64 = 600_000;
     pub const STREAM_IDLE_TIMEOUT_MS: u64 = 60_000;
+    pub const ENGINE_STALL_MS: u64 = 30_000;
     pub const HEALTH_INTERVAL_MS: u64 = 2_000;
     pub const HEALTH_TIMEOUT_MS: u64 = 1_000;
     pub const HEALTH_PATH: &'static str = "/health";
@@ -103,7 +104,7 @@ impl ResidencyMode {
 #[derive(Debug, Clone, Default, clap::Args)]
 #[command(
     after_help = "Precedence: flag > MYELIN_* environment variable > --config file > default.\n\
-                  See docs/server.md for endpoints, metrics and the config file format."
+                  See docs/reference/flags.md, docs/reference/metrics.md and docs/server.md."
 )]
 pub struct ServeArgs {
     /// TOML file holding any of these flags as kebab-case keys (`listen = "0.0.0.0:8080"`,
@@ -253,6 +254,14 @@ pub struct ServeArgs {
     /// event. [default: 60000]
     #[arg(long, env = "MYELIN_STREAM_IDLE_TIMEOUT_MS", value_name = "MS")]
     pub stream_idle_timeout_ms: Option<u64>,
+
+    /// An engine with requests in flight and no response byte on any of them for this long is
+    /// taken as wedged: its circuit breaker opens (no new requests until its probation lets
+    /// one through and that one is answered). Where the engine exports a generated-tokens
+    /// counter (scraped metrics), only if that stood still as long; without one, only when
+    /// streams are among the silent requests. 0 = off. [default: 30000]
+    #[arg(long, env = "MYELIN_ENGINE_STALL_MS", value_name = "MS")]
+    pub engine_stall_ms: Option<u64>,
 
     /// Interval of active health checks (GET --health-path on each engine). [default: 2000]
     #[arg(long, env = "MYELIN_HEALTH_INTERVAL_MS", value_name = "MS")]
@@ -412,6 +421,7 @@ pub struct FileConfig {
     pub upstream_header_timeout_ms: Option<u64>,
     pub upstream_response_timeout_ms: Option<u64>,
     pub stream_idle_timeout_ms: Option<u64>,
+    pub engine_stall_ms: Option<u64>,
     pub health_interval_ms: Option<u64>,
     pub health_timeout_ms: Option<u64>,
     pub health_path: Option<String>,
@@ -494,6 +504,8 @@ pub struct ServeConfig {
     pub upstream_header_timeout: Duration,
     pub upstream_response_timeout: Duration,
     pub stream_idle_timeout: Duration,
+    /// `--engine-stall-ms` (`None`: off).
+    pub engine_stall: Option<Duration>,
     pub health: HealthConfig,
     pub drain_timeout: Duration,
     pub tokenize_cache_bytes: usize,
@@ -864,6 +876,13 @@ impl ServeConfig {
                     .unwrap_or(Defaults::STREAM_IDLE_TIMEOUT_MS)
                     .max(1),
             ),
+            engine_stall: Some(
+                args.engine_stall_ms
+                    .or(file.engine_stall_ms)
+                    .unwrap_or(Defaults::ENGINE_STALL_MS),
+            )
+            .filter(|&ms| ms > 0)
+            .map(millis),
             health: HealthConfig {
                 interval: millis(
                     args.health_interval_ms
@@ -1004,6 +1023,7 @@ mod tests {
         assert_eq!(config.upstream_header_timeout, Duration::from_secs(30));
         assert_eq!(config.upstream_response_timeout, Duration::from_secs(600));
         assert_eq!(config.stream_idle_timeout, Duration::from_secs(60));
+        assert_eq!(config.engine_stall, Some(Duration::from_secs(30)));
     }
 
     #[test]

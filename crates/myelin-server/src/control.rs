@@ -152,8 +152,13 @@ pub(crate) struct Control {
     mirror_status: RefCell<HashMap<BackendId, Option<NotLive>>>,
     /// Each backend's KV-cache figures from its last metrics scrape (residency estimate).
     engine_caches: RefCell<HashMap<BackendId, crate::engine_metrics::EngineCache>>,
+    /// Per backend, its scraped generated-tokens counter and when it last moved (the progress
+    /// watchdog's evidence for engines with only non-streaming requests in flight).
+    engine_progress: RefCell<HashMap<BackendId, (f64, Instant)>>,
     /// How often `engine_caches` is refreshed (`--engine-metrics-interval-ms`).
     engine_metrics_interval: Duration,
+    /// `--engine-stall-ms` (`None`: the progress watchdog is off).
+    engine_stall: Option<Duration>,
     /// Data cores a mirror write could not be sent to since their last resync.
     mirror_dirty: RefCell<Vec<bool>>,
     /// Per data core, the followed backends whose snapshot it still waits for (a resync in
@@ -224,7 +229,9 @@ pub async fn run_control(
         subscribers: RefCell::new(HashMap::new()),
         mirror_status: RefCell::new(HashMap::new()),
         engine_caches: RefCell::new(HashMap::new()),
+        engine_progress: RefCell::new(HashMap::new()),
         engine_metrics_interval: config.engine_metrics_interval,
+        engine_stall: config.engine_stall,
         mirror_dirty: RefCell::new(vec![false; shards]),
         mirror_awaiting: RefCell::new(vec![Default::default(); shards]),
         resolver: match crate::dns::Resolver::start(config.layout.control_cpu) {
@@ -464,6 +471,7 @@ async fn receive_loop(control: Rc<Control>, receiver: ConnectedReceiver<Message>
                     health.on_request(success, now, config, events)
                 });
             }
+            Message::Stalled { backend, streaming } => control.on_stall(backend, streaming),
             Message::Applied {
                 shard,
                 version,
@@ -487,7 +495,7 @@ async fn receive_loop(control: Rc<Control>, receiver: ConnectedReceiver<Message>
             }
             Message::Loads(updates) => {
                 if let Some(gossip) = control.gossip.borrow().clone() {
-                    gossip.on_local_loads(&updates);
+                    gossip.on_local_loads(&control, &updates);
                 }
             }
             _ => {}
@@ -708,6 +716,34 @@ impl Control {
     }
 
     /// Runs `update` on a backend's health and publishes any state change.
+    /// A data core's watchdog found `backend` silent on all its requests for
+    /// `--engine-stall-ms`. Where the engine exports a generated-tokens counter, that decides:
+    /// still as long, it is wedged; moving, it is busy (requests queued behind others), not
+    /// wedged. Without the counter, silence on streams (a byte per token) is proof, and
+    /// non-streaming requests alone (answered whole, at the end) are left to their deadline.
+    fn on_stall(&self, backend: BackendId, streaming: bool) {
+        let Some(stall) = self.engine_stall else {
+            return;
+        };
+        let counter_still = self
+            .engine_progress
+            .borrow()
+            .get(&backend)
+            .map(|(_, moved)| moved.elapsed() >= stall);
+        let evidence = match (counter_still, streaming) {
+            (Some(true), _) => "progress_counter_still",
+            (Some(false), _) | (None, false) => return,
+            (None, true) => "streams_silent",
+        };
+        if let Some(url) = self.url_of(backend) {
+            metrics::counter!(names::ENGINE_STALLS_TOTAL, "backend" => url, "evidence" => evidence)
+                .increment(1);
+        }
+        self.with_backend_health(backend, |health, now, config, events| {
+            health.on_stall(now, config, events)
+        });
+    }
+
     fn with_backend_health(
         &self,
         id: BackendId,
@@ -1080,6 +1116,13 @@ async fn engine_metrics_loop(control: Rc<Control>) {
                 glommio::spawn_local(async move {
                     let scraped = crate::engine_metrics::scrape(&control.pool, &spec.url).await;
                     let memory = scraped.and_then(|scraped| scraped.memory());
+                    if let Some(tokens) = scraped.and_then(|scraped| scraped.generation_tokens) {
+                        let mut progress = control.engine_progress.borrow_mut();
+                        let entry = progress.entry(id).or_insert((tokens, Instant::now()));
+                        if entry.0 != tokens {
+                            *entry = (tokens, Instant::now());
+                        }
+                    }
                     let cache = {
                         let mut caches = control.engine_caches.borrow_mut();
                         let cache = caches.entry(id).or_default();
@@ -1106,6 +1149,10 @@ async fn engine_metrics_loop(control: Rc<Control>) {
         }
         control
             .engine_caches
+            .borrow_mut()
+            .retain(|id, _| control.state.borrow().backends.contains_key(id));
+        control
+            .engine_progress
             .borrow_mut()
             .retain(|id, _| control.state.borrow().backends.contains_key(id));
         interval.await;

@@ -26,6 +26,7 @@ use crate::metrics as names;
 use crate::pins::{OwnedPins, PinChange, PromptBlocks};
 use crate::route_tokens::{AddedTokens, RouteTokenizer};
 use crate::routing_glue::{LookupAnswer, LookupQuery, RoutingShard};
+use crate::watchdog::Watchdog;
 
 /// Learned routes sent to the other replicas in one message, at most.
 const MAX_WRITES_PER_BATCH: usize = 256;
@@ -106,6 +107,9 @@ pub struct DataCore {
     live_pins: RefCell<BTreeSet<u64>>,
     pin_outbox: RefCell<Vec<PinChange>>,
     next_pin_key: Cell<u64>,
+    /// Which engines have this core's requests in flight, and their last byte
+    /// (`--engine-stall-ms`).
+    watchdog: RefCell<Watchdog>,
 }
 
 /// Runs a data core until shutdown and drain complete.
@@ -199,12 +203,16 @@ pub async fn run_data_core(setup: DataCoreSetup) -> ServeReport {
         live_pins: RefCell::new(BTreeSet::new()),
         pin_outbox: RefCell::new(Vec::new()),
         next_pin_key: Cell::new(0),
+        watchdog: RefCell::new(Watchdog::new(setup.config.engine_stall)),
         config: setup.config.clone(),
     });
     for (_, receiver) in receivers {
         glommio::spawn_local(receive_loop(core.clone(), receiver)).detach();
     }
     glommio::spawn_local(resync_loop(core.clone())).detach();
+    if let Some(interval) = core.watchdog.borrow().check_interval() {
+        glommio::spawn_local(watchdog_loop(core.clone(), interval)).detach();
+    }
     let drain_core = core.clone();
     glommio::spawn_local(async move {
         drain_core.shutdown.wait().await;
@@ -240,6 +248,24 @@ async fn receive_loop(core: Rc<DataCore>, receiver: ConnectedReceiver<Message>) 
 /// Re-broadcasts this core's load on every backend: absolute values, so a dropped update is
 /// healed within one interval; and tells every other core which of this core's requests are
 /// in flight, so a dropped unpin heals too. Also publishes the tokenizer caches' sizes.
+/// Reports the engines the watchdog finds stalled to the control core (which opens their
+/// breakers) every `interval`.
+async fn watchdog_loop(core: Rc<DataCore>, interval: Duration) {
+    loop {
+        Timer::new(interval).await;
+        let stalls = core.watchdog.borrow_mut().check(Instant::now());
+        for stall in stalls {
+            core.send(
+                core.shards,
+                Message::Stalled {
+                    backend: stall.backend,
+                    streaming: stall.streaming,
+                },
+            );
+        }
+    }
+}
+
 async fn resync_loop(core: Rc<DataCore>) {
     let segment_bytes = metrics::gauge!(
         names::TOKENIZE_CACHE_BYTES, "cache" => "segment", "shard" => core.shard_label.clone()
@@ -304,11 +330,24 @@ pub struct LoadGuard {
     prefilling: bool,
     /// The predicted time to first token the request was routed with, and when it was sent.
     prediction: Option<(myelin_routing::TtftPrediction, Instant)>,
+    /// Counted by the progress watchdog (whether it streams).
+    watched: Option<bool>,
 }
 
 impl LoadGuard {
     pub fn backend(&self) -> BackendId {
         self.backend
+    }
+
+    /// Counts the request in the progress watchdog until the guard drops.
+    pub fn watch(&mut self, streaming: bool) {
+        if self.watched.is_none() {
+            self.core
+                .watchdog
+                .borrow_mut()
+                .started(self.backend, streaming, Instant::now());
+            self.watched = Some(streaming);
+        }
     }
 
     /// Keeps the estimate's view of the request for its reuse report.
@@ -369,6 +408,12 @@ impl Drop for LoadGuard {
     fn drop(&mut self) {
         if let Some(in_flight) = &self.in_flight {
             in_flight.decrement(1.0);
+        }
+        if let Some(streaming) = self.watched {
+            self.core
+                .watchdog
+                .borrow_mut()
+                .ended(self.backend, streaming);
         }
         let remaining = self.prefill_tokens + self.decode_tokens;
         let decode = self.decode_tokens;
@@ -509,7 +554,10 @@ impl DataCore {
                 );
             }
             // Messages for the control core never reach a data core.
-            Message::Outcome { .. } | Message::Applied { .. } | Message::SnapshotReply { .. } => {}
+            Message::Outcome { .. }
+            | Message::Stalled { .. }
+            | Message::Applied { .. }
+            | Message::SnapshotReply { .. } => {}
         }
     }
 
@@ -661,6 +709,13 @@ impl DataCore {
     /// Reports a request outcome to the control core (circuit breaker): successes with the
     /// next flush, a failure at once (after a pending success of the same backend, so the
     /// control core sees them in order).
+    /// `backend` sent bytes (a response head or a body frame): the progress watchdog's clock.
+    pub fn engine_progressed(&self, backend: BackendId) {
+        self.watchdog
+            .borrow_mut()
+            .progressed(backend, Instant::now());
+    }
+
     pub fn report_outcome(self: &Rc<Self>, backend: BackendId, success: bool) {
         if success {
             let mut pending = self.pending_successes.borrow_mut();
@@ -746,6 +801,7 @@ impl DataCore {
             pin: key,
             prefilling: true,
             prediction: None,
+            watched: None,
         }
     }
 

@@ -5,9 +5,9 @@
 //! - vLLM: `vllm:cache_config_info` (an info gauge whose labels carry `num_gpu_blocks` and
 //!   `block_size`: capacity = their product), `vllm:kv_cache_usage_perc` (or the older
 //!   `vllm:gpu_cache_usage_perc`), a fraction 0..1, `vllm:num_requests_running`,
-//!   `vllm:num_requests_waiting`.
+//!   `vllm:num_requests_waiting`, and `vllm:generation_tokens_total` (progress).
 //! - SGLang: `sglang:max_total_num_tokens` (capacity), `sglang:token_usage` (fraction),
-//!   `sglang:num_running_reqs`, `sglang:num_queue_reqs`.
+//!   `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:generation_tokens_total`.
 //!
 //! Engines without these (TensorRT-LLM, Ollama, LM Studio) give nothing: the configured
 //! `capacity-tokens=` applies, else the estimate learns one from reuse reports.
@@ -33,6 +33,9 @@ pub struct EngineCache {
     pub running: Option<f64>,
     /// Requests waiting for admission (summed over series).
     pub waiting: Option<f64>,
+    /// Tokens generated since the engine started (summed over series): the progress
+    /// watchdog's evidence that an engine answering nothing is still working.
+    pub generation_tokens: Option<f64>,
 }
 
 impl EngineCache {
@@ -62,6 +65,7 @@ pub fn parse(text: &str) -> EngineCache {
     let mut usage_count = 0u32;
     let mut running: Option<f64> = None;
     let mut waiting: Option<f64> = None;
+    let mut generation_tokens: Option<f64> = None;
     let add = |total: &mut Option<f64>, value: Option<f64>| {
         if let Some(value) = value.filter(|v| v.is_finite() && *v >= 0.0) {
             *total = Some(total.unwrap_or(0.0) + value);
@@ -97,6 +101,9 @@ pub fn parse(text: &str) -> EngineCache {
             }
             "vllm:num_requests_running" | "sglang:num_running_reqs" => add(&mut running, value),
             "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => add(&mut waiting, value),
+            "vllm:generation_tokens_total" | "sglang:generation_tokens_total" => {
+                add(&mut generation_tokens, value)
+            }
             _ => {}
         }
     }
@@ -105,6 +112,7 @@ pub fn parse(text: &str) -> EngineCache {
         utilization: (usage_count > 0).then(|| usage_sum / f64::from(usage_count)),
         running,
         waiting,
+        generation_tokens,
     }
 }
 
@@ -171,7 +179,9 @@ mod tests {
             vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",engine=\"0\",num_gpu_blocks=\"1500\"} 1.0\n\
             vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n\
             vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 4.0\n\
-            vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 2.0\n";
+            vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 2.0\n\
+            # TYPE vllm:generation_tokens_total counter\n\
+            vllm:generation_tokens_total{engine=\"0\",model_name=\"m\"} 12345.0\n";
         let parsed = parse(text);
         assert_eq!(
             parsed,
@@ -180,6 +190,7 @@ mod tests {
                 utilization: Some(0.25),
                 running: Some(4.0),
                 waiting: Some(2.0),
+                generation_tokens: Some(12_345.0),
             }
         );
         assert_eq!(
@@ -211,6 +222,7 @@ mod tests {
                 utilization: Some(0.1),
                 running: Some(7.0),
                 waiting: Some(0.0),
+                generation_tokens: None,
             }
         );
         assert_eq!(parse("garbage {{{\nfoo 1\n"), EngineCache::default());
@@ -238,5 +250,6 @@ mod tests {
         assert_eq!(parsed.utilization, Some(0.0));
         assert_eq!(parsed.running, Some(0.0));
         assert_eq!(parsed.waiting, Some(0.0));
+        assert_eq!(parsed.generation_tokens, Some(0.0));
     }
 }

@@ -174,6 +174,16 @@ impl BackendHealth {
         }
     }
 
+    /// The progress watchdog found the engine wedged (requests in flight, nothing sent for
+    /// `--engine-stall-ms`): the breaker opens at once, as after a failed request on probation
+    /// (a wedged engine's health endpoint may well answer, so the probe cannot tell).
+    pub fn on_stall(&mut self, now: Instant, config: &HealthConfig, events: &mut Vec<HealthEvent>) {
+        self.consecutive_request_failures = self.consecutive_request_failures.saturating_add(1);
+        if self.breaker == Breaker::Closed {
+            self.open(now, config, events);
+        }
+    }
+
     /// Advances time: an open breaker whose period ended becomes half-open. Returns true when
     /// a probe should be sent now.
     pub fn on_tick(&mut self, now: Instant, events: &mut Vec<HealthEvent>) -> bool {
@@ -291,6 +301,38 @@ mod tests {
 
     /// An engine whose health endpoint answers but whose requests time out: every probe closes
     /// the breaker, the next request re-opens it at once, for twice as long each time.
+    #[test]
+    fn a_stall_opens_the_breaker_at_once_and_probation_decides_after() {
+        let config = config();
+        let now = Instant::now();
+        let mut health = BackendHealth::new();
+        let mut events = Vec::new();
+        health.on_stall(now, &config, &mut events);
+        assert!(matches!(health.breaker(), Breaker::Open { .. }));
+        assert!(!health.is_routable());
+        assert_eq!(
+            events,
+            vec![HealthEvent::BreakerTransition {
+                from: "closed",
+                to: "open"
+            }]
+        );
+        // A stall while open changes nothing.
+        health.on_stall(now, &config, &mut events);
+        assert_eq!(events.len(), 1);
+        // The period ends, the probe passes (a wedged engine's health endpoint answers):
+        // closed on probation, and a second stall re-opens it for twice the period.
+        let later = now + config.breaker_open;
+        assert!(health.on_tick(later, &mut events));
+        health.on_check(true, later, &config, &mut events);
+        assert!(health.is_routable());
+        health.on_stall(later, &config, &mut events);
+        let Breaker::Open { until } = health.breaker() else {
+            panic!("not open: {:?}", health.breaker());
+        };
+        assert_eq!(until, later + config.breaker_open * 2);
+    }
+
     #[test]
     fn probation_reopens_on_the_first_failure_with_a_growing_period() {
         let config = config();

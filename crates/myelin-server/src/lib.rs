@@ -30,6 +30,7 @@ pub mod route_tokens;
 mod routing_glue;
 mod sim;
 mod token_parity;
+mod watchdog;
 
 use std::net::SocketAddr;
 use std::process::ExitCode;

@@ -60,6 +60,9 @@ pub enum Message {
     /// scheduling round (a success only resets the breaker's failure count); a failure is sent
     /// at once, after any success still pending for that backend.
     Outcome { backend: BackendId, success: bool },
+    /// The engine sent nothing on any of this core's requests in flight there for
+    /// `--engine-stall-ms` (`streaming`: some of them stream, so silence is proof).
+    Stalled { backend: BackendId, streaming: bool },
     /// Data core `shard` received the backend change of this `version` (applied, or
     /// superseded by a newer one it already had); `cumulative` when it came from a
     /// `BackendSync`, which means every change up to `version` is in.
@@ -128,6 +131,7 @@ impl Message {
             Message::Writes(_) => "writes",
             Message::Loads(_) => "loads",
             Message::Outcome { .. } => "outcome",
+            Message::Stalled { .. } => "stalled",
             Message::Applied { .. } => "applied",
             Message::SnapshotReply { .. } => "snapshot_reply",
             Message::BackendUpsert { .. } => "backend_upsert",

@@ -57,6 +57,11 @@ pub const RETRIES_TOTAL: &str = "myelin_retries_total";
 pub const BREAKER_TRANSITIONS_TOTAL: &str = "myelin_circuit_breaker_transitions_total";
 /// Active health-check verdict changes, by `backend` and `to` (up, down).
 pub const HEALTH_TRANSITIONS_TOTAL: &str = "myelin_health_check_transitions_total";
+/// Engines found wedged by the progress watchdog (`--engine-stall-ms`), by `backend` and
+/// `evidence` (`streams_silent`, `progress_counter_still`): each opened its breaker.
+pub const ENGINE_STALLS_TOTAL: &str = "myelin_engine_stalls_total";
+/// The `evidence` label values of [`ENGINE_STALLS_TOTAL`].
+pub const STALL_EVIDENCE: [&str; 2] = ["streams_silent", "progress_counter_still"];
 /// Messages sent between cores, by sending `shard` (`control` for the control core) and `kind`.
 pub const CROSS_CORE_MESSAGES_TOTAL: &str = "myelin_cross_core_messages_total";
 /// Messages dropped because the receiving core's queue was full, by `kind`.
@@ -421,6 +426,10 @@ pub fn export_backend_series(url: &str, kv_events: Option<&str>) {
         metrics::counter!(HEALTH_TRANSITIONS_TOTAL, "backend" => url.to_string(), "to" => to)
             .increment(0);
     }
+    for evidence in STALL_EVIDENCE {
+        metrics::counter!(ENGINE_STALLS_TOTAL, "backend" => url.to_string(), "evidence" => evidence)
+            .increment(0);
+    }
     if let Some(endpoint) = kv_events {
         for counter in [
             KV_EVENTS_BATCHES_TOTAL,
@@ -533,6 +542,10 @@ fn describe() {
     describe_counter!(
         HEALTH_TRANSITIONS_TOTAL,
         "Active health-check verdict changes."
+    );
+    describe_counter!(
+        ENGINE_STALLS_TOTAL,
+        "Engines found wedged (requests in flight, nothing sent for --engine-stall-ms): each opened its breaker."
     );
     describe_counter!(CROSS_CORE_MESSAGES_TOTAL, "Messages sent between cores.");
     describe_counter!(

@@ -43,6 +43,8 @@ pub trait RelayObserver {
     /// The response's `usage`, when `wants_usage` and the body completed with one; called
     /// just before `finished(Complete)`.
     fn usage(&mut self, _usage: Usage) {}
+    /// A frame of the body arrived (the engine is making progress).
+    fn frame(&mut self) {}
 }
 
 /// The `usage` object of an OpenAI response (non-streaming body, or the final chunk of a
@@ -246,6 +248,9 @@ impl<O: RelayObserver + Unpin> HttpBody for RelayBody<O> {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some((timeout, timer)) = this.idle.as_mut() {
                     timer.reset(*timeout);
+                }
+                if let Some(observer) = this.observer.as_mut() {
+                    observer.frame();
                 }
                 if let Some(data) = frame.data_ref() {
                     this.keep_tail(data);

@@ -415,6 +415,7 @@ async fn generate(
         );
         load.set_probe(probe);
         load.set_prediction(chosen.predicted_ttft);
+        load.watch(generation.stream);
         // A streaming answer's head comes before the first token; a non-streaming one's comes
         // with the whole completion, so it gets the longer deadline.
         let head_timeout = if generation.stream {
@@ -459,6 +460,7 @@ async fn generate(
         let failure = match attempted {
             Attempt::Failed(failure) => failure,
             Attempt::Answered(response) => {
+                core.engine_progressed(chosen.backend);
                 core.report_outcome(chosen.backend, !response.status().is_server_error());
                 // Learn: the engine is working on this prompt now; every replica records it.
                 if response.status().is_success() {
@@ -633,6 +635,10 @@ impl RelayObserver for ResponseObserver {
 
     fn wants_usage(&self) -> bool {
         self.load.has_probe() || self.parity.is_some()
+    }
+
+    fn frame(&mut self) {
+        self.core.engine_progressed(self.backend);
     }
 
     fn usage(&mut self, usage: Usage) {

@@ -115,6 +115,8 @@ pub struct CacheFigures {
     pub corrections: u64,
     /// Tokens admitted to the backend, summed over cores as this core last heard.
     pub admitted_tokens: u64,
+    /// Routes stamped below this are known evicted (this node's and its peers' reuse reports).
+    pub evicted_below: u64,
 }
 
 /// One data core's routing state: its replica of the prefix tree and mirror, its router
@@ -417,6 +419,7 @@ impl RoutingShard {
             reports,
             corrections,
             admitted_tokens: self.admitted_tokens(id),
+            evicted_below: self.shard.evicted_below(myelin_routing::BackendId(id)),
         }
     }
 
@@ -548,7 +551,8 @@ impl RoutingShard {
 /// decoding, and its KV memory when its capacity is known. Held memory is the routers' own
 /// count, live (the distinct prompt blocks of their requests in flight plus half of the output
 /// they expect), plus, while the engine's last scrape is fresh, what it held then beyond the
-/// routers' requests (other frontends' requests).
+/// routers' requests (other frontends' requests); the other half of that output is what their
+/// KV memory will still grow by.
 fn engine_queue(
     backend: &ShardBackend,
     total: &Load,
@@ -567,6 +571,8 @@ fn engine_queue(
             capacity_tokens: capacity,
             held_tokens: routed_held_tokens(total) + others,
             shared_tokens,
+            // The other half of the output the routers' requests expect.
+            growth_tokens: total.decode_tokens as f64 / 2.0,
         }
     });
     EngineQueue {

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use myelin_gossip::messages::{DIGEST_BUCKETS, DigestPayload, Sender};
-use myelin_gossip::{ClusterKey, Payload, encode_packet};
+use myelin_gossip::{ClusterKey, EngineState, Payload, encode_packet};
 use serde_json::{Value, json};
 use support::engine::{Behavior, Engine};
 use support::{Router, metric_value};
@@ -511,4 +511,191 @@ fn gossip_without_a_cluster_key_refuses_to_start() {
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("--cluster-key-file"), "{stderr}");
+}
+
+/// A peer driven by this test: a real [`GossipNode`] with the cluster key on a real UDP socket,
+/// which can say anything the wire format can carry.
+struct HostilePeer {
+    node: myelin_gossip::GossipNode,
+    socket: UdpSocket,
+    started: Instant,
+    timers: Vec<(u64, myelin_gossip::MembershipTimer)>,
+}
+
+impl HostilePeer {
+    fn join(target: u16) -> HostilePeer {
+        let socket = UdpSocket::bind("127.0.0.1:0").expect("bind");
+        socket
+            .set_read_timeout(Some(Duration::from_millis(5)))
+            .expect("timeout");
+        let node = myelin_gossip::GossipNode::new(myelin_gossip::GossipConfig {
+            node_name: "hostile".into(),
+            addr: socket.local_addr().expect("addr"),
+            boot: 1,
+            key: ClusterKey::new(KEY.as_bytes()).unwrap(),
+            params: myelin_gossip::MembershipParams {
+                probe_period: Duration::from_millis(PROBE_MS),
+                probe_rtt: Duration::from_millis(PROBE_MS / 2),
+                suspect_to_down_after: Duration::from_millis(PROBE_MS * 5),
+            },
+            block_size: 16,
+            seeds: vec![gossip_addr(target).parse().unwrap()],
+        });
+        HostilePeer {
+            node,
+            socket,
+            started: Instant::now(),
+            timers: Vec::new(),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    /// Sends what the node has to send, fires its due timers, takes in what arrived.
+    fn pump(&mut self) {
+        let now = self.now_ms();
+        self.node.join_tick();
+        let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.timers)
+            .into_iter()
+            .partition(|(at, _)| *at <= now);
+        self.timers = later;
+        for (_, timer) in due {
+            self.node.handle_timer(timer);
+        }
+        let mut buffer = [0u8; 2048];
+        while let Ok((len, from)) = self.socket.recv_from(&mut buffer) {
+            let _ = self.node.receive(from, &buffer[..len], self.now_ms());
+        }
+        for (after, timer) in self.node.take_timers() {
+            self.timers.push((now + after.as_millis() as u64, timer));
+        }
+        self.node.take_events();
+        for out in self.node.take_outgoing() {
+            let _ = self.socket.send_to(&out.packet, out.to);
+        }
+    }
+
+    /// Pumps until `condition` holds (deadline: [`CLUSTER_PATIENCE`]).
+    fn pump_until(&mut self, what: &str, mut condition: impl FnMut(&mut Self) -> bool) {
+        let deadline = Instant::now() + CLUSTER_PATIENCE;
+        while !condition(self) {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            self.pump();
+        }
+    }
+}
+
+#[test]
+fn a_hostile_peer_with_the_key_cannot_poison_the_shared_state() {
+    let key = key_file();
+    let engine = Engine::start(
+        "target",
+        Behavior::Normal {
+            chunks: 1,
+            interval: Duration::ZERO,
+        },
+    );
+    let port = free_udp_port();
+    let node = start_node_probing("honest", port, &[], &key, &[&engine], PROBE_MS);
+    let mut peer = HostilePeer::join(port);
+    // (A member's node id shows once its first state arrived: count members instead.)
+    peer.pump_until("the hostile peer to be a member", |peer| {
+        peer.node.active_members() == 1 && cluster(&node)["members_up"] == 1
+    });
+    // Some traffic of the node's own: its clock moves.
+    complete(&node, &prompt(1, 64));
+    wait_for("the node's own clock", || admitted_clock(&node, 0) > 0);
+
+    // Every figure at its maximum, and a route stamped at the end of time.
+    let url = engine.url();
+    let engine_key = myelin_gossip::engine_key(&url);
+    peer.node.send_state(&[EngineState {
+        engine: engine_key,
+        requests: u32::MAX,
+        tokens: u64::MAX,
+        admitted_tokens: u64::MAX,
+        capacity_tokens: Some(u64::MAX),
+        utilization_ppm: Some(u32::MAX),
+        evicted_below: u64::MAX,
+    }]);
+    peer.node.learned(myelin_gossip::Route {
+        engine: engine_key,
+        stamp: u64::MAX,
+        hashes: (1..=32u64).map(|block| block * 104_729).collect(),
+    });
+    peer.node.flush_routes(8);
+    let clamped = |node: &Router| {
+        metric_value(
+            &node.metrics(),
+            &["myelin_gossip_peer_values_clamped_total"],
+        )
+    };
+    peer.pump_until("the hostile figures to be clamped", |_| {
+        clamped(&node) >= 7.0
+            && metric_value(&node.metrics(), &["myelin_gossip_routes_applied_total"]) >= 1.0
+    });
+
+    // What the node took in is bounded: in-flight requests, the clock, the evicted stamp.
+    assert_eq!(
+        peer_requests(&node, &url),
+        u64::from(myelin_gossip::state::MAX_PEER_REQUESTS)
+    );
+    let bound = myelin_gossip::state::MAX_FIRST_ADMITTED_TOKENS + 1_000_000;
+    wait_for("the peer's counter in the node's clock", || {
+        admitted_clock(&node, 0) > myelin_gossip::state::MAX_FIRST_ADMITTED_TOKENS
+    });
+    let estimate = &node.backends()[0]["residency_estimate"][0];
+    let clock = estimate["admitted_tokens_clock"].as_u64().unwrap();
+    let evicted = estimate["evicted_below_stamp"].as_u64().unwrap();
+    assert!(clock < bound, "clock {clock}");
+    assert!(evicted < bound, "evicted below {evicted}");
+    // The node still answers and routes.
+    assert_eq!(complete(&node, &prompt(2, 64)), 0);
+
+    // Routes from a node that is not a member are refused and counted.
+    let stranger = Sender {
+        node: 4_242,
+        boot: 1,
+    };
+    let mut next_id = 0;
+    let payloads = myelin_gossip::state::pack_routes(
+        16,
+        &[myelin_gossip::Route {
+            engine: engine_key,
+            stamp: 1,
+            hashes: (1..=8u64).collect(),
+        }],
+        &mut next_id,
+    );
+    let socket = UdpSocket::bind("127.0.0.1:0").expect("bind");
+    let before = metric_value(
+        &node.metrics(),
+        &[
+            "myelin_gossip_packets_dropped_total",
+            "reason=\"not_member\"",
+        ],
+    );
+    for (seq, payload) in payloads.into_iter().enumerate() {
+        let packet = encode_packet(
+            &ClusterKey::new(KEY.as_bytes()).unwrap(),
+            stranger,
+            seq as u64 + 1,
+            &Payload::Routes(payload),
+        )
+        .unwrap();
+        socket
+            .send_to(&packet, gossip_addr(port).parse::<SocketAddr>().unwrap())
+            .expect("send");
+    }
+    wait_for("the stranger's routes to be refused", || {
+        metric_value(
+            &node.metrics(),
+            &[
+                "myelin_gossip_packets_dropped_total",
+                "reason=\"not_member\"",
+            ],
+        ) > before
+    });
 }

@@ -1102,3 +1102,108 @@ fn garbage_kv_event_payloads_are_counted_and_skipped() {
         200
     );
 }
+
+/// Sends a chat request on a raw connection and leaves it unread: it stays in flight at the
+/// engine that takes it.
+fn send_unread(router: &Router, body: &serde_json::Value) -> TcpStream {
+    let body = body.to_string();
+    let mut stream = TcpStream::connect(router.addr).unwrap();
+    write!(
+        stream,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    stream
+}
+
+/// `myelin_engine_stalls_total` of the engine at `url` with this `evidence`.
+fn stalls(router: &Router, url: &str, evidence: &str) -> f64 {
+    metric_value(
+        &router.metrics(),
+        &[
+            "myelin_engine_stalls_total",
+            &format!("backend=\"{url}\""),
+            &format!("evidence=\"{evidence}\""),
+        ],
+    )
+}
+
+/// Issue 25, wedged engines: an engine that accepts requests and never answers, while its
+/// health endpoint does. With requests in flight there and nothing sent back on any of them
+/// for `--engine-stall-ms`, its breaker opens long before any request deadline: new requests
+/// go elsewhere. The engine's generated-tokens counter decides where it has one (the fixture's
+/// `/metrics` counts answered requests): still as long, wedged. Without one, a stream's silence
+/// is proof.
+#[test]
+fn the_progress_watchdog_takes_a_wedged_engine_out_streaming_and_non_streaming() {
+    for (stream, counter, evidence) in [
+        (true, true, "progress_counter_still"),
+        (false, true, "progress_counter_still"),
+        (true, false, "streams_silent"),
+    ] {
+        let hung = Engine::start("hung", Behavior::Hang);
+        hung.record
+            .no_metrics
+            .store(!counter, std::sync::atomic::Ordering::SeqCst);
+        let good = Engine::start("good", normal());
+        let router = Router::start_with_shards(
+            1,
+            &[
+                "--routing",
+                "round-robin",
+                "--backend",
+                &hung.url(),
+                "--backend",
+                &good.url(),
+                "--engine-stall-ms",
+                "300",
+                "--engine-metrics-interval-ms",
+                "50",
+                // Far beyond the test: only the watchdog can act in time.
+                "--upstream-header-timeout-ms",
+                "100000",
+                "--upstream-response-timeout-ms",
+                "100000",
+                "--breaker-open-ms",
+                "100000",
+            ],
+        );
+        // Two requests: round-robin puts one on each engine; the hung one holds its own.
+        let held: Vec<TcpStream> = (0..2)
+            .map(|turn| send_unread(&router, &chat_body(&format!("held {turn}"), stream)))
+            .collect();
+        wait_until("the hung engine to hold a request", || hung.requests() == 1);
+        wait_until("the watchdog to find the hung engine", || {
+            stalls(&router, &hung.url(), evidence) >= 1.0
+        });
+        assert!(
+            metric_value(
+                &router.metrics(),
+                &["myelin_circuit_breaker_transitions_total", "to=\"open\""]
+            ) >= 1.0
+        );
+        // The health endpoint answers all along: only the watchdog knew.
+        assert_eq!(
+            metric_value(
+                &router.metrics(),
+                &["myelin_health_check_transitions_total", "to=\"down\""]
+            ),
+            0.0
+        );
+        // Every new request goes to the other engine.
+        for turn in 0..4 {
+            let response = router.post_json(
+                "/v1/chat/completions",
+                &chat_body(&format!("turn {turn}"), stream),
+            );
+            assert_eq!(response.status, 200, "turn {turn} (stream: {stream})");
+            assert_eq!(response.header("x-myelin-backend"), Some("1"));
+        }
+        assert_eq!(hung.requests(), 1, "nothing new sent to the wedged engine");
+        // The other engine answered: never taken for wedged.
+        assert_eq!(stalls(&router, &good.url(), evidence), 0.0);
+        drop(held);
+    }
+}

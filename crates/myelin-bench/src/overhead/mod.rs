@@ -3,7 +3,7 @@
 //! routers, against the load generator talking straight to an engine (`direct`). For every
 //! prompt shape: peak req/s (closed loop), added latency (open loop, one request at a time),
 //! router CPU per request and how evenly the data cores share the routing lookups.
-//! docs/benchmark.md ("Overhead and scaling benchmark") is the user guide.
+//! docs/reference/benchmark.md ("Overhead and scaling benchmark") is the user guide.
 
 pub mod args;
 pub mod cpus;

@@ -7,7 +7,7 @@ use super::args::Settings;
 use super::targets::{Status, TargetResult};
 use crate::report::Table;
 
-/// report.json's schema version for `myelin bench overhead` (docs/benchmark.md).
+/// report.json's schema version for `myelin bench overhead` (docs/reference/benchmark.md, "Files").
 pub const OVERHEAD_SCHEMA_VERSION: u32 = 1;
 
 /// What carries a leg's requests.

@@ -7,7 +7,7 @@
 //! clusters through [`crate::runner::run_config`] into `OUT/cells/NAME/`, then the grid reads
 //! each cell's report.json back, judges the default against the better baseline
 //! ([`verdict`]), and writes report.json, report.md and two heatmaps ([`output`]).
-//! docs/benchmark.md ("Regime grid") is the user guide.
+//! docs/reference/benchmark.md ("Regime grid") is the user guide.
 
 pub mod grid;
 pub mod output;
@@ -34,7 +34,7 @@ pub const DEFAULT_REGIME_LEGS: &str = "least-load,prefix+off,prefix+auto";
 /// drain, the stop), for the plan's estimate; measured on the 2-core machine.
 pub const LEG_OVERHEAD_S: f64 = 3.0;
 
-/// The regime grid (docs/benchmark.md, "Regime grid").
+/// The regime grid (docs/reference/benchmark.md, "Regime grid").
 #[derive(Debug, Clone, clap::Args)]
 pub struct RegimeArgs {
     /// The short grid: working sets 0.5, 1.5 and 3x at 60% load on rotating, all-active and

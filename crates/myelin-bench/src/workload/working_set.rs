@@ -2,7 +2,7 @@
 //! that are live at once, which is what the cluster's KV would have to hold for every such reuse
 //! to hit (each on one engine). Against the cluster's KV capacity (engines x blocks x block
 //! size) it places a run in a regime: below 1 the reusable prompts fit, above 1 they cannot.
-//! docs/benchmark.md ("Regime grid") gives the definitions:
+//! docs/reference/benchmark.md ("Definitions") gives the definitions:
 //!
 //! - `churn`, `churn-open`: `active` prefixes x the population's mean prefix length (the active
 //!   set is what requests draw from at any time);

@@ -42,6 +42,9 @@ pub(crate) const ROUTES_APPLIED_TOTAL: &str = "myelin_gossip_routes_applied_tota
 pub(crate) const ROUTES_LEARNED_TOTAL: &str = "myelin_gossip_routes_learned_total";
 /// Membership changes, by `to` (up, down).
 pub(crate) const MEMBER_CHANGES_TOTAL: &str = "myelin_gossip_member_changes_total";
+/// Peer figures clamped to their bounds where they entered (a count, a token figure, an
+/// admitted-tokens counter growing too fast, a stamp ahead of the cluster's clock).
+pub(crate) const PEER_VALUES_CLAMPED_TOTAL: &str = "myelin_gossip_peer_values_clamped_total";
 
 /// How often own routes are announced (batched: every route learned since).
 const ANNOUNCE_INTERVAL: Duration = Duration::from_millis(50);
@@ -81,6 +84,8 @@ pub(crate) struct Gossip {
     /// The peer load last sent to the data cores.
     sent_peer_loads: RefCell<Vec<(BackendId, Load)>>,
     last_peer_load_sent: Cell<Option<Instant>>,
+    /// The node's clamped-values counter as last exported.
+    clamped_exported: Cell<u64>,
 }
 
 /// Binds the gossip socket and starts the cluster's tasks on this executor.
@@ -137,6 +142,7 @@ pub(crate) fn start(
         sent_evicted: RefCell::new(HashMap::new()),
         sent_peer_loads: RefCell::new(Vec::new()),
         last_peer_load_sent: Cell::new(None),
+        clamped_exported: Cell::new(0),
     });
     eprintln!(
         "myelin: gossip on {bound} as {} (advertised {advertise}), seeds {:?}",
@@ -256,7 +262,44 @@ impl Gossip {
                 metrics::counter!(PACKETS_DROPPED_TOTAL, "reason" => error.reason()).increment(1);
             }
         }
+        let clamped = self.node.borrow().counters().clamped_values;
+        self.count_clamped(clamped.saturating_sub(self.clamped_exported.replace(clamped)));
         self.pump();
+    }
+
+    fn count_clamped(&self, values: u64) {
+        if values > 0 {
+            metrics::counter!(PEER_VALUES_CLAMPED_TOTAL).increment(values);
+        }
+    }
+
+    /// Per backend, the cluster's admitted-tokens clock as this node reads it now (its data
+    /// cores' counters plus the peers'): residency stamps from peers cannot be ahead of it.
+    fn clocks(&self, by_key: &HashMap<u64, BackendId>) -> HashMap<BackendId, u64> {
+        let peer_loads = self.node.borrow().cluster().peer_load();
+        let loads = self.loads.borrow();
+        by_key
+            .iter()
+            .map(|(key, &id)| {
+                let own = loads
+                    .get(&id)
+                    .into_iter()
+                    .flatten()
+                    .fold(0u64, |sum, load| sum.saturating_add(load.admitted_tokens));
+                let peers = peer_loads.get(key).map_or(0, |load| load.admitted_tokens);
+                (id, own.saturating_add(peers))
+            })
+            .collect()
+    }
+
+    /// `stamp` no further than `clock`, counted when it was.
+    fn stamp_within(&self, stamp: u64, clock: u64) -> u64 {
+        if stamp > clock {
+            self.count_clamped(1);
+            clock
+        } else {
+            stamp
+        }
     }
 
     /// Sends the peers' routes to every data core's replica.
@@ -265,17 +308,20 @@ impl Gossip {
             return;
         }
         let by_key = self.backends_by_key(control);
+        let clocks = self.clocks(&by_key);
         let batch: Arc<[PeerRoute]> = routes
             .into_iter()
             .filter_map(|route| {
                 let backend = *by_key.get(&route.engine)?;
+                // A stamp ahead of the clock would keep the route fresh forever.
+                let clock = clocks.get(&backend).copied().unwrap_or(0);
                 Some(PeerRoute {
                     backend,
                     chain: Arc::new(BlockChain::from_hashes(
                         route.hashes.to_vec(),
                         self.block_size,
                     )),
-                    stamp: route.stamp,
+                    stamp: self.stamp_within(route.stamp, clock),
                 })
             })
             .collect();
@@ -323,14 +369,22 @@ impl Gossip {
     }
 
     /// A data core's load (its `Loads`): part of this node's state.
-    pub(crate) fn on_local_loads(&self, updates: &[LoadUpdate]) {
+    pub(crate) fn on_local_loads(&self, control: &Control, updates: &[LoadUpdate]) {
         let mut loads = self.loads.borrow_mut();
+        let mut node = self.node.borrow_mut();
         for update in updates {
             let per_core = loads
                 .entry(update.backend)
                 .or_insert_with(|| vec![Load::default(); self.shards]);
             if let Some(slot) = per_core.get_mut(update.from) {
                 *slot = update.load;
+            }
+            // The node's own part of the clock: peers' evicted-below stamps are bounded by it.
+            if let Some(engine) = self.key_of(control, update.backend) {
+                let own = per_core
+                    .iter()
+                    .fold(0u64, |sum, load| sum.saturating_add(load.admitted_tokens));
+                node.set_own_admitted(engine, own);
             }
         }
     }

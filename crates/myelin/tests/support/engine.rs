@@ -39,6 +39,10 @@ pub enum Behavior {
 #[derive(Default)]
 pub struct EngineRecord {
     pub generation_requests: AtomicUsize,
+    /// Generation requests held without an answer ([`Behavior::Hang`]).
+    pub hung: AtomicUsize,
+    /// `GET /metrics` answers 404 (an engine without a progress counter).
+    pub no_metrics: AtomicBool,
     pub streams_completed: AtomicUsize,
     /// Streams the client abandoned (the engine's send failed: its request was cancelled).
     pub streams_cancelled: AtomicUsize,
@@ -185,6 +189,21 @@ async fn handle(shared: Arc<Shared>, request: Request<Incoming>) -> Response<Bod
                 json(StatusCode::OK, serde_json::json!({}))
             }
             "/health" => json(StatusCode::SERVICE_UNAVAILABLE, serde_json::json!({})),
+            // vLLM's progress counter: it moves with every answered request (a hung engine's
+            // stands still).
+            "/metrics" if !shared.record.no_metrics.load(Ordering::SeqCst) => {
+                let generated = shared.record.generation_requests.load(Ordering::SeqCst)
+                    - shared.record.hung.load(Ordering::SeqCst);
+                let page = format!(
+                    "# TYPE vllm:generation_tokens_total counter\n\
+                     vllm:generation_tokens_total{{model_name=\"test-model\"}} {generated}.0\n"
+                );
+                Response::builder()
+                    .status(StatusCode::OK)
+                    .header(header::CONTENT_TYPE, "text/plain; version=0.0.4")
+                    .body(full(page))
+                    .expect("response")
+            }
             "/v1/models" => json(
                 StatusCode::OK,
                 serde_json::json!({"object": "list", "data": [
@@ -215,6 +234,7 @@ async fn handle(shared: Arc<Shared>, request: Request<Incoming>) -> Response<Bod
     *record.last_body.lock().unwrap() = Some(body);
     let behavior = shared.behavior.lock().unwrap().clone();
     if let Behavior::Hang = behavior {
+        record.hung.fetch_add(1, Ordering::SeqCst);
         // Bounded so a leaked connection cannot keep the test's executor alive forever.
         Timer::new(Duration::from_secs(120)).await;
         return json(StatusCode::INTERNAL_SERVER_ERROR, serde_json::json!({}));
