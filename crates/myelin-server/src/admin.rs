@@ -331,6 +331,9 @@ async fn list(control: &Rc<Control>) -> Response<Body> {
             // a prefix's second home because its first home's memory was full.
             json["kv_running_requests"] = json!(engine_cache.running);
             json["kv_waiting_requests"] = json!(engine_cache.waiting);
+            // The context length its GET /v1/models reports (checked when --max-model-len is
+            // not set).
+            json["max_model_len_reported"] = json!(control.max_model_len(info.id));
             json["prefix_replications"] = json!(load.prefix_replications);
             // The prompt tokens the requests in flight hold there, shared prefixes once: the
             // router's own view of the KV memory, used when the engine reports none.

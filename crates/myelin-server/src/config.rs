@@ -212,7 +212,8 @@ pub struct ServeArgs {
     pub max_in_flight_per_core: Option<usize>,
 
     /// The served model's context length (vLLM's --max-model-len): a request whose max_tokens
-    /// or prompt alone exceeds it gets 400 before it is counted anywhere. [default: none]
+    /// or prompt alone exceeds it gets 400 before it is counted anywhere. [default: the
+    /// smallest max_model_len the engines' GET /v1/models report, when they do]
     #[arg(long, env = "MYELIN_MAX_MODEL_LEN", value_name = "TOKENS")]
     pub max_model_len: Option<u64>,
 

@@ -32,6 +32,9 @@ use crate::metrics as names;
 
 pub(crate) mod gossip;
 
+/// How often a backend's context length is asked again once known, and while unknown.
+const MODEL_LEN_REFRESH: Duration = Duration::from_secs(30);
+const MODEL_LEN_RETRY: Duration = Duration::from_secs(5);
 /// How often open breakers are checked for the end of their open period.
 const BREAKER_TICK: Duration = Duration::from_millis(50);
 /// How often the Prometheus recorder drains histogram samples.
@@ -155,6 +158,8 @@ pub(crate) struct Control {
     /// Per backend, its scraped generated-tokens counter and when it last moved (the progress
     /// watchdog's evidence for engines with only non-streaming requests in flight).
     engine_progress: RefCell<HashMap<BackendId, (f64, Instant)>>,
+    /// Per backend, the context length its `GET /v1/models` reported and when it was asked.
+    model_lens: RefCell<HashMap<BackendId, (Option<u64>, Instant)>>,
     /// How often `engine_caches` is refreshed (`--engine-metrics-interval-ms`).
     engine_metrics_interval: Duration,
     /// `--engine-stall-ms` (`None`: the progress watchdog is off).
@@ -230,6 +235,7 @@ pub async fn run_control(
         mirror_status: RefCell::new(HashMap::new()),
         engine_caches: RefCell::new(HashMap::new()),
         engine_progress: RefCell::new(HashMap::new()),
+        model_lens: RefCell::new(HashMap::new()),
         engine_metrics_interval: config.engine_metrics_interval,
         engine_stall: config.engine_stall,
         mirror_dirty: RefCell::new(vec![false; shards]),
@@ -716,6 +722,43 @@ impl Control {
     }
 
     /// Runs `update` on a backend's health and publishes any state change.
+    /// The context length `id` serves, from its `GET /v1/models`: asked when unknown (at most
+    /// every [`MODEL_LEN_RETRY`]) and again every [`MODEL_LEN_REFRESH`] (an engine restarted
+    /// with another `--max-model-len`). `None` when it never said.
+    async fn max_model_len_of(&self, id: BackendId, url: &str) -> Option<u64> {
+        let (known, asked) = self
+            .model_lens
+            .borrow()
+            .get(&id)
+            .copied()
+            .map_or((None, None), |(known, at)| (known, Some(at)));
+        let due = asked.is_none_or(|at| {
+            at.elapsed()
+                >= if known.is_some() {
+                    MODEL_LEN_REFRESH
+                } else {
+                    MODEL_LEN_RETRY
+                }
+        });
+        if !due {
+            return known;
+        }
+        let fetched = crate::engine_metrics::fetch_max_model_len(&self.pool, url).await;
+        let value = fetched.or(known);
+        self.model_lens
+            .borrow_mut()
+            .insert(id, (value, Instant::now()));
+        value
+    }
+
+    /// The context length `id` reported, for the admin API.
+    pub(crate) fn max_model_len(&self, id: BackendId) -> Option<u64> {
+        self.model_lens
+            .borrow()
+            .get(&id)
+            .and_then(|(known, _)| *known)
+    }
+
     /// A data core's watchdog found `backend` silent on all its requests for
     /// `--engine-stall-ms`. Where the engine exports a generated-tokens counter, that decides:
     /// still as long, it is wedged; moving, it is busy (requests queued behind others), not
@@ -1115,6 +1158,7 @@ async fn engine_metrics_loop(control: Rc<Control>) {
                 let control = control.clone();
                 glommio::spawn_local(async move {
                     let scraped = crate::engine_metrics::scrape(&control.pool, &spec.url).await;
+                    let max_model_len = control.max_model_len_of(id, &spec.url).await;
                     let memory = scraped.and_then(|scraped| scraped.memory());
                     if let Some(tokens) = scraped.and_then(|scraped| scraped.generation_tokens) {
                         let mut progress = control.engine_progress.borrow_mut();
@@ -1139,6 +1183,7 @@ async fn engine_metrics_loop(control: Rc<Control>) {
                         id,
                         capacity_tokens: cache.capacity_tokens,
                         memory,
+                        max_model_len,
                     });
                 })
             })
@@ -1153,6 +1198,10 @@ async fn engine_metrics_loop(control: Rc<Control>) {
             .retain(|id, _| control.state.borrow().backends.contains_key(id));
         control
             .engine_progress
+            .borrow_mut()
+            .retain(|id, _| control.state.borrow().backends.contains_key(id));
+        control
+            .model_lens
             .borrow_mut()
             .retain(|id, _| control.state.borrow().backends.contains_key(id));
         interval.await;

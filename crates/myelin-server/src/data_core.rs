@@ -110,6 +110,8 @@ pub struct DataCore {
     /// Which engines have this core's requests in flight, and their last byte
     /// (`--engine-stall-ms`).
     watchdog: RefCell<Watchdog>,
+    /// The context length each backend's `GET /v1/models` reported (the control core asks).
+    model_lens: RefCell<std::collections::BTreeMap<BackendId, u64>>,
 }
 
 /// Runs a data core until shutdown and drain complete.
@@ -204,6 +206,7 @@ pub async fn run_data_core(setup: DataCoreSetup) -> ServeReport {
         pin_outbox: RefCell::new(Vec::new()),
         next_pin_key: Cell::new(0),
         watchdog: RefCell::new(Watchdog::new(setup.config.engine_stall)),
+        model_lens: RefCell::new(std::collections::BTreeMap::new()),
         config: setup.config.clone(),
     });
     for (_, receiver) in receivers {
@@ -506,7 +509,12 @@ impl DataCore {
                 id,
                 capacity_tokens,
                 memory,
+                max_model_len,
             } => {
+                match max_model_len {
+                    Some(tokens) => self.model_lens.borrow_mut().insert(id, tokens),
+                    None => self.model_lens.borrow_mut().remove(&id),
+                };
                 let mut routing = self.routing.borrow_mut();
                 routing.set_scraped_capacity(id, capacity_tokens);
                 if let Some(memory) = memory {
@@ -709,6 +717,20 @@ impl DataCore {
     /// Reports a request outcome to the control core (circuit breaker): successes with the
     /// next flush, a failure at once (after a pending success of the same backend, so the
     /// control core sees them in order).
+    /// The context length requests are checked against: `--max-model-len`, else the smallest
+    /// any backend of this core reports (a request may go to any of them); `None`: unknown.
+    pub fn max_model_len(&self) -> Option<u64> {
+        self.config.max_model_len.or_else(|| {
+            let backends = self.backends.borrow();
+            self.model_lens
+                .borrow()
+                .iter()
+                .filter(|(id, _)| backends.get(**id).is_some())
+                .map(|(_, &tokens)| tokens)
+                .min()
+        })
+    }
+
     /// `backend` sent bytes (a response head or a body frame): the progress watchdog's clock.
     pub fn engine_progressed(&self, backend: BackendId) {
         self.watchdog

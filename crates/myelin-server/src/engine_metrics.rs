@@ -147,6 +147,46 @@ fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
     })
 }
 
+/// Largest `GET /v1/models` page read for the context length.
+const MAX_MODELS_BODY_BYTES: usize = 1024 * 1024;
+/// A context length an engine may report, at most (no served model comes near 2^24 tokens): a
+/// larger figure is taken as broken and ignored.
+pub const MAX_CONTEXT_TOKENS: u64 = 1 << 24;
+
+/// The context length an engine serves: the largest `max_model_len` of the models its
+/// `GET /v1/models` lists (vLLM and the simulator report it; other engines give `None`).
+pub fn parse_max_model_len(body: &[u8]) -> Option<u64> {
+    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    value
+        .get("data")?
+        .as_array()?
+        .iter()
+        .filter_map(|model| model.get("max_model_len")?.as_u64())
+        .filter(|&tokens| tokens > 0 && tokens <= MAX_CONTEXT_TOKENS)
+        .max()
+}
+
+/// GET `{base_url}/v1/models` for its context length, bounded in time and size.
+pub async fn fetch_max_model_len(pool: &Pool, base_url: &str) -> Option<u64> {
+    let request = Request::builder()
+        .method(Method::GET)
+        .uri(format!("{base_url}/v1/models"))
+        .body(myelin_http::body::empty())
+        .ok()?;
+    let attempt = async {
+        let response = pool.send(request).await.ok()?;
+        if !response.status().is_success() {
+            return None;
+        }
+        let body =
+            crate::proxy::collect_limited(response.into_body(), MAX_MODELS_BODY_BYTES).await?;
+        parse_max_model_len(&body)
+    };
+    myelin_http::rt::timeout(SCRAPE_TIMEOUT, attempt)
+        .await
+        .flatten()
+}
+
 /// GET `{base_url}/metrics`, bounded in time and size. `None`: no answer, not 2xx, too large.
 pub async fn scrape(pool: &Pool, base_url: &str) -> Option<EngineCache> {
     let request = Request::builder()
@@ -204,6 +244,23 @@ mod tests {
         // Without the queue gauges there is no expected wait to compute.
         let partial = "vllm:kv_cache_usage_perc 0.5\nvllm:num_requests_running 3\n";
         assert_eq!(parse(partial).memory(), None);
+    }
+
+    #[test]
+    fn the_context_length_comes_from_v1_models_within_bounds() {
+        let vllm = br#"{"object":"list","data":[{"id":"m","object":"model","max_model_len":8192},
+            {"id":"m-lora","object":"model","max_model_len":4096}]}"#;
+        assert_eq!(parse_max_model_len(vllm), Some(8192));
+        for broken in [
+            &br#"{"data":[{"id":"m"}]}"#[..],
+            br#"{"data":[{"id":"m","max_model_len":0}]}"#,
+            br#"{"data":[{"id":"m","max_model_len":99999999999}]}"#,
+            br#"{"data":[{"id":"m","max_model_len":-5}]}"#,
+            br#"{"data":[{"id":"m","max_model_len":"8192"}]}"#,
+            b"not json",
+        ] {
+            assert_eq!(parse_max_model_len(broken), None);
+        }
     }
 
     #[test]

@@ -99,6 +99,8 @@ pub enum Message {
         id: BackendId,
         capacity_tokens: Option<u64>,
         memory: Option<crate::engine_metrics::ScrapedMemory>,
+        /// The context length its `GET /v1/models` reports (`max_model_len`), when known.
+        max_model_len: Option<u64>,
     },
     /// Engine host names and their addresses, resolved on the control core's resolver thread
     /// (the whole table, re-sent every second).

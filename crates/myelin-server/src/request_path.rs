@@ -330,7 +330,8 @@ async fn generate(
 
     // Score: lowest expected cost wins.
     let prompt_tokens = tokens.estimated_total;
-    if let Some(limit) = core.config.max_model_len
+    let max_model_len = core.max_model_len();
+    if let Some(limit) = max_model_len
         && let Err(error) = crate::openai::check_context(
             generation.max_tokens,
             tokens.complete.then_some(prompt_tokens as u64),
@@ -370,11 +371,7 @@ async fn generate(
     let decode_tokens = generation
         .max_tokens
         .unwrap_or(DEFAULT_EXPECTED_OUTPUT_TOKENS)
-        .min(
-            core.config
-                .max_model_len
-                .unwrap_or(MAX_ACCOUNTED_OUTPUT_TOKENS),
-        )
+        .min(max_model_len.unwrap_or(MAX_ACCOUNTED_OUTPUT_TOKENS))
         .min(MAX_ACCOUNTED_OUTPUT_TOKENS);
     // Tokenization parity: the engine's usage.prompt_tokens against the router's own count,
     // when the router tokenized the whole (single) prompt and the answer carries usage.

@@ -1276,6 +1276,59 @@ fn with_the_models_context_known_an_impossible_request_is_refused_before_it_coun
     assert_eq!(router.post_json("/v1/completions", &fits).status, 200);
 }
 
+/// Without `--max-model-len`, the context length comes from the engines' `GET /v1/models`
+/// (vLLM reports `max_model_len`): the smallest of them applies, and a backend that reports a
+/// broken figure (0) is left out.
+#[test]
+fn the_context_length_is_read_from_the_engines_when_not_configured() {
+    let small = Engine::start("small", normal());
+    let large = Engine::start("large", normal());
+    let broken = Engine::start("broken", normal());
+    small
+        .record
+        .max_model_len
+        .store(2048, std::sync::atomic::Ordering::SeqCst);
+    large
+        .record
+        .max_model_len
+        .store(8192, std::sync::atomic::Ordering::SeqCst);
+    let router = Router::start(&[
+        "--backend",
+        &small.url(),
+        "--backend",
+        &large.url(),
+        "--backend",
+        &broken.url(),
+        "--engine-metrics-interval-ms",
+        "50",
+    ]);
+    wait_until("the engines' context lengths", || {
+        let lens: Vec<serde_json::Value> = router
+            .backends()
+            .iter()
+            .map(|backend| backend["max_model_len_reported"].clone())
+            .collect();
+        lens == [json!(2048), json!(8192), serde_json::Value::Null]
+    });
+    // The smallest applies: a request past it is refused before it counts.
+    let long: Vec<u32> = (0..2048).collect();
+    let mut refused = None;
+    wait_until("the data cores to apply it", || {
+        let response = router.post_json(
+            "/v1/completions",
+            &json!({"model": "m", "prompt": long, "max_tokens": 8}),
+        );
+        let status = response.status;
+        refused = Some(response.json());
+        status == 400
+    });
+    assert_eq!(refused.unwrap()["error"]["code"], "context_length_exceeded");
+    let fits = json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 2000});
+    assert_eq!(router.post_json("/v1/completions", &fits).status, 200);
+    let too_many = json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 3000});
+    assert_eq!(router.post_json("/v1/completions", &too_many).status, 400);
+}
+
 #[test]
 fn streamed_first_tokens_teach_the_ttft_model_and_every_answer_carries_its_prediction() {
     let engine = Engine::start("normal", normal());

@@ -43,6 +43,8 @@ pub struct EngineRecord {
     pub hung: AtomicUsize,
     /// `GET /metrics` answers 404 (an engine without a progress counter).
     pub no_metrics: AtomicBool,
+    /// The `max_model_len` its `GET /v1/models` reports (0: as a broken engine would).
+    pub max_model_len: AtomicUsize,
     pub streams_completed: AtomicUsize,
     /// Streams the client abandoned (the engine's send failed: its request was cancelled).
     pub streams_cancelled: AtomicUsize,
@@ -207,7 +209,7 @@ async fn handle(shared: Arc<Shared>, request: Request<Incoming>) -> Response<Bod
             "/v1/models" => json(
                 StatusCode::OK,
                 serde_json::json!({"object": "list", "data": [
-                    {"id": "test-model", "object": "model", "owned_by": "test"},
+                    {"id": "test-model", "object": "model", "owned_by": "test", "max_model_len": shared.record.max_model_len.load(Ordering::SeqCst)},
                     {"id": format!("model-{}", shared.name), "object": "model", "owned_by": "test"},
                 ]}),
             ),
