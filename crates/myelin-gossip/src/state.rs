@@ -486,7 +486,7 @@ pub struct ClusterState {
 fn bounded(reported: u64, low: u64, high: u64, clamped: &mut u64) -> u64 {
     let value = reported.clamp(low, high.max(low));
     if value != reported {
-        *clamped += 1;
+        *clamped = clamped.saturating_add(1);
     }
     value
 }
@@ -522,7 +522,7 @@ fn sanitized(
     };
     let requests = engine.requests.min(MAX_PEER_REQUESTS);
     if requests != engine.requests {
-        *clamped += 1;
+        *clamped = clamped.saturating_add(1);
     }
     let capacity_tokens = engine
         .capacity_tokens
@@ -530,7 +530,7 @@ fn sanitized(
     let utilization_ppm = engine.utilization_ppm.map(|ppm| {
         let bounded = ppm.min(1_000_000);
         if bounded != ppm {
-            *clamped += 1;
+            *clamped = clamped.saturating_add(1);
         }
         bounded
     });

@@ -156,7 +156,7 @@ pub(crate) struct Control {
     /// Each backend's KV-cache figures from its last metrics scrape (residency estimate).
     engine_caches: RefCell<HashMap<BackendId, crate::engine_metrics::EngineCache>>,
     /// Per backend, its scraped generated-tokens counter and when it last moved (the progress
-    /// watchdog's evidence for engines with only non-streaming requests in flight).
+    /// watchdog's evidence, see [`Control::on_stall`]).
     engine_progress: RefCell<HashMap<BackendId, (f64, Instant)>>,
     /// Per backend, the context length its `GET /v1/models` reported and when it was asked.
     model_lens: RefCell<HashMap<BackendId, (Option<u64>, Instant)>>,

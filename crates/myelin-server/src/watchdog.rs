@@ -31,10 +31,8 @@ struct Progress {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stall {
     pub backend: BackendId,
-    /// Some of its silent requests stream (a token each step): silence is proof.
+    /// Some of its silent requests stream (a token each step).
     pub streaming: bool,
-    /// How long it has been silent.
-    pub silent: Duration,
 }
 
 /// The watchdog of one data core.
@@ -120,7 +118,6 @@ impl Watchdog {
                 stalls.push(Stall {
                     backend,
                     streaming: progress.streaming > 0,
-                    silent,
                 });
             }
         }
@@ -151,7 +148,6 @@ mod tests {
             vec![Stall {
                 backend: 2,
                 streaming: false,
-                silent: STALL,
             }]
         );
         // Not again within the stall time.

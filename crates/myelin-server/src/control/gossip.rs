@@ -276,19 +276,10 @@ impl Gossip {
     /// Per backend, the cluster's admitted-tokens clock as this node reads it now (its data
     /// cores' counters plus the peers'): residency stamps from peers cannot be ahead of it.
     fn clocks(&self, by_key: &HashMap<u64, BackendId>) -> HashMap<BackendId, u64> {
-        let peer_loads = self.node.borrow().cluster().peer_load();
-        let loads = self.loads.borrow();
+        let node = self.node.borrow();
         by_key
             .iter()
-            .map(|(key, &id)| {
-                let own = loads
-                    .get(&id)
-                    .into_iter()
-                    .flatten()
-                    .fold(0u64, |sum, load| sum.saturating_add(load.admitted_tokens));
-                let peers = peer_loads.get(key).map_or(0, |load| load.admitted_tokens);
-                (id, own.saturating_add(peers))
-            })
+            .map(|(&key, &id)| (id, node.cluster().clock(key)))
             .collect()
     }
 
