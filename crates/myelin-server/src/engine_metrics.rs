@@ -168,30 +168,27 @@ pub fn parse_max_model_len(body: &[u8]) -> Option<u64> {
 
 /// GET `{base_url}/v1/models` for its context length, bounded in time and size.
 pub async fn fetch_max_model_len(pool: &Pool, base_url: &str) -> Option<u64> {
-    let request = Request::builder()
-        .method(Method::GET)
-        .uri(format!("{base_url}/v1/models"))
-        .body(myelin_http::body::empty())
-        .ok()?;
-    let attempt = async {
-        let response = pool.send(request).await.ok()?;
-        if !response.status().is_success() {
-            return None;
-        }
-        let body =
-            crate::proxy::collect_limited(response.into_body(), MAX_MODELS_BODY_BYTES).await?;
-        parse_max_model_len(&body)
-    };
-    myelin_http::rt::timeout(SCRAPE_TIMEOUT, attempt)
-        .await
-        .flatten()
+    let body = get_limited(
+        pool,
+        &format!("{base_url}/v1/models"),
+        MAX_MODELS_BODY_BYTES,
+    )
+    .await?;
+    parse_max_model_len(&body)
 }
 
 /// GET `{base_url}/metrics`, bounded in time and size. `None`: no answer, not 2xx, too large.
 pub async fn scrape(pool: &Pool, base_url: &str) -> Option<EngineCache> {
+    let body = get_limited(pool, &format!("{base_url}/metrics"), MAX_METRICS_BODY_BYTES).await?;
+    Some(parse(&String::from_utf8_lossy(&body)))
+}
+
+/// The body of `GET uri`, within [`SCRAPE_TIMEOUT`] and `limit` bytes. `None`: no answer, not
+/// 2xx, too large.
+async fn get_limited(pool: &Pool, uri: &str, limit: usize) -> Option<bytes::Bytes> {
     let request = Request::builder()
         .method(Method::GET)
-        .uri(format!("{base_url}/metrics"))
+        .uri(uri)
         .body(myelin_http::body::empty())
         .ok()?;
     let attempt = async {
@@ -199,9 +196,7 @@ pub async fn scrape(pool: &Pool, base_url: &str) -> Option<EngineCache> {
         if !response.status().is_success() {
             return None;
         }
-        let body =
-            crate::proxy::collect_limited(response.into_body(), MAX_METRICS_BODY_BYTES).await?;
-        Some(parse(&String::from_utf8_lossy(&body)))
+        crate::proxy::collect_limited(response.into_body(), limit).await
     };
     myelin_http::rt::timeout(SCRAPE_TIMEOUT, attempt)
         .await

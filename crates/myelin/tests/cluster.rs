@@ -7,7 +7,6 @@
 
 mod support;
 
-use std::io::Write;
 use std::net::{SocketAddr, TcpStream, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -17,6 +16,12 @@ use myelin_gossip::{ClusterKey, EngineState, Payload, encode_packet};
 use serde_json::{Value, json};
 use support::engine::{Behavior, Engine};
 use support::{Router, metric_value};
+
+/// An engine that answers at once, in one chunk.
+const ONE_CHUNK: Behavior = Behavior::Normal {
+    chunks: 1,
+    interval: Duration::ZERO,
+};
 
 /// Probe period the tests run the failure detector with (`--gossip-probe-interval-ms`).
 const PROBE_MS: u64 = 200;
@@ -204,36 +209,15 @@ fn complete(router: &Router, prompt: &[u32]) -> u64 {
 fn hold_open(router: &Router, prompt: &[u32]) -> TcpStream {
     let mut body = completion_body(prompt);
     body["stream"] = json!(true);
-    let body = body.to_string();
-    let mut stream = TcpStream::connect(router.addr).expect("connect");
-    write!(
-        stream,
-        "POST /v1/completions HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n\
-         content-length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .expect("write request");
-    stream
+    router.post_json_unread("/v1/completions", &body)
 }
 
 #[test]
 fn three_nodes_share_routes_and_load_detect_a_death_and_converge_after_a_restart() {
     let key = key_file();
     let engines = [
-        Engine::start(
-            "e0",
-            Behavior::Normal {
-                chunks: 1,
-                interval: Duration::ZERO,
-            },
-        ),
-        Engine::start(
-            "e1",
-            Behavior::Normal {
-                chunks: 1,
-                interval: Duration::ZERO,
-            },
-        ),
+        Engine::start("e0", ONE_CHUNK),
+        Engine::start("e1", ONE_CHUNK),
     ];
     let engine_refs: Vec<&Engine> = engines.iter().collect();
     let ports = [free_udp_port(), free_udp_port(), free_udp_port()];
@@ -273,10 +257,7 @@ fn three_nodes_share_routes_and_load_detect_a_death_and_converge_after_a_restart
     wait_for("three requests from A in flight at x", || {
         engines[x as usize].requests() >= held_before + 3
     });
-    engines[x as usize].set_behavior(Behavior::Normal {
-        chunks: 1,
-        interval: Duration::ZERO,
-    });
+    engines[x as usize].set_behavior(ONE_CHUNK);
     let x_url = engines[x as usize].url();
     wait_for("B to hear of A's load on x", || {
         peer_requests(&b, &x_url) >= 3
@@ -333,10 +314,7 @@ fn three_nodes_share_routes_and_load_detect_a_death_and_converge_after_a_restart
         "A's own load is not a peer's"
     );
     assert!(peer_requests(&b, &x_url) >= 3, "A's load stays in B's view");
-    engines[y as usize].set_behavior(Behavior::Normal {
-        chunks: 1,
-        interval: Duration::ZERO,
-    });
+    engines[y as usize].set_behavior(ONE_CHUNK);
 
     // A restarted C (new process, empty replica) rejoins and converges: membership, the
     // others' load, and the routes learned before it started (anti-entropy).
@@ -364,13 +342,7 @@ fn three_nodes_share_routes_and_load_detect_a_death_and_converge_after_a_restart
 #[test]
 fn forged_garbage_and_replayed_datagrams_are_counted_and_ignored() {
     let key = key_file();
-    let engine = Engine::start(
-        "solo",
-        Behavior::Normal {
-            chunks: 1,
-            interval: Duration::ZERO,
-        },
-    );
+    let engine = Engine::start("solo", ONE_CHUNK);
     let port = free_udp_port();
     // This node's gossip is configured by environment variables only.
     let listen = gossip_addr(port);
@@ -470,13 +442,7 @@ fn forged_garbage_and_replayed_datagrams_are_counted_and_ignored() {
 #[test]
 fn a_node_stopped_with_sigterm_leaves_the_cluster_at_once() {
     let key = key_file();
-    let engine = Engine::start(
-        "shared",
-        Behavior::Normal {
-            chunks: 1,
-            interval: Duration::ZERO,
-        },
-    );
+    let engine = Engine::start("shared", ONE_CHUNK);
     // Probing every 20 s, the failure detector alone would take over a minute to declare a
     // dead node down: seeing it down sooner means the node said it was leaving.
     let ports = [free_udp_port(), free_udp_port()];
@@ -590,13 +556,7 @@ impl HostilePeer {
 #[test]
 fn a_hostile_peer_with_the_key_cannot_poison_the_shared_state() {
     let key = key_file();
-    let engine = Engine::start(
-        "target",
-        Behavior::Normal {
-            chunks: 1,
-            interval: Duration::ZERO,
-        },
-    );
+    let engine = Engine::start("target", ONE_CHUNK);
     let port = free_udp_port();
     let node = start_node_probing("honest", port, &[], &key, &[&engine], PROBE_MS);
     let mut peer = HostilePeer::join(port);

@@ -417,15 +417,7 @@ fn a_drain_past_its_deadline_ends_streams_with_an_sse_error() {
 fn an_abandoned_non_streaming_request_is_counted_as_a_disconnect() {
     let hung = Engine::start("hung", Behavior::Hang);
     let router = Router::start(&["--backend", &hung.url()]);
-    let body = chat_body("hi", false).to_string();
-    let mut stream = TcpStream::connect(router.addr).unwrap();
-    write!(
-        stream,
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n\
-         content-length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
+    let stream = router.post_json_unread("/v1/chat/completions", &chat_body("hi", false));
     wait_until("the engine to get the request", || hung.requests() == 1);
     drop(stream);
     wait_until("the disconnect to be counted", || {
@@ -1103,21 +1095,6 @@ fn garbage_kv_event_payloads_are_counted_and_skipped() {
     );
 }
 
-/// Sends a chat request on a raw connection and leaves it unread: it stays in flight at the
-/// engine that takes it.
-fn send_unread(router: &Router, body: &serde_json::Value) -> TcpStream {
-    let body = body.to_string();
-    let mut stream = TcpStream::connect(router.addr).unwrap();
-    write!(
-        stream,
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n\
-         content-length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    stream
-}
-
 /// `myelin_engine_stalls_total` of the engine at `url` with this `evidence`.
 fn stalls(router: &Router, url: &str, evidence: &str) -> f64 {
     metric_value(
@@ -1172,7 +1149,12 @@ fn the_progress_watchdog_takes_a_wedged_engine_out_streaming_and_non_streaming()
         );
         // Two requests: round-robin puts one on each engine; the hung one holds its own.
         let held: Vec<TcpStream> = (0..2)
-            .map(|turn| send_unread(&router, &chat_body(&format!("held {turn}"), stream)))
+            .map(|turn| {
+                router.post_json_unread(
+                    "/v1/chat/completions",
+                    &chat_body(&format!("held {turn}"), stream),
+                )
+            })
             .collect();
         wait_until("the hung engine to hold a request", || hung.requests() == 1);
         wait_until("the watchdog to find the hung engine", || {

@@ -176,6 +176,21 @@ impl Router {
         )
     }
 
+    /// POSTs `body` as JSON on a raw connection and leaves the answer unread: the request stays
+    /// in flight at the engine that takes it until the stream is dropped.
+    pub fn post_json_unread(&self, path: &str, body: &serde_json::Value) -> TcpStream {
+        let body = body.to_string();
+        let mut stream = TcpStream::connect(self.addr).expect("connect");
+        write!(
+            stream,
+            "POST {path} HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .expect("write request");
+        stream
+    }
+
     /// GET /metrics as text.
     pub fn metrics(&self) -> String {
         self.get("/metrics").text()
