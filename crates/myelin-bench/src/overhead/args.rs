@@ -29,7 +29,7 @@ pub struct OverheadArgs {
     pub quick: bool,
 
     /// Prompt shapes, comma-separated: short, shared-prefix-2k, unique-2k, repeated-2k,
-    /// multi-turn, or all. [default: all; --quick: short,shared-prefix-2k]
+    /// multi-turn-5, multi-turn-20, multi-turn-50 (multi-turn: all three), agentic, or all. [default: all; --quick: short,shared-prefix-2k]
     #[arg(long, value_name = "LIST")]
     pub shapes: Option<String>,
 
@@ -275,7 +275,10 @@ mod tests {
             "4,1,2,2",
         ])
         .unwrap();
-        assert_eq!(overridden.shapes, [Shape::MultiTurn]);
+        assert_eq!(
+            overridden.shapes,
+            [Shape::MultiTurn5, Shape::MultiTurn20, Shape::MultiTurn50]
+        );
         assert_eq!((overridden.duration_s, overridden.open_requests), (0.5, 20));
         assert_eq!(overridden.router_cores, [1, 2, 4]);
     }

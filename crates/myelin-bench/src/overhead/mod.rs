@@ -716,7 +716,57 @@ fn write_plots(
         plot::xy_lines(&out_dir.join(file), &lines, title, "router cores", y_desc)?;
         written.push((title, file));
     }
+    let lines = cpu_against_turns(legs);
+    if !lines.is_empty() {
+        let title = "router CPU per request vs conversation length";
+        let file = "cpu_vs_turns.png";
+        plot::xy_lines(
+            &out_dir.join(file),
+            &lines,
+            title,
+            "turns per conversation (agentic: steps)",
+            "CPU us/request",
+        )?;
+        written.push((title, file));
+    }
     Ok(written)
+}
+
+/// CPU per request of the conversation shapes against their length: one line per router leg
+/// and core count over multi-turn-N, and the agentic shape as its own line.
+fn cpu_against_turns(legs: &[LegResult]) -> Vec<XySeries> {
+    let mut lines: Vec<XySeries> = Vec::new();
+    for leg in legs.iter().filter(|leg| leg.kind != LegKind::Direct) {
+        let (Some(shape), Some(cores), Some(cpu)) = (
+            Shape::from_name(&leg.shape),
+            leg.router_cores,
+            leg.figures.cpu_us_per_request,
+        ) else {
+            continue;
+        };
+        if !shape.is_conversation() {
+            continue;
+        }
+        let family = if shape == Shape::Agentic {
+            "agentic"
+        } else {
+            "multi-turn"
+        };
+        let name = format!("{} @{cores} {family}", leg.name);
+        let point = (shape.turns() as f64, cpu);
+        match lines.iter_mut().find(|line| line.name == name) {
+            Some(line) => line.points.push(point),
+            None => lines.push(XySeries {
+                name,
+                points: vec![point],
+                secondary: leg.kind == LegKind::External,
+            }),
+        }
+    }
+    for line in &mut lines {
+        line.points.sort_by(|a, b| a.0.total_cmp(&b.0));
+    }
+    lines
 }
 
 fn finish(

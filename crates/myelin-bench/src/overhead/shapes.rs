@@ -25,13 +25,26 @@ pub const SHARED_USER_WORDS: usize = 16;
 /// `unique-2k`: distinct 2k-token bodies rendered up front; each request is its own index
 /// words plus one of these (so no two requests share even their first block).
 pub const UNIQUE_BODIES: usize = 64;
-/// `multi-turn`: conversations in flight at once, turns before a conversation starts over,
-/// and words per system prompt, user turn and (replayed) assistant turn.
+/// `multi-turn-N` and `agentic`: conversations in flight at once (interleaved round-robin).
 pub const CONVERSATIONS: u64 = 16;
-pub const TURNS: u64 = 8;
+/// `multi-turn-N`: words per system prompt, user turn and (replayed) assistant turn; a
+/// conversation runs N turns, then its slot starts a new one.
 pub const TURN_SYSTEM_WORDS: usize = 48;
 pub const TURN_USER_WORDS: usize = 96;
 pub const TURN_ASSISTANT_WORDS: usize = 48;
+/// `agentic`: the tool-definition system prompt every agent shares, the task, the steps an
+/// agent takes before its slot starts a new task, the assistant's words before each tool
+/// call, and the range of a tool result's words (each step draws one).
+pub const AGENT_SYSTEM_WORDS: usize = 10_000;
+pub const AGENT_TASK_WORDS: usize = 32;
+pub const AGENT_STEPS: u64 = 30;
+pub const AGENT_THOUGHT_WORDS: usize = 16;
+pub const AGENT_RESULT_WORDS: std::ops::RangeInclusive<usize> = 1_000..=4_000;
+/// `agentic`: distinct tool-result texts drawn up front (each result is its own index words
+/// plus one of these, so no two results are the same text).
+pub const AGENT_RESULT_POOL: usize = 64;
+/// Tool names the agent calls.
+const AGENT_TOOLS: [&str; 4] = ["search", "read_file", "run_tests", "edit_file"];
 
 /// The model name requests carry (the instant engines list it in /v1/models).
 pub const MODEL: &str = "instant";
@@ -47,6 +60,11 @@ mod stream {
     pub const TURN_SYSTEM: u64 = 0x6f74_7379_0000_0000;
     pub const TURN_USER: u64 = 0x6f74_7573_0000_0000;
     pub const TURN_ASSISTANT: u64 = 0x6f74_6173_0000_0000;
+    pub const AGENT_SYSTEM: u64 = 0x6f61_7379_0000_0000;
+    pub const AGENT_TASK: u64 = 0x6f61_7461_0000_0000;
+    pub const AGENT_THOUGHT: u64 = 0x6f61_7468_0000_0000;
+    pub const AGENT_RESULT: u64 = 0x6f61_7265_0000_0000;
+    pub const AGENT_RESULT_LENGTH: u64 = 0x6f61_726c_0000_0000;
 }
 
 /// A prompt shape (`--shapes`).
@@ -56,17 +74,35 @@ pub enum Shape {
     SharedPrefix2k,
     Unique2k,
     Repeated2k,
-    MultiTurn,
+    /// Growing conversations of 5, 20 or 50 turns.
+    MultiTurn5,
+    MultiTurn20,
+    MultiTurn50,
+    /// A tool-using agent: a shared 10k-token tool-definition prompt, then a tool call and a
+    /// 1-4k-token tool result per step.
+    Agentic,
 }
+
+/// `--shapes` names that stand for several shapes.
+const GROUPS: [(&str, &[Shape]); 2] = [
+    ("all", &Shape::ALL),
+    (
+        "multi-turn",
+        &[Shape::MultiTurn5, Shape::MultiTurn20, Shape::MultiTurn50],
+    ),
+];
 
 impl Shape {
     /// Every shape, in report order.
-    pub const ALL: [Shape; 5] = [
+    pub const ALL: [Shape; 8] = [
         Shape::Short,
         Shape::SharedPrefix2k,
         Shape::Unique2k,
         Shape::Repeated2k,
-        Shape::MultiTurn,
+        Shape::MultiTurn5,
+        Shape::MultiTurn20,
+        Shape::MultiTurn50,
+        Shape::Agentic,
     ];
 
     pub fn name(self) -> &'static str {
@@ -75,8 +111,28 @@ impl Shape {
             Shape::SharedPrefix2k => "shared-prefix-2k",
             Shape::Unique2k => "unique-2k",
             Shape::Repeated2k => "repeated-2k",
-            Shape::MultiTurn => "multi-turn",
+            Shape::MultiTurn5 => "multi-turn-5",
+            Shape::MultiTurn20 => "multi-turn-20",
+            Shape::MultiTurn50 => "multi-turn-50",
+            Shape::Agentic => "agentic",
         }
+    }
+
+    /// Turns (steps, for `agentic`) of a conversation before its slot starts a new one; 1
+    /// for the single-turn shapes.
+    pub fn turns(self) -> u64 {
+        match self {
+            Shape::MultiTurn5 => 5,
+            Shape::MultiTurn20 => 20,
+            Shape::MultiTurn50 => 50,
+            Shape::Agentic => AGENT_STEPS,
+            Shape::Short | Shape::SharedPrefix2k | Shape::Unique2k | Shape::Repeated2k => 1,
+        }
+    }
+
+    /// Whether requests are turns of growing conversations (the cost-against-length plot).
+    pub fn is_conversation(self) -> bool {
+        self.turns() > 1
     }
 
     pub fn from_name(name: &str) -> Option<Shape> {
@@ -87,22 +143,19 @@ impl Shape {
     pub fn parse_list(list: &str) -> Result<Vec<Shape>, String> {
         let mut shapes = Vec::new();
         for name in list.split(',').map(str::trim) {
-            if name == "all" {
-                for shape in Shape::ALL {
-                    if !shapes.contains(&shape) {
-                        shapes.push(shape);
-                    }
+            let named: &[Shape] = match GROUPS.iter().find(|(group, _)| *group == name) {
+                Some((_, members)) => members,
+                None => &[Shape::from_name(name).ok_or_else(|| {
+                    format!(
+                        "unknown shape {name:?} (known: {}, multi-turn, all)",
+                        Shape::ALL.map(Shape::name).join(", ")
+                    )
+                })?],
+            };
+            for shape in named {
+                if !shapes.contains(shape) {
+                    shapes.push(*shape);
                 }
-                continue;
-            }
-            let shape = Shape::from_name(name).ok_or_else(|| {
-                format!(
-                    "unknown shape {name:?} (known: {}, all)",
-                    Shape::ALL.map(Shape::name).join(", ")
-                )
-            })?;
-            if !shapes.contains(&shape) {
-                shapes.push(shape);
             }
         }
         if shapes.is_empty() {
@@ -121,8 +174,27 @@ pub struct ShapeGenerator {
     stream: bool,
     /// `shared-prefix-2k`: the system prompt; `repeated-2k`: the whole body.
     fixed: String,
-    /// `unique-2k`: the bodies behind the index words.
+    /// `unique-2k`: the bodies behind the index words; `agentic`: the tool-result texts.
     pool: Vec<String>,
+}
+
+/// One message of a request body.
+enum Message<'a> {
+    Text {
+        role: &'static str,
+        text: &'a str,
+    },
+    /// An assistant turn that calls a tool: its words, then `tool_calls` with one call.
+    ToolCall {
+        text: &'a str,
+        id: &'a str,
+        tool: &'static str,
+        query: &'a str,
+    },
+    ToolResult {
+        id: &'a str,
+        text: &'a str,
+    },
 }
 
 impl ShapeGenerator {
@@ -173,14 +245,33 @@ impl ShapeGenerator {
             }
             Shape::Repeated2k => {
                 let text = generator.text(stream::REPEATED, 0, LONG_WORDS);
-                generator.fixed = generator.body(&[("user", &text)]);
+                generator.fixed = generator.body(&[Message::Text {
+                    role: "user",
+                    text: &text,
+                }]);
             }
             Shape::Unique2k => {
                 generator.pool = (0..UNIQUE_BODIES as u64)
                     .map(|body| generator.text(stream::UNIQUE_BODY, body, LONG_WORDS - INDEX_WORDS))
                     .collect();
             }
-            Shape::Short | Shape::MultiTurn => {}
+            Shape::Agentic => {
+                generator.fixed = generator.text(stream::AGENT_SYSTEM, 0, AGENT_SYSTEM_WORDS);
+                generator.pool = (0..AGENT_RESULT_POOL as u64)
+                    .map(|result| {
+                        let span = AGENT_RESULT_WORDS.end() - AGENT_RESULT_WORDS.start() + 1;
+                        let words = AGENT_RESULT_WORDS.start()
+                            + rng::draw_below(
+                                seed,
+                                stream::AGENT_RESULT_LENGTH,
+                                result,
+                                span as u64,
+                            ) as usize;
+                        generator.text(stream::AGENT_RESULT, result, words - INDEX_WORDS)
+                    })
+                    .collect();
+            }
+            Shape::Short | Shape::MultiTurn5 | Shape::MultiTurn20 | Shape::MultiTurn50 => {}
         }
         generator
     }
@@ -200,7 +291,16 @@ impl ShapeGenerator {
                     index,
                     SHORT_USER_WORDS - INDEX_WORDS,
                 ));
-                self.body(&[("system", &system), ("user", &user)])
+                self.body(&[
+                    Message::Text {
+                        role: "system",
+                        text: &system,
+                    },
+                    Message::Text {
+                        role: "user",
+                        text: &user,
+                    },
+                ])
             }
             Shape::SharedPrefix2k => {
                 let mut user = self.index_words(index);
@@ -209,21 +309,34 @@ impl ShapeGenerator {
                     index,
                     SHARED_USER_WORDS - INDEX_WORDS,
                 ));
-                self.body(&[("system", &self.fixed), ("user", &user)])
+                self.body(&[
+                    Message::Text {
+                        role: "system",
+                        text: &self.fixed,
+                    },
+                    Message::Text {
+                        role: "user",
+                        text: &user,
+                    },
+                ])
             }
             Shape::Unique2k => {
                 let body = &self.pool[(index % UNIQUE_BODIES as u64) as usize];
                 let mut user = self.index_words(index);
                 user.push_str(body);
-                self.body(&[("user", &user)])
+                self.body(&[Message::Text {
+                    role: "user",
+                    text: &user,
+                }])
             }
             Shape::Repeated2k => self.fixed.clone(),
-            Shape::MultiTurn => {
-                let (conversation, turn) = conversation_turn(index);
+            Shape::MultiTurn5 | Shape::MultiTurn20 | Shape::MultiTurn50 => {
+                let turns = self.shape.turns();
+                let (conversation, turn) = conversation_turn(index, turns);
                 let system = self.text(stream::TURN_SYSTEM, conversation, TURN_SYSTEM_WORDS);
                 let mut texts = vec![("system", system)];
                 for earlier in 0..=turn {
-                    let key = conversation * TURNS + earlier;
+                    let key = conversation * turns + earlier;
                     texts.push(("user", self.text(stream::TURN_USER, key, TURN_USER_WORDS)));
                     if earlier < turn {
                         texts.push((
@@ -232,13 +345,65 @@ impl ShapeGenerator {
                         ));
                     }
                 }
-                let messages: Vec<(&str, &str)> = texts
+                let messages: Vec<Message> = texts
                     .iter()
-                    .map(|(role, text)| (*role, text.as_str()))
+                    .map(|(role, text)| Message::Text { role, text })
                     .collect();
                 self.body(&messages)
             }
+            Shape::Agentic => self.agent_body(index),
         }
+    }
+
+    /// `agentic` request `index`: the shared tool definitions, the agent's task, then one tool
+    /// call and its result per step taken so far.
+    fn agent_body(&self, index: u64) -> String {
+        let (agent, step) = conversation_turn(index, AGENT_STEPS);
+        let task = self.text(stream::AGENT_TASK, agent, AGENT_TASK_WORDS);
+        struct Step {
+            thought: String,
+            id: String,
+            query: String,
+            result: String,
+        }
+        let steps: Vec<Step> = (0..step)
+            .map(|earlier| {
+                let key = agent * AGENT_STEPS + earlier;
+                let pick =
+                    rng::draw_below(self.seed, stream::AGENT_RESULT, key, self.pool.len() as u64);
+                let mut result = self.index_words(key);
+                result.push_str(&self.pool[pick as usize]);
+                Step {
+                    thought: self.text(stream::AGENT_THOUGHT, key, AGENT_THOUGHT_WORDS),
+                    id: format!("call_{key}"),
+                    query: self.text(stream::AGENT_THOUGHT, key ^ (1 << 63), 4),
+                    result,
+                }
+            })
+            .collect();
+        let mut messages = vec![
+            Message::Text {
+                role: "system",
+                text: &self.fixed,
+            },
+            Message::Text {
+                role: "user",
+                text: &task,
+            },
+        ];
+        for (earlier, step) in steps.iter().enumerate() {
+            messages.push(Message::ToolCall {
+                text: &step.thought,
+                id: &step.id,
+                tool: AGENT_TOOLS[earlier % AGENT_TOOLS.len()],
+                query: step.query.trim_start(),
+            });
+            messages.push(Message::ToolResult {
+                id: &step.id,
+                text: &step.result,
+            });
+        }
+        self.body(&messages)
     }
 
     /// `count` words drawn from (stream, key), each with a leading space.
@@ -272,42 +437,72 @@ impl ShapeGenerator {
         text
     }
 
-    /// A chat completions body with these messages. Contents are the alphabet's lowercase
-    /// ASCII words and spaces, which JSON needs no escaping for.
-    fn body(&self, messages: &[(&str, &str)]) -> String {
-        let length: usize = messages.iter().map(|(_, text)| text.len() + 32).sum();
+    /// A chat completions body with these messages. Texts are the alphabet's lowercase ASCII
+    /// words and spaces, which JSON needs no escaping for.
+    fn body(&self, messages: &[Message]) -> String {
+        let length: usize = messages
+            .iter()
+            .map(|message| match message {
+                Message::Text { text, .. } | Message::ToolResult { text, .. } => text.len() + 32,
+                Message::ToolCall { text, query, .. } => text.len() + query.len() + 160,
+            })
+            .sum();
         let mut body = String::with_capacity(length + 96);
         let _ = write!(
             body,
             r#"{{"model":"{MODEL}","max_tokens":{},"stream":{},"messages":["#,
             self.max_tokens, self.stream
         );
-        for (position, (role, text)) in messages.iter().enumerate() {
+        for (position, message) in messages.iter().enumerate() {
             if position > 0 {
                 body.push(',');
             }
-            debug_assert!(
-                text.bytes()
-                    .all(|byte| byte == b' ' || byte.is_ascii_alphabetic())
-            );
-            let _ = write!(
-                body,
-                r#"{{"role":"{role}","content":"{}"}}"#,
-                text.trim_start()
-            );
+            let _ = match message {
+                Message::Text { role, text } => write!(
+                    body,
+                    r#"{{"role":"{role}","content":"{}"}}"#,
+                    plain(text).trim_start()
+                ),
+                Message::ToolCall {
+                    text,
+                    id,
+                    tool,
+                    query,
+                } => write!(
+                    body,
+                    r#"{{"role":"assistant","content":"{}","tool_calls":[{{"id":"{id}","type":"function","function":{{"name":"{tool}","arguments":"{{\"query\":\"{}\"}}"}}}}]}}"#,
+                    plain(text).trim_start(),
+                    plain(query)
+                ),
+                Message::ToolResult { id, text } => write!(
+                    body,
+                    r#"{{"role":"tool","tool_call_id":"{id}","content":"{}"}}"#,
+                    plain(text).trim_start()
+                ),
+            };
         }
         body.push_str("]}");
         body
     }
 }
 
-/// The (conversation, turn) of multi-turn request `index`: [`CONVERSATIONS`] conversations
-/// interleaved round-robin; each runs [`TURNS`] turns, then its slot starts a new one.
-pub fn conversation_turn(index: u64) -> (u64, u64) {
+/// `text`, checked (in debug builds) to need no JSON escaping.
+fn plain(text: &str) -> &str {
+    debug_assert!(
+        text.bytes()
+            .all(|byte| byte == b' ' || byte.is_ascii_alphabetic())
+    );
+    text
+}
+
+/// The (conversation, turn) of request `index` of a conversation shape: [`CONVERSATIONS`]
+/// conversations interleaved round-robin; each runs `turns` turns, then its slot starts a new
+/// one.
+pub fn conversation_turn(index: u64, turns: u64) -> (u64, u64) {
     let slot = index % CONVERSATIONS;
     let round = index / CONVERSATIONS;
-    let generation = round / TURNS;
-    (generation * CONVERSATIONS + slot, round % TURNS)
+    let generation = round / turns;
+    (generation * CONVERSATIONS + slot, round % turns)
 }
 
 #[cfg(test)]
@@ -364,6 +559,15 @@ mod tests {
             [Shape::Short, Shape::SharedPrefix2k]
         );
         assert!(Shape::parse_list("short,long").is_err());
+        assert_eq!(
+            Shape::parse_list("multi-turn,agentic,multi-turn-20").unwrap(),
+            [
+                Shape::MultiTurn5,
+                Shape::MultiTurn20,
+                Shape::MultiTurn50,
+                Shape::Agentic
+            ]
+        );
         for shape in Shape::ALL {
             assert_eq!(Shape::from_name(shape.name()), Some(shape));
         }
@@ -428,35 +632,94 @@ mod tests {
 
     #[test]
     fn multi_turn_conversations_grow_by_one_turn_and_keep_their_history() {
-        let generator = generator(Shape::MultiTurn);
-        // Request i and i + CONVERSATIONS are consecutive turns of one conversation.
-        let mut previous = messages(&generator.request_body(3));
-        assert_eq!(previous.len(), 2);
-        for turn in 1..TURNS {
-            let chat = messages(&generator.request_body(3 + turn * CONVERSATIONS));
-            assert_eq!(chat.len(), previous.len() + 2, "turn {turn}");
+        for shape in [Shape::MultiTurn5, Shape::MultiTurn20, Shape::MultiTurn50] {
+            let generator = generator(shape);
+            let turns = shape.turns();
+            // Request i and i + CONVERSATIONS are consecutive turns of one conversation.
+            let mut previous = messages(&generator.request_body(3));
+            assert_eq!(previous.len(), 2);
+            for turn in 1..turns {
+                let chat = messages(&generator.request_body(3 + turn * CONVERSATIONS));
+                assert_eq!(chat.len(), previous.len() + 2, "{shape:?} turn {turn}");
+                assert_eq!(chat[..previous.len()], previous[..], "history changed");
+                assert_eq!(chat[chat.len() - 2].0, "assistant");
+                assert_eq!(chat[chat.len() - 1].0, "user");
+                previous = chat;
+            }
+            assert_eq!(previous.len() as u64, 2 * turns);
+            // After its turns the slot starts a new conversation: a new system prompt.
+            let next = messages(&generator.request_body(3 + turns * CONVERSATIONS));
+            assert_eq!(next.len(), 2);
+            assert_ne!(next[0], previous[0]);
+            // Interleaved conversations differ.
+            assert_ne!(
+                messages(&generator.request_body(4))[0],
+                messages(&generator.request_body(3))[0]
+            );
+        }
+    }
+
+    #[test]
+    fn agents_append_a_tool_call_and_its_result_per_step() {
+        let generator = generator(Shape::Agentic);
+        let body = |index: u64| -> serde_json::Value {
+            serde_json::from_str(&generator.request_body(index)).expect("valid JSON")
+        };
+        let first = body(5);
+        let system = first["messages"][0]["content"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert_eq!(word_count(&system), AGENT_SYSTEM_WORDS);
+        assert_eq!(first["messages"].as_array().unwrap().len(), 2);
+        let mut previous = first["messages"].as_array().unwrap().clone();
+        let mut results = HashSet::new();
+        for step in 1..AGENT_STEPS {
+            let chat = body(5 + step * CONVERSATIONS)["messages"]
+                .as_array()
+                .unwrap()
+                .clone();
+            assert_eq!(chat.len(), previous.len() + 2, "step {step}");
             assert_eq!(chat[..previous.len()], previous[..], "history changed");
-            assert_eq!(chat[chat.len() - 2].0, "assistant");
-            assert_eq!(chat[chat.len() - 1].0, "user");
+            let call = &chat[chat.len() - 2];
+            let result = &chat[chat.len() - 1];
+            assert_eq!(call["role"], "assistant");
+            let id = call["tool_calls"][0]["id"].as_str().unwrap();
+            let arguments = call["tool_calls"][0]["function"]["arguments"]
+                .as_str()
+                .unwrap();
+            let arguments: serde_json::Value = serde_json::from_str(arguments).unwrap();
+            assert_eq!(word_count(arguments["query"].as_str().unwrap()), 4);
+            assert_eq!(result["role"], "tool");
+            assert_eq!(result["tool_call_id"], id);
+            let words = word_count(result["content"].as_str().unwrap());
+            assert!(AGENT_RESULT_WORDS.contains(&words), "{words} words");
+            assert!(results.insert(result["content"].as_str().unwrap().to_string()));
             previous = chat;
         }
-        // After TURNS turns the slot starts a new conversation: a new system prompt.
-        let next = messages(&generator.request_body(3 + TURNS * CONVERSATIONS));
-        assert_eq!(next.len(), 2);
-        assert_ne!(next[0], previous[0]);
-        // Interleaved conversations differ.
-        assert_ne!(
-            messages(&generator.request_body(4))[0],
-            messages(&generator.request_body(3))[0]
+        // Every agent shares the tool definitions; the next task starts over.
+        let other = body(6);
+        assert_eq!(other["messages"][0]["content"], system.as_str());
+        assert_ne!(other["messages"][1], first["messages"][1]);
+        assert_eq!(
+            body(5 + AGENT_STEPS * CONVERSATIONS)["messages"]
+                .as_array()
+                .unwrap()
+                .len(),
+            2
         );
     }
 
     #[test]
     fn conversation_turns_interleave_round_robin() {
-        assert_eq!(conversation_turn(0), (0, 0));
-        assert_eq!(conversation_turn(CONVERSATIONS - 1), (CONVERSATIONS - 1, 0));
-        assert_eq!(conversation_turn(CONVERSATIONS), (0, 1));
-        assert_eq!(conversation_turn(CONVERSATIONS * TURNS), (CONVERSATIONS, 0));
+        assert_eq!(conversation_turn(0, 8), (0, 0));
+        assert_eq!(
+            conversation_turn(CONVERSATIONS - 1, 8),
+            (CONVERSATIONS - 1, 0)
+        );
+        assert_eq!(conversation_turn(CONVERSATIONS, 8), (0, 1));
+        assert_eq!(conversation_turn(CONVERSATIONS * 8, 8), (CONVERSATIONS, 0));
+        assert_eq!(conversation_turn(CONVERSATIONS * 8, 50), (0, 8));
     }
 
     #[test]

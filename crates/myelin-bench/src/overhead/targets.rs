@@ -24,6 +24,11 @@ pub const MIN_SCALING_EFFICIENCY: f64 = 0.85;
 /// myelin req/s over each external router's at the same cores and shape; on `short`.
 pub const MIN_RPS_OVER_EXTERNAL: f64 = 2.0;
 pub const MIN_RPS_OVER_EXTERNAL_SHORT: f64 = 3.0;
+/// Router CPU per request on the conversation shapes (multi-turn-N, agentic), as a fraction of
+/// each external router's at the same cores.
+pub const MAX_CPU_OVER_EXTERNAL_CONVERSATIONS: f64 = 0.4;
+/// Router CPU per request on multi-turn-50 over multi-turn-5, at the same cores.
+pub const MAX_CPU_GROWTH_5_TO_50_TURNS: f64 = 1.25;
 
 /// A target's verdict.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -239,6 +244,36 @@ pub fn evaluate(legs: &[LegResult], available_cpus: usize) -> Vec<TargetResult> 
         ));
     }
 
+    // Conversations: CPU per request from 5 to 50 turns.
+    let cores_run: Vec<usize> = {
+        let mut cores: Vec<usize> = legs
+            .iter()
+            .filter(|leg| leg.kind == LegKind::Myelin)
+            .filter_map(|leg| leg.router_cores)
+            .collect();
+        cores.sort_unstable();
+        cores.dedup();
+        cores
+    };
+    for &cores in &cores_run {
+        let cpu = |shape| myelin(cores, shape).and_then(|leg| leg.figures.cpu_us_per_request);
+        let (five, fifty) = (cpu(Shape::MultiTurn5), cpu(Shape::MultiTurn50));
+        if five.is_none() && fifty.is_none() {
+            continue;
+        }
+        results.push(TargetResult::at_most(
+            format!(
+                "CPU/req multi-turn-50 / multi-turn-5, {cores} router core{}",
+                if cores == 1 { "" } else { "s" }
+            ),
+            five.zip(fifty)
+                .filter(|(five, _)| *five > 0.0)
+                .map(|(five, fifty)| fifty / five),
+            MAX_CPU_GROWTH_5_TO_50_TURNS,
+            "needs multi-turn-5 and multi-turn-50 with CPU figures",
+        ));
+    }
+
     // myelin against each external router.
     let externals: Vec<&LegResult> = legs
         .iter()
@@ -286,6 +321,24 @@ pub fn evaluate(legs: &[LegResult], available_cpus: usize) -> Vec<TargetResult> 
             result.status = Status::Fail;
         }
         results.push(result);
+        if shape.is_conversation() {
+            let ratio = myelin(cores, shape)
+                .and_then(|leg| leg.figures.cpu_us_per_request)
+                .zip(external.figures.cpu_us_per_request)
+                .filter(|(_, theirs)| *theirs > 0.0)
+                .map(|(ours, theirs)| ours / theirs);
+            results.push(TargetResult::at_most(
+                format!(
+                    "myelin CPU/req / {} CPU/req, {}, {cores} router core{}",
+                    external.name,
+                    shape.name(),
+                    if cores == 1 { "" } else { "s" }
+                ),
+                ratio,
+                MAX_CPU_OVER_EXTERNAL_CONVERSATIONS,
+                "needs CPU figures of both legs",
+            ));
+        }
     }
     results
 }
@@ -345,6 +398,44 @@ mod tests {
         let scaling = by_name(&results, "scaling")[0];
         assert_eq!(scaling.status, Status::Skip);
         assert!(scaling.detail.contains(">= 16 CPUs"));
+    }
+
+    #[test]
+    fn conversations_are_held_to_cpu_growth_and_a_share_of_the_gateways_cpu() {
+        let with_cpu = |kind, name, shape, cpu| {
+            let mut leg = leg(kind, name, Some(1), shape);
+            leg.figures.cpu_us_per_request = Some(cpu);
+            leg
+        };
+        let legs = [
+            with_cpu(LegKind::Myelin, "myelin", Shape::MultiTurn5, 100.0),
+            with_cpu(LegKind::Myelin, "myelin", Shape::MultiTurn50, 130.0),
+            with_cpu(LegKind::Myelin, "myelin", Shape::Agentic, 150.0),
+            with_cpu(LegKind::External, "smg", Shape::MultiTurn5, 300.0),
+            with_cpu(LegKind::External, "smg", Shape::Agentic, 300.0),
+            with_cpu(LegKind::External, "smg", Shape::Short, 10.0),
+        ];
+        let results = evaluate(&legs, 2);
+        let growth = by_name(
+            &results,
+            "CPU/req multi-turn-50 / multi-turn-5, 1 router core",
+        );
+        assert_eq!(growth.len(), 1);
+        assert_eq!(
+            (growth[0].status, growth[0].value),
+            (Status::Fail, Some(1.3))
+        );
+        let share = |shape: &str| {
+            let found = by_name(&results, &format!("myelin CPU/req / smg CPU/req, {shape}"));
+            found.first().map(|result| (result.status, result.value))
+        };
+        assert_eq!(
+            share("multi-turn-5"),
+            Some((Status::Pass, Some(100.0 / 300.0)))
+        );
+        assert_eq!(share("agentic"), Some((Status::Fail, Some(0.5))));
+        // Not a conversation shape: no CPU share target.
+        assert_eq!(share("short"), None);
     }
 
     #[test]
