@@ -35,6 +35,7 @@
 //! the fresh-bytes budget (`--tokenize-max-bytes`: bytes actually tokenized, not those served
 //! from the caches). The ids up to the stop are exact; the stop itself is handled like a
 //! prefix cut (whole blocks kept, minus one). The request is still proxied whole.
+use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::Path;
@@ -225,9 +226,9 @@ pub enum Segment<'a> {
 #[derive(Debug)]
 struct Generations<K, V> {
     budget_bytes: usize,
-    current: HashMap<K, V>,
+    current: HashMap<K, V, foldhash::fast::RandomState>,
     current_bytes: usize,
-    previous: HashMap<K, V>,
+    previous: HashMap<K, V, foldhash::fast::RandomState>,
     previous_bytes: usize,
 }
 
@@ -235,9 +236,9 @@ impl<K: Hash + Eq, V: Clone> Generations<K, V> {
     fn new(budget_bytes: usize) -> Self {
         Generations {
             budget_bytes,
-            current: HashMap::new(),
+            current: HashMap::default(),
             current_bytes: 0,
-            previous: HashMap::new(),
+            previous: HashMap::default(),
             previous_bytes: 0,
         }
     }
@@ -692,12 +693,12 @@ impl RouteTokenizer {
             .prefixes
             .as_mut()
             .and_then(|prefixes| prefixes.deepest(text, &cuts, &keys));
-        let (mut ids, start_index) = match hit {
-            Some((index, cached)) => {
+        let (mut ids, start_index, continued) = match hit {
+            Some((index, cached, continued)) => {
                 stats.cached_prefix_bytes = u32::try_from(cuts[index]).unwrap_or(u32::MAX);
-                (cached, index + 1)
+                (cached, index + 1, Some(continued))
             }
-            None => (prefix, 0),
+            None => (prefix, 0, None),
         };
         let mut position = start_index.checked_sub(1).map_or(0, |index| cuts[index]);
         let mut marks = Vec::with_capacity(cuts.len() - start_index);
@@ -714,7 +715,7 @@ impl RouteTokenizer {
         if let (Some(prefixes), Some(&(_, last_cut, last_len))) =
             (self.prefixes.as_mut(), marks.last())
         {
-            prefixes.insert(&text[..last_cut], &ids[..last_len], &marks);
+            prefixes.insert(&text[..last_cut], &ids[..last_len], &marks, continued);
         }
         if stopped_at.is_none() {
             stopped_at = self
@@ -916,11 +917,86 @@ fn prefix_keys(bytes: &[u8], cuts: &[usize], completion: bool) -> Vec<u64> {
     keys
 }
 
-/// An earlier prompt's leading text (up to its last checkpoint) and ids.
+/// Part of an earlier prompt's leading text and its ids: the bytes from `start` (where its
+/// parent's shared part ends) up to the prompt's last checkpoint. A prompt that continues an
+/// earlier one (the next turn of a conversation, an agent's next step) stores only what it
+/// adds and links to the entry it continued, so a conversation's cache is its text once, not
+/// once per turn.
 #[derive(Debug)]
 struct PrefixEntry {
+    /// The entry whose text (up to `start`) precedes this one's.
+    parent: Option<Rc<PrefixEntry>>,
+    /// Byte offset in the prompt of `text[0]`, and the number of ids before `ids[0]`.
+    start: usize,
+    ids_start: usize,
     text: Box<str>,
     ids: Box<[u32]>,
+    /// The cache's count of live bytes, which this entry leaves when dropped.
+    live: Rc<Cell<usize>>,
+}
+
+impl PrefixEntry {
+    fn cost(&self) -> usize {
+        self.text.len() + self.ids.len() * 4 + PREFIX_ENTRY_OVERHEAD_BYTES
+    }
+
+    /// Whether `text[..cut]` is this entry's chain of texts up to `cut` (byte for byte).
+    fn matches(self: &Rc<Self>, text: &[u8], cut: usize) -> bool {
+        let mut end = cut;
+        let mut link = self;
+        loop {
+            let own = end - link.start;
+            if end > text.len()
+                || own > link.text.len()
+                || text[link.start..end] != link.text.as_bytes()[..own]
+            {
+                return false;
+            }
+            match &link.parent {
+                Some(parent) => {
+                    end = link.start;
+                    link = parent;
+                }
+                None => return link.start == 0,
+            }
+        }
+    }
+
+    /// The first `ids_len` ids of this entry's chain.
+    fn ids_before(self: &Rc<Self>, ids_len: usize) -> Vec<u32> {
+        let mut parts = Vec::new();
+        let mut end = ids_len;
+        let mut link = self;
+        loop {
+            parts.push(&link.ids[..end - link.ids_start]);
+            match &link.parent {
+                Some(parent) => {
+                    end = link.ids_start;
+                    link = parent;
+                }
+                None => break,
+            }
+        }
+        let mut ids = Vec::with_capacity(ids_len);
+        for part in parts.iter().rev() {
+            ids.extend_from_slice(part);
+        }
+        ids
+    }
+}
+
+impl Drop for PrefixEntry {
+    fn drop(&mut self) {
+        self.live.set(self.live.get() - self.cost());
+        // Unlink the chain iteratively: a long conversation must not recurse once per turn.
+        let mut parent = self.parent.take();
+        while let Some(entry) = parent {
+            parent = match Rc::try_unwrap(entry) {
+                Ok(mut entry) => entry.parent.take(),
+                Err(_) => None,
+            };
+        }
+    }
 }
 
 /// One checkpoint: the entry it is in, its byte offset and the ids before it.
@@ -931,54 +1007,119 @@ struct Mark {
     ids_len: usize,
 }
 
-/// Checkpoints of earlier prompts by key of their leading bytes.
+/// Bookkeeping bytes counted per entry of the prefix cache.
+const PREFIX_ENTRY_OVERHEAD_BYTES: usize = 96;
+
+/// Where a prompt continues an earlier one: the entry holding its deepest cached checkpoint,
+/// the checkpoint's byte offset and the ids before it.
+struct Continued {
+    entry: Rc<PrefixEntry>,
+    cut: usize,
+    ids_len: usize,
+}
+
+/// Checkpoints of earlier prompts by key of their leading bytes, in two generations: the
+/// older is dropped when the bytes held pass the budget. The bytes are those of the entries
+/// alive (an entry stays alive while a checkpoint or a later entry that continues it does),
+/// counted exactly as they are created and dropped.
 #[derive(Debug)]
 struct PrefixCache {
-    generations: Generations<u64, Mark>,
+    budget_bytes: usize,
+    live: Rc<Cell<usize>>,
+    /// Bytes inserted into the newer generation since it began.
+    current_cost: usize,
+    current: HashMap<u64, Mark, foldhash::fast::RandomState>,
+    previous: HashMap<u64, Mark, foldhash::fast::RandomState>,
 }
 
 impl PrefixCache {
     fn new(budget_bytes: usize) -> Self {
         PrefixCache {
-            generations: Generations::new(budget_bytes),
+            budget_bytes,
+            live: Rc::new(Cell::new(0)),
+            current_cost: 0,
+            current: HashMap::default(),
+            previous: HashMap::default(),
         }
     }
 
     fn bytes(&self) -> usize {
-        self.generations.bytes()
+        self.live.get() + (self.current.len() + self.previous.len()) * CHECKPOINT_OVERHEAD_BYTES
     }
 
-    /// The deepest checkpoint of `text` held: its index in `cuts` and the ids before it.
-    fn deepest(&mut self, text: &str, cuts: &[usize], keys: &[u64]) -> Option<(usize, Vec<u32>)> {
+    /// The deepest checkpoint of `text` held: its index in `cuts`, the ids before it, and the
+    /// entry to continue.
+    fn deepest(
+        &mut self,
+        text: &str,
+        cuts: &[usize],
+        keys: &[u64],
+    ) -> Option<(usize, Vec<u32>, Continued)> {
         for index in (0..cuts.len()).rev() {
             let (key, cut) = (keys[index], cuts[index]);
-            let found = self.generations.get(&key, |mark| {
-                CHECKPOINT_OVERHEAD_BYTES + entry_cost(&mark.entry)
-            });
-            if let Some(mark) = found
-                && mark.cut == cut
-                && mark.entry.text.as_bytes()[..cut] == text.as_bytes()[..cut]
-            {
-                return Some((index, mark.entry.ids[..mark.ids_len].to_vec()));
+            let mark = match self.current.get(&key) {
+                Some(mark) => mark.clone(),
+                None => {
+                    let Some(mark) = self.previous.remove(&key) else {
+                        continue;
+                    };
+                    // Still in use: it survives the next rotation.
+                    self.current.insert(key, mark.clone());
+                    mark
+                }
+            };
+            if mark.cut == cut && mark.entry.matches(text.as_bytes(), cut) {
+                let ids = mark.entry.ids_before(mark.ids_len);
+                return Some((
+                    index,
+                    ids,
+                    Continued {
+                        entry: mark.entry,
+                        cut,
+                        ids_len: mark.ids_len,
+                    },
+                ));
             }
         }
         None
     }
 
     /// Remembers `text` (up to the last of `marks`) with its `ids` and its checkpoints
-    /// `(key, cut, ids before it)`.
-    fn insert(&mut self, text: &str, ids: &[u32], marks: &[(u64, usize, usize)]) {
-        let entry = Rc::new(PrefixEntry {
-            text: text.into(),
-            ids: ids.into(),
-        });
-        let cost = entry_cost(&entry) + marks.len() * CHECKPOINT_OVERHEAD_BYTES;
-        if !self.generations.fits(cost) {
+    /// `(key, cut, ids before it)`; with `continued`, only what follows that checkpoint is
+    /// stored, linked to the entry it continues.
+    fn insert(
+        &mut self,
+        text: &str,
+        ids: &[u32],
+        marks: &[(u64, usize, usize)],
+        continued: Option<Continued>,
+    ) {
+        let (parent, start, ids_start) = match continued {
+            Some(Continued {
+                entry,
+                cut,
+                ids_len,
+            }) => (Some(entry), cut, ids_len),
+            None => (None, 0, 0),
+        };
+        let own_cost = text.len() - start
+            + (ids.len() - ids_start) * 4
+            + PREFIX_ENTRY_OVERHEAD_BYTES
+            + marks.len() * CHECKPOINT_OVERHEAD_BYTES;
+        if own_cost * 2 > self.budget_bytes {
             return;
         }
-        self.generations.charge(cost);
+        let entry = Rc::new(PrefixEntry {
+            parent,
+            start,
+            ids_start,
+            text: text[start..].into(),
+            ids: ids[ids_start..].into(),
+            live: self.live.clone(),
+        });
+        self.live.set(self.live.get() + entry.cost());
         for &(key, cut, ids_len) in marks {
-            self.generations.put(
+            self.current.insert(
                 key,
                 Mark {
                     entry: entry.clone(),
@@ -987,11 +1128,25 @@ impl PrefixCache {
                 },
             );
         }
+        drop(entry);
+        self.current_cost += own_cost;
+        if self.current_cost > self.budget_bytes / 2 {
+            self.rotate();
+        }
+        // Entries older than both generations stay alive while a newer one continues them:
+        // rotate again while that is over budget (twice empties the cache).
+        while self.bytes() > self.budget_bytes
+            && !(self.current.is_empty() && self.previous.is_empty())
+        {
+            self.rotate();
+        }
     }
-}
 
-fn entry_cost(entry: &PrefixEntry) -> usize {
-    entry.text.len() + entry.ids.len() * 4
+    /// Drops the older generation; the newer one becomes it.
+    fn rotate(&mut self) {
+        self.previous = std::mem::take(&mut self.current);
+        self.current_cost = 0;
+    }
 }
 
 /// Appends the ids of `plain` (text without added tokens): the fast path when there is one.
@@ -1295,6 +1450,135 @@ mod tests {
     }
 
     #[test]
+    fn a_conversation_is_cached_once_not_once_per_turn() {
+        // Sixteen interleaved conversations of 30 turns in a budget that could not hold each
+        // turn's whole text: every turn still starts from the previous turn's checkpoints.
+        // About twice the conversations' text and ids at their last turn; holding each turn
+        // whole would need well over 3 MiB.
+        let budget: usize = 3 << 19;
+        let (mut routed, tokenizer) = chatml_router(Some(fast_path()), budget);
+        let mut previous = [0usize; 16];
+        let mut conversations: Vec<Vec<Value>> = (0..16)
+            .map(|c| {
+                vec![
+                    json!({"role": "system", "content": format!("agent {c}. {}", PROSE.repeat(8))}),
+                ]
+            })
+            .collect();
+        for turn in 0..30 {
+            for (c, messages) in conversations.iter_mut().enumerate() {
+                messages.push(json!({"role": "user", "content": format!("step {turn} of {c}: {}", PROSE.repeat(2))}));
+                let chat = routed
+                    .render(&PromptInput::Chat(Value::Array(messages.clone())))
+                    .unwrap();
+                let tokens = routed.tokens(&chat, None).unwrap();
+                let RenderedPrompt::Text { text, .. } = &chat else {
+                    unreachable!()
+                };
+                if turn % 7 == 0 {
+                    assert_eq!(tokens.ids, tokenizer.encode(text, false).unwrap());
+                }
+                if turn > 0 {
+                    // Read from the prefix cache: all but the last checkpoint's worth of what
+                    // this conversation sent before.
+                    let cached = tokens.stats.cached_prefix_bytes as usize;
+                    assert!(
+                        cached + 2 * CHECKPOINT_SPACING >= previous[c],
+                        "conversation {c} turn {turn}: {cached} bytes from the cache of {}",
+                        previous[c]
+                    );
+                }
+                previous[c] = text.len();
+                messages.push(
+                    json!({"role": "assistant", "content": format!("done {turn}. {}", PROSE)}),
+                );
+            }
+            assert!(routed.cache_bytes().1 <= budget);
+        }
+    }
+
+    #[test]
+    fn continued_entries_are_verified_to_their_root_and_bounded() {
+        let words = |n: usize, tag: &str| format!("{tag} {}", "alpha beta gamma ".repeat(n));
+        let mut cache = PrefixCache::new(1 << 20);
+        let root_text = words(40, "root");
+        let cuts_of =
+            |text: &str| -> Vec<usize> { (1..text.len() / 100).map(|i| i * 100).collect() };
+        let marks_of = |text: &str, cuts: &[usize]| -> Vec<(u64, usize, usize)> {
+            let keys = prefix_keys(text.as_bytes(), cuts, false);
+            cuts.iter()
+                .zip(keys)
+                .map(|(&cut, key)| (key, cut, cut))
+                .collect()
+        };
+        let ids_of = |text: &str| -> Vec<u32> { (0..text.len() as u32).collect() };
+        let cuts = cuts_of(&root_text);
+        cache.insert(
+            &root_text[..*cuts.last().unwrap()],
+            &ids_of(&root_text),
+            &marks_of(&root_text, &cuts),
+            None,
+        );
+        let before = cache.bytes();
+        // A continuation stores only its own part and reads back the whole chain's ids.
+        let child_text = format!("{root_text}{}", words(40, "child"));
+        let child_cuts = cuts_of(&child_text);
+        let keys = prefix_keys(child_text.as_bytes(), &child_cuts, false);
+        let (index, ids, continued) = cache.deepest(&child_text, &child_cuts, &keys).unwrap();
+        assert_eq!(child_cuts[index], *cuts.last().unwrap());
+        assert_eq!(ids, ids_of(&child_text)[..child_cuts[index]]);
+        let new_marks: Vec<_> = marks_of(&child_text, &child_cuts)[index + 1..].to_vec();
+        let last = *child_cuts.last().unwrap();
+        cache.insert(
+            &child_text[..last],
+            &ids_of(&child_text)[..last],
+            &new_marks,
+            Some(continued),
+        );
+        let added = cache.bytes() - before;
+        assert!(
+            added < child_text.len() * 5 - root_text.len() * 4,
+            "{added} bytes added"
+        );
+        let (deep, ids, _) = cache.deepest(&child_text, &child_cuts, &keys).unwrap();
+        assert_eq!(
+            (deep, ids),
+            (child_cuts.len() - 1, ids_of(&child_text)[..last].to_vec())
+        );
+        // The same keys over a text whose root part differs: verified through the link.
+        let mut forged = child_text.clone().into_bytes();
+        forged[5] = b'X';
+        let forged = String::from_utf8(forged).unwrap();
+        assert!(cache.deepest(&forged, &child_cuts, &keys).is_none());
+    }
+
+    #[test]
+    fn a_long_chain_is_dropped_without_recursion_and_the_bytes_return_to_zero() {
+        let mut cache = PrefixCache::new(64 << 20);
+        let mut text = String::new();
+        let mut continued = None;
+        for link in 0..20_000usize {
+            let start = text.len();
+            text.push_str(&format!("link {link:06} words "));
+            let cut = text.len();
+            let key = prefix_keys(text.as_bytes(), &[cut], false)[0];
+            let ids: Vec<u32> = vec![link as u32; cut];
+            cache.insert(&text, &ids, &[(key, cut, cut)], continued.take());
+            let (_, _, next) = cache.deepest(&text, &[cut], &[key]).unwrap();
+            assert_eq!(next.cut, cut);
+            assert!(next.entry.start == start || link == 0);
+            continued = Some(next);
+        }
+        drop(continued);
+        assert!(cache.bytes() > 0);
+        let live = cache.live.clone();
+        drop(cache);
+        // Dropping 20,000 linked entries returned (recursion would overflow the stack) and
+        // every entry left the live count.
+        assert_eq!(live.get(), 0);
+    }
+
+    #[test]
     fn checkpoints_are_safe_cuts_outside_added_tokens() {
         let added =
             AddedTokens::from_tokens(vec![("<|x y|>".into(), 1), ("ab cd".into(), 2)]).unwrap();
@@ -1331,14 +1615,14 @@ mod tests {
                 .zip(&keys)
                 .map(|(&cut, &key)| (key, cut, cut / 4))
                 .collect();
-            cache.insert(&text[..500], &vec![index; 125], &marks);
+            cache.insert(&text[..500], &vec![index; 125], &marks, None);
             assert!(cache.bytes() <= 64 * 1024);
         }
         // A key collision cannot return another text's ids: bytes are compared.
         let text = format!("{:08} {}", 1_999, "shared words ".repeat(40));
         let cuts = [100usize, 300, 500];
         let keys = prefix_keys(text.as_bytes(), &cuts, false);
-        let (index, ids) = cache.deepest(&text, &cuts, &keys).unwrap();
+        let (index, ids, _) = cache.deepest(&text, &cuts, &keys).unwrap();
         assert_eq!((index, ids.len()), (2, 125));
         let forged = format!("{:08} {}", 7_777, "shared words ".repeat(40));
         assert!(cache.deepest(&forged, &cuts, &keys).is_none());
