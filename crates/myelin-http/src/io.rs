@@ -28,6 +28,9 @@ impl<S> GlommioIo<S> {
     }
 }
 
+/// Most bytes one read asks the socket for (and zeroes first).
+const READ_CHUNK: usize = 64 * 1024;
+
 impl<S: AsyncRead + Unpin> Read for GlommioIo<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
@@ -35,12 +38,14 @@ impl<S: AsyncRead + Unpin> Read for GlommioIo<S> {
         mut buf: ReadBufCursor<'_>,
     ) -> Poll<io::Result<()>> {
         // SAFETY: the slice is zero-initialised before it is viewed as `[u8]`, and `advance` is
-        // called with exactly the number of bytes the reader reported as written.
+        // called with exactly the number of bytes the reader reported as written. At most
+        // READ_CHUNK bytes are zeroed and read: hyper's buffer grows to hundreds of KiB for a
+        // large body, and zeroing all of it on every read cost more than the read.
         let filled = unsafe {
             let uninit = buf.as_mut();
-            for byte in uninit.iter_mut() {
-                byte.write(0);
-            }
+            let len = uninit.len().min(READ_CHUNK);
+            let uninit = &mut uninit[..len];
+            uninit.fill(MaybeUninit::new(0));
             let init = &mut *(uninit as *mut [MaybeUninit<u8>] as *mut [u8]);
             match Pin::new(&mut self.inner).poll_read(cx, init) {
                 Poll::Ready(Ok(n)) => n,

@@ -179,27 +179,55 @@ fn special_token(config: &Value, key: &str) -> String {
     }
 }
 
-fn normalize_messages(messages: &Value) -> Value {
-    let Some(list) = messages.as_array() else {
-        return messages.clone();
-    };
-    Value::Array(
-        list.iter()
-            .map(|message| {
-                let mut message = message.clone();
-                if let Some(Value::Array(parts)) = message.get("content") {
-                    let text: String = parts
-                        .iter()
-                        .filter(|part| part.get("type").and_then(Value::as_str) == Some("text"))
-                        .filter_map(|part| part.get("text").and_then(Value::as_str))
-                        .collect::<Vec<_>>()
-                        .join("\n");
-                    message["content"] = Value::String(text);
-                }
-                message
-            })
-            .collect(),
-    )
+/// The messages as the template sees them: a message whose `content` is an array of parts
+/// has it as the text of its text parts joined by newlines. Borrowed, so a long conversation
+/// is not copied before the template engine reads it.
+fn normalize_messages(messages: &Value) -> NormalizedMessages<'_> {
+    NormalizedMessages(messages)
+}
+
+struct NormalizedMessages<'a>(&'a Value);
+
+impl serde::Serialize for NormalizedMessages<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeSeq;
+        let Some(list) = self.0.as_array() else {
+            return self.0.serialize(serializer);
+        };
+        let mut seq = serializer.serialize_seq(Some(list.len()))?;
+        for message in list {
+            seq.serialize_element(&NormalizedMessage(message))?;
+        }
+        seq.end()
+    }
+}
+
+struct NormalizedMessage<'a>(&'a Value);
+
+impl serde::Serialize for NormalizedMessage<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let (Some(fields), Some(Value::Array(parts))) =
+            (self.0.as_object(), self.0.get("content"))
+        else {
+            return self.0.serialize(serializer);
+        };
+        let text = parts
+            .iter()
+            .filter(|part| part.get("type").and_then(Value::as_str) == Some("text"))
+            .filter_map(|part| part.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let mut map = serializer.serialize_map(Some(fields.len()))?;
+        for (key, value) in fields {
+            if key == "content" {
+                map.serialize_entry(key, &text)?;
+            } else {
+                map.serialize_entry(key, value)?;
+            }
+        }
+        map.end()
+    }
 }
 
 #[cfg(test)]
