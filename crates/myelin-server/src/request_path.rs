@@ -576,10 +576,14 @@ async fn read_body(
     if declared.is_some_and(|length| length > limit as u64) {
         return Err(ApiError::body_too_large(limit));
     }
-    // Grown as bytes arrive: a declared length reserves at most 64 KiB up front, so a client
-    // announcing 8 MB and sending a byte a second holds 64 KiB, not 8 MB.
-    let mut collected =
-        BytesMut::with_capacity(declared.map_or(8 * 1024, |length| length.min(64 * 1024) as usize));
+    // Held as the frames that arrived (memory grows only as bytes do: a client announcing
+    // 8 MB and sending a byte a second holds what it sent), joined once at the end, so a large
+    // body is copied once and one that came in one frame not at all. Past MAX_BODY_FRAMES
+    // frames they are joined as they come, so tiny frames cannot cost more than their bytes.
+    const MAX_BODY_FRAMES: usize = 16;
+    let mut frames: Vec<Bytes> = Vec::new();
+    let mut joined: Option<BytesMut> = None;
+    let mut length = 0usize;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|error| {
             ApiError::invalid_request(
@@ -589,13 +593,33 @@ async fn read_body(
             )
         })?;
         if let Ok(data) = frame.into_data() {
-            if collected.len() + data.len() > limit {
+            if length + data.len() > limit {
                 return Err(ApiError::body_too_large(limit));
             }
-            collected.extend_from_slice(&data);
+            length += data.len();
+            match joined.as_mut() {
+                Some(joined) => joined.extend_from_slice(&data),
+                None if frames.len() < MAX_BODY_FRAMES => frames.push(data),
+                None => joined = Some(join(&frames, &data, length)),
+            }
         }
     }
-    Ok(collected.freeze())
+    Ok(match (joined, frames.len()) {
+        (Some(joined), _) => joined.freeze(),
+        (None, 0) => Bytes::new(),
+        (None, 1) => frames.pop().unwrap_or_default(),
+        (None, _) => join(&frames, &[], length).freeze(),
+    })
+}
+
+/// `frames` then `last`, in one buffer of `length` bytes.
+fn join(frames: &[Bytes], last: &[u8], length: usize) -> BytesMut {
+    let mut joined = BytesMut::with_capacity(length);
+    for frame in frames {
+        joined.extend_from_slice(frame);
+    }
+    joined.extend_from_slice(last);
+    joined
 }
 
 /// Reads an admin request's body (small, bounded).

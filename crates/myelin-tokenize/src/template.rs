@@ -207,8 +207,7 @@ struct NormalizedMessage<'a>(&'a Value);
 impl serde::Serialize for NormalizedMessage<'_> {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeMap;
-        let (Some(fields), Some(Value::Array(parts))) =
-            (self.0.as_object(), self.0.get("content"))
+        let (Some(fields), Some(Value::Array(parts))) = (self.0.as_object(), self.0.get("content"))
         else {
             return self.0.serialize(serializer);
         };

@@ -97,6 +97,49 @@ fn non_streaming_chat_and_completions_pass_through_with_headers() {
 }
 
 #[test]
+fn bodies_sent_in_many_pieces_reach_the_engine_whole() {
+    use std::io::Write;
+    let engine = Engine::start("a", normal());
+    let router = Router::start(&["--backend", &engine.url()]);
+    // One frame, a few, and more frames than the router keeps apart before joining them.
+    for pieces in [1usize, 3, 40] {
+        let content = format!("pieces {pieces}: {}", "some words of a prompt ".repeat(200));
+        let body = chat_body(&content, false).to_string();
+        let mut stream = std::net::TcpStream::connect(router.addr).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        stream.set_nodelay(true).unwrap();
+        stream
+            .write_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: test\r\nconnection: close\r\n\
+                  content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n",
+            )
+            .unwrap();
+        let size = body.len().div_ceil(pieces);
+        for chunk in body.as_bytes().chunks(size) {
+            stream
+                .write_all(format!("{:x}\r\n", chunk.len()).as_bytes())
+                .unwrap();
+            stream.write_all(chunk).unwrap();
+            stream.write_all(b"\r\n").unwrap();
+            stream.flush().unwrap();
+            // Apart in time, so that they arrive as separate reads.
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        stream.write_all(b"0\r\n\r\n").unwrap();
+        let response = support::read_response(stream);
+        assert_eq!(response.status, 200, "{pieces} pieces");
+        let seen = engine.record.last_body.lock().unwrap().clone().unwrap();
+        assert_eq!(
+            seen["messages"][1]["content"],
+            content.as_str(),
+            "{pieces} pieces"
+        );
+    }
+}
+
+#[test]
 fn same_prefix_goes_to_the_same_backend() {
     let engines = [Engine::start("a", normal()), Engine::start("b", normal())];
     let router = Router::start(&[
