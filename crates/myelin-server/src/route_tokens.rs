@@ -271,11 +271,21 @@ impl<K: Hash + Eq, V: Clone> Generations<K, V> {
     /// Counts `cost` bytes into the newer generation, rotating first when it would overflow.
     fn charge(&mut self, cost: usize) {
         if self.current_bytes + cost > self.budget_bytes / 2 {
-            self.previous = std::mem::take(&mut self.current);
-            self.previous_bytes = self.current_bytes;
-            self.current_bytes = 0;
+            self.rotate();
         }
         self.current_bytes += cost;
+    }
+
+    /// Drops the older generation; the newer one becomes it.
+    fn rotate(&mut self) {
+        self.previous = std::mem::take(&mut self.current);
+        self.previous_bytes = self.current_bytes;
+        self.current_bytes = 0;
+    }
+
+    /// Entries held.
+    fn len(&self) -> usize {
+        self.current.len() + self.previous.len()
     }
 
     /// Stores `value` in the newer generation (its bytes charged by the caller).
@@ -1019,32 +1029,25 @@ struct Continued {
 }
 
 /// Checkpoints of earlier prompts by key of their leading bytes, in two generations: the
-/// older is dropped when the bytes held pass the budget. The bytes are those of the entries
-/// alive (an entry stays alive while a checkpoint or a later entry that continues it does),
-/// counted exactly as they are created and dropped.
+/// older is dropped when the newer has taken half the budget, and again while the bytes held
+/// pass it. The bytes are those of the entries alive (an entry stays alive while a checkpoint
+/// or a later entry that continues it does), counted exactly as they are created and dropped.
 #[derive(Debug)]
 struct PrefixCache {
-    budget_bytes: usize,
     live: Rc<Cell<usize>>,
-    /// Bytes inserted into the newer generation since it began.
-    current_cost: usize,
-    current: HashMap<u64, Mark, foldhash::fast::RandomState>,
-    previous: HashMap<u64, Mark, foldhash::fast::RandomState>,
+    generations: Generations<u64, Mark>,
 }
 
 impl PrefixCache {
     fn new(budget_bytes: usize) -> Self {
         PrefixCache {
-            budget_bytes,
             live: Rc::new(Cell::new(0)),
-            current_cost: 0,
-            current: HashMap::default(),
-            previous: HashMap::default(),
+            generations: Generations::new(budget_bytes),
         }
     }
 
     fn bytes(&self) -> usize {
-        self.live.get() + (self.current.len() + self.previous.len()) * CHECKPOINT_OVERHEAD_BYTES
+        self.live.get() + self.generations.len() * CHECKPOINT_OVERHEAD_BYTES
     }
 
     /// The deepest checkpoint of `text` held: its index in `cuts`, the ids before it, and the
@@ -1057,16 +1060,9 @@ impl PrefixCache {
     ) -> Option<(usize, Vec<u32>, Continued)> {
         for index in (0..cuts.len()).rev() {
             let (key, cut) = (keys[index], cuts[index]);
-            let mark = match self.current.get(&key) {
-                Some(mark) => mark.clone(),
-                None => {
-                    let Some(mark) = self.previous.remove(&key) else {
-                        continue;
-                    };
-                    // Still in use: it survives the next rotation.
-                    self.current.insert(key, mark.clone());
-                    mark
-                }
+            // Its bytes are counted in `live` already: moving it costs nothing.
+            let Some(mark) = self.generations.get(&key, |_| 0) else {
+                continue;
             };
             if mark.cut == cut && mark.entry.matches(text.as_bytes(), cut) {
                 let ids = mark.entry.ids_before(mark.ids_len);
@@ -1106,7 +1102,7 @@ impl PrefixCache {
             + (ids.len() - ids_start) * 4
             + PREFIX_ENTRY_OVERHEAD_BYTES
             + marks.len() * CHECKPOINT_OVERHEAD_BYTES;
-        if own_cost * 2 > self.budget_bytes {
+        if !self.generations.fits(own_cost) {
             return;
         }
         let entry = Rc::new(PrefixEntry {
@@ -1118,8 +1114,9 @@ impl PrefixCache {
             live: self.live.clone(),
         });
         self.live.set(self.live.get() + entry.cost());
+        self.generations.charge(own_cost);
         for &(key, cut, ids_len) in marks {
-            self.current.insert(
+            self.generations.put(
                 key,
                 Mark {
                     entry: entry.clone(),
@@ -1129,23 +1126,11 @@ impl PrefixCache {
             );
         }
         drop(entry);
-        self.current_cost += own_cost;
-        if self.current_cost > self.budget_bytes / 2 {
-            self.rotate();
-        }
         // Entries older than both generations stay alive while a newer one continues them:
         // rotate again while that is over budget (twice empties the cache).
-        while self.bytes() > self.budget_bytes
-            && !(self.current.is_empty() && self.previous.is_empty())
-        {
-            self.rotate();
+        while self.bytes() > self.generations.budget_bytes && self.generations.len() > 0 {
+            self.generations.rotate();
         }
-    }
-
-    /// Drops the older generation; the newer one becomes it.
-    fn rotate(&mut self) {
-        self.previous = std::mem::take(&mut self.current);
-        self.current_cost = 0;
     }
 }
 
@@ -1352,6 +1337,21 @@ mod tests {
         residency matters more than history. Numbers like 2048 or 3.14 and words like don't, \
         we'll and they're appear too.\n\n";
 
+    /// Renders `messages` with `routed`'s template and tokenizes the whole text.
+    fn render_and_tokenize(
+        routed: &mut RouteTokenizer,
+        messages: &[Value],
+    ) -> (String, PromptTokens) {
+        let chat = routed
+            .render(&PromptInput::Chat(Value::Array(messages.to_vec())))
+            .unwrap();
+        let tokens = routed.tokens(&chat, None).unwrap();
+        let RenderedPrompt::Text { text, .. } = chat else {
+            unreachable!()
+        };
+        (text, tokens)
+    }
+
     fn chatml_router(fast: Option<FastBpe>, budget: usize) -> (RouteTokenizer, Tokenizer) {
         let (tokenizer, added) = bundled();
         let routed = RouteTokenizer::new(
@@ -1424,16 +1424,10 @@ mod tests {
         let mut previous_len = 0;
         for turn in 0..6 {
             messages.push(json!({"role": "user", "content": format!("turn {turn}: {}", PROSE)}));
-            let chat = routed
-                .render(&PromptInput::Chat(Value::Array(messages.clone())))
-                .unwrap();
-            let tokens = routed.tokens(&chat, None).unwrap();
-            let RenderedPrompt::Text { text, .. } = &chat else {
-                unreachable!()
-            };
+            let (text, tokens) = render_and_tokenize(&mut routed, &messages);
             assert_eq!(
                 tokens.ids,
-                tokenizer.encode(text, false).unwrap(),
+                tokenizer.encode(&text, false).unwrap(),
                 "turn {turn}"
             );
             if turn > 0 {
@@ -1468,15 +1462,9 @@ mod tests {
         for turn in 0..30 {
             for (c, messages) in conversations.iter_mut().enumerate() {
                 messages.push(json!({"role": "user", "content": format!("step {turn} of {c}: {}", PROSE.repeat(2))}));
-                let chat = routed
-                    .render(&PromptInput::Chat(Value::Array(messages.clone())))
-                    .unwrap();
-                let tokens = routed.tokens(&chat, None).unwrap();
-                let RenderedPrompt::Text { text, .. } = &chat else {
-                    unreachable!()
-                };
+                let (text, tokens) = render_and_tokenize(&mut routed, messages);
                 if turn % 7 == 0 {
-                    assert_eq!(tokens.ids, tokenizer.encode(text, false).unwrap());
+                    assert_eq!(tokens.ids, tokenizer.encode(&text, false).unwrap());
                 }
                 if turn > 0 {
                     // Read from the prefix cache: all but the last checkpoint's worth of what
