@@ -438,8 +438,23 @@ impl PrefixTree {
     /// API, not the request path).
     pub fn blocks_by_backend(&self) -> Vec<(BackendId, usize)> {
         let mut counts: Vec<(BackendId, usize)> = Vec::new();
-        for entry in self
-            .nodes
+        self.count_blocks_by_backend(0, usize::MAX, &mut counts);
+        counts.sort_unstable_by_key(|(backend, _)| *backend);
+        counts
+    }
+
+    /// Adds the blocks each backend holds in arena slots `from..from + slots` to `counts`
+    /// (unsorted); returns where the next slice starts, `None` past the end. A walk in slices
+    /// lets the caller yield between them (the tree may change meanwhile: the sum is then of
+    /// no single moment, which an admin view can live with).
+    pub fn count_blocks_by_backend(
+        &self,
+        from: usize,
+        slots: usize,
+        counts: &mut Vec<(BackendId, usize)>,
+    ) -> Option<usize> {
+        let end = from.saturating_add(slots).min(self.nodes.len());
+        for entry in self.nodes[from.min(end)..end]
             .iter()
             .filter(|node| node.live)
             .flat_map(|node| node.entries.iter())
@@ -452,8 +467,7 @@ impl PrefixTree {
                 None => counts.push((entry.backend, entry.covered_blocks as usize)),
             }
         }
-        counts.sort_unstable_by_key(|(backend, _)| *backend);
-        counts
+        (end < self.nodes.len()).then_some(end)
     }
 
     /// Live nodes whose child index is the large form (a hash map, beyond 16 children); for

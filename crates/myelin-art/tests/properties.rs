@@ -116,6 +116,13 @@ proptest! {
             prop_assert_eq!(stats.stored_blocks, model.stored_blocks());
             prop_assert_eq!(stats.backend_blocks, model.backend_blocks());
             prop_assert_eq!(tree.blocks_by_backend(), model.blocks_by_backend());
+            // The same in slices of 3 arena slots.
+            let (mut sliced, mut next) = (Vec::new(), Some(0));
+            while let Some(from) = next {
+                next = tree.count_blocks_by_backend(from, 3, &mut sliced);
+            }
+            sliced.sort_unstable();
+            prop_assert_eq!(sliced, model.blocks_by_backend());
         }
     }
 

@@ -153,6 +153,8 @@ pub fn serve_args(
         // The admin API is not used; a free port keeps routers from colliding on its default.
         "--admin-listen",
         "127.0.0.1:0",
+        // The harness scrapes /metrics where it sends its requests.
+        "--metrics-on-client-port",
         "--no-pin",
     ]
     .iter()
@@ -504,7 +506,8 @@ mod tests {
         .join(" ");
         assert_eq!(
             args,
-            "serve --listen 127.0.0.1:8000 --admin-listen 127.0.0.1:0 --no-pin --shards 2 \
+            "serve --listen 127.0.0.1:8000 --admin-listen 127.0.0.1:0 --metrics-on-client-port \
+             --no-pin --shards 2 \
              --engine-metrics-interval-ms 100 --pending-resident-ms 200 --routing prefix --residency off \
              --backend http://127.0.0.1:9001 --backend http://127.0.0.1:9002,capacity-tokens=32768"
         );

@@ -51,7 +51,9 @@ pub mod node;
 pub mod state;
 pub mod wire;
 
-pub use membership::{MemberEvent, MemberState, MembershipParams, MembershipTimer, NodeIdentity};
+pub use membership::{
+    DEFAULT_MAX_MEMBERS, MemberEvent, MemberState, MembershipParams, MembershipTimer, NodeIdentity,
+};
 pub use messages::{EngineState, Payload, decode_packet, encode_packet};
 pub use node::{GossipConfig, GossipNode, NodeCounters, Outgoing, Received};
 pub use state::{ClusterState, PeerLoad, PeerState, Route, RouteKey, engine_key, node_key};

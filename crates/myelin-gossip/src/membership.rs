@@ -2,6 +2,7 @@
 //! it the payloads of `Swim` packets and the timers it asked for, and takes back payloads to
 //! send (to wrap in authenticated packets) and membership changes.
 
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::num::{NonZeroU8, NonZeroUsize};
 use std::time::Duration;
@@ -130,7 +131,18 @@ pub struct MembershipParams {
     pub probe_rtt: Duration,
     /// How long a suspect member may refute the suspicion before it is declared down.
     pub suspect_to_down_after: Duration,
+    /// Most members (up, suspect or down) the table holds: a message that would add members
+    /// past it is refused, so a peer holding the key cannot make this node probe and send
+    /// state to any number of addresses.
+    pub max_members: usize,
 }
+
+/// Default [`MembershipParams::max_members`]: far above any router cluster, far below what
+/// would make the periodic sends to every member a flood.
+pub const DEFAULT_MAX_MEMBERS: usize = 256;
+
+/// How long a member declared down is remembered (so its room frees for a new one).
+const REMOVE_DOWN_AFTER: Duration = Duration::from_secs(600);
 
 impl Default for MembershipParams {
     fn default() -> Self {
@@ -138,6 +150,7 @@ impl Default for MembershipParams {
             probe_period: Duration::from_millis(500),
             probe_rtt: Duration::from_millis(200),
             suspect_to_down_after: Duration::from_millis(1_500),
+            max_members: DEFAULT_MAX_MEMBERS,
         }
     }
 }
@@ -157,6 +170,7 @@ impl MembershipParams {
         config.probe_rtt = self.probe_rtt.min(self.probe_period / 2);
         config.suspect_to_down_after = self.suspect_to_down_after;
         config.max_transmissions = NonZeroU8::new(6).unwrap_or(NonZeroU8::MIN);
+        config.remove_down_after = Some(REMOVE_DOWN_AFTER);
         // Down members are remembered a while (so a late packet of theirs cannot revive
         // them), then forgotten: the table stays bounded.
         config.remove_down_after = Some(Duration::from_secs(60));
@@ -227,15 +241,49 @@ pub struct MembershipOutput {
     pub events: Vec<MemberEvent>,
 }
 
-/// A membership message from a peer that foca refused.
+/// A membership message from a peer that was refused.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("membership: {0}")]
-pub struct MembershipError(String);
+pub enum MembershipError {
+    /// foca refused it (does not decode, from ourselves, malformed).
+    #[error("membership: {0}")]
+    Refused(String),
+    /// It names members the table has no room for ([`MembershipParams::max_members`]).
+    #[error("membership: the member table is full")]
+    MemberCap,
+}
 
 /// This node's view of the cluster's membership.
 pub struct Membership {
     foca: Foca<NodeIdentity, BincodeCodec, SmallRng, NoCustomBroadcast>,
     runtime: AccumulatingRuntime<NodeIdentity>,
+    max_members: usize,
+    /// Member updates taken out of payloads because the table was full.
+    refused: u64,
+}
+
+/// The room a payload's new members may take in the member table.
+struct Room {
+    /// Addresses in the table (and this node's own).
+    known: HashSet<SocketAddr>,
+    /// New addresses this payload was let bring in.
+    added: HashSet<SocketAddr>,
+    /// Entries still free.
+    left: usize,
+}
+
+impl Room {
+    /// Whether `addr` is known, or there is room for it (then taken).
+    fn admit(&mut self, addr: SocketAddr) -> bool {
+        if self.known.contains(&addr) || self.added.contains(&addr) {
+            return true;
+        }
+        if self.left == 0 {
+            return false;
+        }
+        self.left -= 1;
+        self.added.insert(addr);
+        true
+    }
 }
 
 impl Membership {
@@ -248,6 +296,8 @@ impl Membership {
                 BincodeCodec,
             ),
             runtime: AccumulatingRuntime::new(),
+            max_members: params.max_members,
+            refused: 0,
         }
     }
 
@@ -282,11 +332,81 @@ impl Membership {
             .announce(NodeIdentity::seed(addr), &mut self.runtime);
     }
 
-    /// A `Swim` payload from a peer.
+    /// A `Swim` payload from a peer. Members past the cap are taken out of its updates; the
+    /// payload is refused whole when its sender, or the member a probe is about, would be one.
     pub fn handle_data(&mut self, payload: &[u8]) -> Result<(), MembershipError> {
+        let admitted = self.admit(payload)?;
         self.foca
-            .handle_data(payload, &mut self.runtime)
-            .map_err(|error| MembershipError(error.to_string()))
+            .handle_data(admitted.as_deref().unwrap_or(payload), &mut self.runtime)
+            .map_err(|error| MembershipError::Refused(error.to_string()))
+    }
+
+    /// Member updates taken out of payloads because the table was full.
+    pub fn refused_members(&self) -> u64 {
+        self.refused
+    }
+
+    /// Checks a payload against the member cap: `None` when it may go to foca as it is, the
+    /// payload without the updates about members past the cap otherwise. A payload that does
+    /// not decode is left to foca (which refuses it).
+    fn admit(&mut self, payload: &[u8]) -> Result<Option<Vec<u8>>, MembershipError> {
+        let mut buf = payload;
+        let Ok(header) = take::<foca::Header<NodeIdentity>>(&mut buf) else {
+            return Ok(None);
+        };
+        let mut room = Room {
+            known: self
+                .foca
+                .iter_membership_state()
+                .map(|member| member.id().addr)
+                .chain([self.foca.identity().addr])
+                .collect(),
+            added: HashSet::new(),
+            left: self
+                .max_members
+                .saturating_sub(self.foca.iter_membership_state().len()),
+        };
+        let subject = match &header.message {
+            foca::Message::PingReq { target, .. } | foca::Message::IndirectAck { target, .. } => {
+                Some(target.addr)
+            }
+            foca::Message::IndirectPing { origin, .. }
+            | foca::Message::ForwardedAck { origin, .. } => Some(origin.addr),
+            _ => None,
+        };
+        if !room.admit(header.src.addr) || subject.is_some_and(|addr| !room.admit(addr)) {
+            return Err(MembershipError::MemberCap);
+        }
+        if buf.len() < 2 || header.message == foca::Message::Broadcast {
+            return Ok(None);
+        }
+        let count = u16::from_be_bytes([buf[0], buf[1]]);
+        let mut rest = &buf[2..];
+        let mut kept = Vec::with_capacity(usize::from(count));
+        let mut refused = 0u64;
+        for _ in 0..count {
+            let Ok(member) = take::<Member<NodeIdentity>>(&mut rest) else {
+                return Ok(None);
+            };
+            if room.admit(member.id().addr) {
+                kept.push(member);
+            } else {
+                refused += 1;
+            }
+        }
+        if refused == 0 {
+            return Ok(None);
+        }
+        self.refused += refused;
+        let refuse = |error: CodecError| MembershipError::Refused(error.to_string());
+        let mut out = Vec::with_capacity(payload.len());
+        put(&header, &mut out).map_err(refuse)?;
+        out.extend_from_slice(&u16::try_from(kept.len()).unwrap_or(0).to_be_bytes());
+        for member in &kept {
+            put(member, &mut out).map_err(refuse)?;
+        }
+        out.extend_from_slice(rest);
+        Ok(Some(out))
     }
 
     /// A timer asked for earlier fired.

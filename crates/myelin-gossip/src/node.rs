@@ -7,7 +7,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use crate::membership::{
-    MemberEvent, MemberState, Membership, MembershipParams, MembershipTimer, NodeIdentity,
+    MemberEvent, MemberState, Membership, MembershipError, MembershipParams, MembershipTimer,
+    NodeIdentity,
 };
 use crate::messages::{EngineState, Payload, Sender, decode_packet, encode_packet};
 use crate::state::{
@@ -73,6 +74,9 @@ pub struct NodeCounters {
     pub bad_chunks: u64,
     /// Peer figures clamped to their bounds ([`ClusterState::clamped_values`]).
     pub clamped_values: u64,
+    /// Member updates refused because the member table was full
+    /// ([`MembershipParams::max_members`]).
+    pub members_refused: u64,
 }
 
 /// One node's side of the cluster.
@@ -147,6 +151,7 @@ impl GossipNode {
     pub fn counters(&self) -> NodeCounters {
         NodeCounters {
             clamped_values: self.cluster.clamped_values(),
+            members_refused: self.membership.refused_members(),
             ..self.counters
         }
     }
@@ -309,7 +314,10 @@ impl GossipNode {
                 self.drain_membership();
                 result
                     .map(|()| Received::Nothing)
-                    .map_err(|_| DecodeError::Membership)
+                    .map_err(|error| match error {
+                        MembershipError::MemberCap => DecodeError::MemberCap,
+                        MembershipError::Refused(_) => DecodeError::Membership,
+                    })
             }
             Payload::State(state) => {
                 if self.live_member(header.sender, header.boot).is_none() {

@@ -100,6 +100,8 @@ pub enum DecodeError {
     DuplicateNode,
     #[error("routes past the sender's budget")]
     RateLimited,
+    #[error("membership message naming members past the member cap")]
+    MemberCap,
 }
 
 impl DecodeError {
@@ -120,6 +122,7 @@ impl DecodeError {
             DecodeError::BlockSize => "block_size",
             DecodeError::DuplicateNode => "duplicate_node_id",
             DecodeError::RateLimited => "rate_limited",
+            DecodeError::MemberCap => "member_cap",
         }
     }
 }

@@ -247,6 +247,8 @@ struct SimNode {
     node: GossipNode,
     alive: bool,
     learned: Vec<Route>,
+    /// Why packets to it were dropped.
+    refused: Vec<DecodeError>,
 }
 
 /// Nodes exchanging datagrams with no loss and 1 ms latency; time advances in 10 ms steps.
@@ -263,6 +265,7 @@ fn params() -> MembershipParams {
         probe_period: Duration::from_millis(200),
         probe_rtt: Duration::from_millis(80),
         suspect_to_down_after: Duration::from_millis(600),
+        max_members: myelin_gossip::DEFAULT_MAX_MEMBERS,
     }
 }
 
@@ -282,12 +285,16 @@ impl Sim {
     }
 
     fn start(&mut self, index: usize, boot: u64) {
+        self.start_with(index, boot, params());
+    }
+
+    fn start_with(&mut self, index: usize, boot: u64, params: MembershipParams) {
         let node = GossipNode::new(GossipConfig {
             node_name: format!("node-{index}"),
             addr: addr(index),
             boot,
             key: key(),
-            params: params(),
+            params,
             block_size: 16,
             seeds: vec![addr(0)],
         });
@@ -295,6 +302,7 @@ impl Sim {
             node,
             alive: true,
             learned: Vec::new(),
+            refused: Vec::new(),
         };
         if index < self.nodes.len() {
             self.nodes[index] = sim_node;
@@ -362,9 +370,10 @@ impl Sim {
             if !self.nodes[index].alive {
                 continue;
             }
-            let received = self.nodes[index].node.receive(addr(from), &packet, now);
-            if let Ok(Received::Routes(routes)) = received {
-                self.nodes[index].learned.extend(routes);
+            match self.nodes[index].node.receive(addr(from), &packet, now) {
+                Ok(Received::Routes(routes)) => self.nodes[index].learned.extend(routes),
+                Ok(_) => {}
+                Err(error) => self.nodes[index].refused.push(error),
             }
             self.collect(index);
         }
@@ -523,6 +532,46 @@ fn a_simulated_cluster_shares_membership_load_and_routes_and_survives_a_death() 
             .cluster()
             .name(myelin_gossip::node_key("node-2")),
         Some("node-2")
+    );
+}
+
+/// A node whose member table holds 2 in a cluster of 5: it never holds more, the members it
+/// holds stay up (the updates about the others are taken out of their packets, not the
+/// packets refused), and the others are refused and counted.
+#[test]
+fn the_member_table_never_grows_past_its_cap() {
+    let mut sim = Sim::new(5);
+    sim.start_with(
+        0,
+        2,
+        MembershipParams {
+            max_members: 2,
+            ..params()
+        },
+    );
+    let mut held_most = 0;
+    let settled = sim.run_until(20_000, |sim| {
+        (1..5).all(|index| sim.up_members(index) >= 3) && sim.up_members(0) == 2
+    });
+    assert!(
+        settled,
+        "node 0 holds two members, the others see the cluster"
+    );
+    for _ in 0..1_000 {
+        sim.step();
+        held_most = held_most.max(sim.nodes[0].node.members().len());
+        assert_eq!(sim.up_members(0), 2, "the members it holds stay up");
+    }
+    assert_eq!(held_most, 2);
+    assert!(
+        sim.nodes[0].node.counters().members_refused > 0
+            || sim.nodes[0].refused.contains(&DecodeError::MemberCap),
+        "the rest were refused"
+    );
+    assert!(
+        sim.nodes[0].refused.contains(&DecodeError::MemberCap),
+        "packets from senders past the cap are refused: {:?}",
+        sim.nodes[0].refused
     );
 }
 

@@ -3,7 +3,7 @@
 //!
 //! Holds state only; decoding events and detecting gaps is the KV-events crate's job.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use myelin_art::ChainHashMap;
 
@@ -82,15 +82,24 @@ impl Holders {
 pub struct ResidencyMirror {
     blocks: ChainHashMap<Holders>,
     live: BTreeSet<BackendId>,
+    /// Backends whose mirror may have missed a change (a lost write): not live, whatever
+    /// their stream says, until their next clear (a snapshot begins with one).
+    untrusted: BTreeSet<BackendId>,
+    /// Distinct blocks each backend holds, kept as blocks come and go (the admin view reads
+    /// it without walking the blocks).
+    per_backend: BTreeMap<BackendId, usize>,
 }
 
 impl ResidencyMirror {
     /// Marks `backend`'s mirror live (events in sync) or not (gap, restart, subscriber down).
     /// A mirror that is not live is ignored by routing; its contents are kept for when it
     /// resynchronises (call [`Self::clear_backend`] to drop them).
+    /// A backend marked untrusted stays not live until its mirror is cleared.
     pub fn set_live(&mut self, backend: BackendId, live: bool) {
         if live {
-            self.live.insert(backend);
+            if !self.untrusted.contains(&backend) {
+                self.live.insert(backend);
+            }
         } else {
             self.live.remove(&backend);
         }
@@ -107,10 +116,26 @@ impl ResidencyMirror {
 
     /// `backend` stored one copy of the block with chain hash `block_hash`.
     pub fn block_stored(&mut self, backend: BackendId, block_hash: u64) {
+        let mut new_holder = true;
         self.blocks
             .entry(block_hash)
-            .and_modify(|holders| holders.add_copy(backend))
+            .and_modify(|holders| {
+                new_holder = !holders.contains(backend);
+                holders.add_copy(backend);
+            })
             .or_insert(Holders::One(backend, 1));
+        if new_holder {
+            *self.per_backend.entry(backend).or_default() += 1;
+        }
+    }
+
+    fn lost_block(&mut self, backend: BackendId) {
+        if let Some(blocks) = self.per_backend.get_mut(&backend) {
+            *blocks = blocks.saturating_sub(1);
+            if *blocks == 0 {
+                self.per_backend.remove(&backend);
+            }
+        }
     }
 
     /// `backend` evicted one copy of the block; unknown blocks are ignored.
@@ -118,13 +143,35 @@ impl ResidencyMirror {
         let Some(holders) = self.blocks.get_mut(&block_hash) else {
             return;
         };
-        if !holders.drop_copy(backend, false) {
+        let held = holders.contains(backend);
+        let anyone = holders.drop_copy(backend, false);
+        let still = anyone && holders.contains(backend);
+        if !anyone {
             self.blocks.remove(&block_hash);
+        }
+        if held && !still {
+            self.lost_block(backend);
         }
     }
 
-    /// Drops every block of `backend` (vLLM AllBlocksCleared, or a mirror being rebuilt).
+    /// A change of `backend`'s mirror may have been lost on the way (the writer's sequence
+    /// has a gap): its mirror is not live, and ignores being made live, until it is cleared
+    /// (what follows a clear is the whole mirror again: a snapshot, or the engine's own).
+    pub fn mark_untrusted(&mut self, backend: BackendId) {
+        self.live.remove(&backend);
+        self.untrusted.insert(backend);
+    }
+
+    /// Whether `backend`'s mirror waits for a clear after a lost change.
+    pub fn is_untrusted(&self, backend: BackendId) -> bool {
+        self.untrusted.contains(&backend)
+    }
+
+    /// Drops every block of `backend` (vLLM AllBlocksCleared, or a mirror being rebuilt); an
+    /// untrusted mirror is trusted again from here.
     pub fn clear_backend(&mut self, backend: BackendId) {
+        self.untrusted.remove(&backend);
+        self.per_backend.remove(&backend);
         self.blocks
             .retain(|_, holders| holders.drop_copy(backend, true));
     }
@@ -159,22 +206,13 @@ impl ResidencyMirror {
         prefixes
     }
 
-    /// Blocks each backend holds according to its events, by backend id (walks the mirror:
-    /// for the admin API, not the request path). Live and stale mirrors alike.
+    /// Blocks each backend holds according to its events, by backend id, ascending (kept as
+    /// events arrive: O(backends)). Live and stale mirrors alike.
     pub fn blocks_by_backend(&self) -> Vec<(BackendId, usize)> {
-        let mut counts: Vec<(BackendId, usize)> = Vec::new();
-        let mut count = |backend: BackendId| match counts.iter_mut().find(|(b, _)| *b == backend) {
-            Some((_, blocks)) => *blocks += 1,
-            None => counts.push((backend, 1)),
-        };
-        for holders in self.blocks.values() {
-            match holders {
-                Holders::One(holder, _) => count(*holder),
-                Holders::Many(holders) => holders.iter().for_each(|(holder, _)| count(*holder)),
-            }
-        }
-        counts.sort_unstable_by_key(|(backend, _)| *backend);
-        counts
+        self.per_backend
+            .iter()
+            .map(|(&backend, &blocks)| (backend, blocks))
+            .collect()
     }
 
     /// Distinct blocks mirrored.
@@ -191,6 +229,8 @@ impl ResidencyMirror {
         std::mem::size_of::<Self>()
             + buckets * (std::mem::size_of::<(u64, Holders)>() + 1)
             + self.blocks.values().map(Holders::heap_bytes).sum::<usize>()
-            + self.live.len() * std::mem::size_of::<BackendId>() * 2
+            + (self.live.len() + self.untrusted.len() + self.per_backend.len() * 2)
+                * std::mem::size_of::<BackendId>()
+                * 2
     }
 }

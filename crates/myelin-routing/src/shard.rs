@@ -314,13 +314,37 @@ impl Shard {
         self.mirror.clear_backend(backend);
     }
 
+    /// A write of `backend`'s mirror may have been lost before it reached this replica: its
+    /// mirror is not routed on until it is cleared and rebuilt (a snapshot begins with a clear).
+    pub fn mark_mirror_untrusted(&mut self, backend: BackendId) {
+        self.mirror.mark_untrusted(backend);
+    }
+
     /// Read access to the verified mirror.
     pub fn mirror(&self) -> &ResidencyMirror {
         &self.mirror
     }
 
+    /// Blocks each backend holds in the prefix tree, in arena slots `from..from + slots`,
+    /// added to `counts`; the next slice's start, `None` past the end (see
+    /// [`myelin_art::PrefixTree::count_blocks_by_backend`]).
+    pub fn count_routed_blocks(
+        &self,
+        from: usize,
+        slots: usize,
+        counts: &mut Vec<(BackendId, usize)>,
+    ) -> Option<usize> {
+        self.tree.count_blocks_by_backend(from, slots, counts)
+    }
+
+    /// Blocks each backend holds in the verified mirror, by backend id (O(backends)).
+    pub fn mirrored_blocks_by_backend(&self) -> Vec<(BackendId, usize)> {
+        self.mirror.blocks_by_backend()
+    }
+
     /// Blocks each backend holds, by backend id: in the prefix tree (routes learned here) and
-    /// in the verified mirror (its KV events). Walks both: for the admin API.
+    /// in the verified mirror (its KV events). Walks the tree in one go: for tests (the admin
+    /// API walks it in slices, [`Self::count_routed_blocks`]).
     pub fn blocks_by_backend(&self) -> BlockCounts {
         BlockCounts {
             routed: self.tree.blocks_by_backend(),

@@ -12,6 +12,8 @@ enum Event {
     Removed(u32, u64),
     Cleared(u32),
     Live(u32, bool),
+    /// A change may have been lost (the writer's sequence had a gap).
+    Untrusted(u32),
 }
 
 fn event() -> impl Strategy<Value = Event> {
@@ -20,6 +22,7 @@ fn event() -> impl Strategy<Value = Event> {
         3 => (0u32..3, 0u64..6).prop_map(|(backend, block)| Event::Removed(backend, block)),
         1 => (0u32..3).prop_map(Event::Cleared),
         1 => (0u32..3, any::<bool>()).prop_map(|(backend, live)| Event::Live(backend, live)),
+        1 => (0u32..3).prop_map(Event::Untrusted),
     ]
 }
 
@@ -34,6 +37,8 @@ proptest! {
         let mut mirror = ResidencyMirror::default();
         let mut copies: BTreeMap<(u32, u64), u32> = BTreeMap::new();
         let mut live: BTreeSet<u32> = BTreeSet::new();
+        // Not live, whatever the stream says, until the next clear.
+        let mut untrusted: BTreeSet<u32> = BTreeSet::new();
         for event in &events {
             match *event {
                 Event::Stored(backend, block) => {
@@ -52,10 +57,20 @@ proptest! {
                 Event::Cleared(backend) => {
                     mirror.clear_backend(BackendId(backend));
                     copies.retain(|&(holder, _), _| holder != backend);
+                    untrusted.remove(&backend);
                 }
                 Event::Live(backend, is_live) => {
                     mirror.set_live(BackendId(backend), is_live);
-                    if is_live { live.insert(backend); } else { live.remove(&backend); }
+                    if !is_live {
+                        live.remove(&backend);
+                    } else if !untrusted.contains(&backend) {
+                        live.insert(backend);
+                    }
+                }
+                Event::Untrusted(backend) => {
+                    mirror.mark_untrusted(BackendId(backend));
+                    live.remove(&backend);
+                    untrusted.insert(backend);
                 }
             }
             for backend in 0..3 {
@@ -65,6 +80,10 @@ proptest! {
                         copies.contains_key(&(backend, block))
                     );
                 }
+            }
+            for backend in 0..3 {
+                prop_assert_eq!(mirror.is_live(BackendId(backend)), live.contains(&backend));
+                prop_assert_eq!(mirror.is_untrusted(BackendId(backend)), untrusted.contains(&backend));
             }
             let distinct: BTreeSet<u64> = copies.keys().map(|&(_, block)| block).collect();
             prop_assert_eq!(mirror.block_count(), distinct.len());

@@ -129,6 +129,17 @@ pub async fn handle(control: Rc<Control>, request: Request<Incoming>) -> Respons
         ("other", unauthorized())
     } else if from_a_browser(&request) {
         ("other", refused_browser())
+    } else if request.uri().path() == "/metrics" {
+        let response = if matches!(*request.method(), Method::GET | Method::HEAD) {
+            control.metrics_response(&request)
+        } else {
+            error_response(&ApiError::method_not_allowed(
+                request.method().as_str(),
+                "/metrics",
+                "GET",
+            ))
+        };
+        ("/metrics", response)
     } else if request.uri().path().trim_end_matches('/') == "/admin/cluster" {
         (
             "/admin/cluster",
@@ -342,7 +353,7 @@ async fn list(control: &Rc<Control>) -> Response<Body> {
             json["ttft_model"] = json!(timings);
             // Tokenization parity: answers whose usage.prompt_tokens differed from the router's
             // count, and the last one (with both counts and the likely cause).
-            let parity = crate::token_parity::of(&info.spec.url);
+            let parity = crate::token_parity::of(info.id);
             json["tokenization"] = json!({
                 "mismatches": parity.mismatches,
                 "last_mismatch": parity.last.as_ref().map(crate::token_parity::Mismatch::to_json),

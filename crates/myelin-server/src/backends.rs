@@ -65,7 +65,63 @@ pub struct Load {
     pub prefilling: u32,
 }
 
+/// Output tokens assumed for load accounting when a request sets no `max_tokens`.
+pub const DEFAULT_EXPECTED_OUTPUT_TOKENS: u64 = 256;
+/// Most output tokens one request counts for in load, the admitted-tokens clock and the
+/// predicted TTFT, whatever its `max_tokens` says: no model's context is longer, and a client's
+/// number must not move shared state by more than a request can cost (the engine rejects what
+/// its context cannot hold).
+pub const MAX_ACCOUNTED_OUTPUT_TOKENS: u64 = 1 << 20;
+
+/// The output tokens a request counts for: its `max_tokens` (or the default), at most the
+/// model's context and [`MAX_ACCOUNTED_OUTPUT_TOKENS`].
+pub fn accounted_output_tokens(max_tokens: Option<u64>, max_model_len: Option<u64>) -> u64 {
+    max_tokens
+        .unwrap_or(DEFAULT_EXPECTED_OUTPUT_TOKENS)
+        .min(max_model_len.unwrap_or(MAX_ACCOUNTED_OUTPUT_TOKENS))
+        .min(MAX_ACCOUNTED_OUTPUT_TOKENS)
+}
+
 impl Load {
+    /// A request starts on the backend: `prefill_tokens` queued until its first token,
+    /// `decode_tokens` until it ends; the admitted-tokens clock grows by
+    /// `admitted_prefill_tokens + decode_tokens`. Saturating: nothing wraps.
+    pub fn start_request(
+        &mut self,
+        admitted_prefill_tokens: u64,
+        prefill_tokens: u64,
+        decode_tokens: u64,
+    ) {
+        self.requests = self.requests.saturating_add(1);
+        self.prefilling = self.prefilling.saturating_add(1);
+        self.tokens = self
+            .tokens
+            .saturating_add(prefill_tokens.saturating_add(decode_tokens));
+        self.admitted_tokens = self
+            .admitted_tokens
+            .saturating_add(admitted_prefill_tokens.saturating_add(decode_tokens));
+        self.decode_tokens = self.decode_tokens.saturating_add(decode_tokens);
+    }
+
+    /// The request's first token: its `prefilled` tokens leave the queue (and it stops
+    /// prefilling, when `was_prefilling`).
+    pub fn first_token(&mut self, prefilled: u64, was_prefilling: bool) {
+        self.tokens = self.tokens.saturating_sub(prefilled);
+        if was_prefilling {
+            self.prefilling = self.prefilling.saturating_sub(1);
+        }
+    }
+
+    /// The request ended with `remaining` tokens still queued, `decode` of them its output.
+    pub fn end_request(&mut self, remaining: u64, decode: u64, prefilling: bool) {
+        self.requests = self.requests.saturating_sub(1);
+        if prefilling {
+            self.prefilling = self.prefilling.saturating_sub(1);
+        }
+        self.tokens = self.tokens.saturating_sub(remaining);
+        self.decode_tokens = self.decode_tokens.saturating_sub(decode);
+    }
+
     /// Adds `other` to `self` (sums over cores), saturating: a count from elsewhere (another
     /// core, a peer) must not wrap a sum.
     pub fn add(&mut self, other: &Load) {
@@ -145,14 +201,14 @@ impl BackendTable {
             Some(entry) => {
                 entry.version = version;
                 if entry.info.spec.url != info.spec.url {
-                    entry.metrics = BackendMetrics::new(&info.spec.url);
+                    entry.metrics = BackendMetrics::new(info.id);
                 }
                 entry.info = info;
                 true
             }
             None => {
                 let entry = BackendEntry {
-                    metrics: BackendMetrics::new(&info.spec.url),
+                    metrics: BackendMetrics::new(info.id),
                     info: info.clone(),
                     local: Load::default(),
                     pinned: PinnedBlocks::default(),
@@ -261,6 +317,80 @@ pub struct LoadUpdate {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    fn any_load() -> impl Strategy<Value = Load> {
+        let figure = || prop_oneof![0..1_000_000u64, u64::MAX - 1_000..=u64::MAX, any::<u64>()];
+        let count = || prop_oneof![0..1_000u32, u32::MAX - 10..=u32::MAX];
+        (figure(), figure(), figure(), figure(), count(), count()).prop_map(
+            |(
+                tokens,
+                admitted_tokens,
+                decode_tokens,
+                pinned_prompt_tokens,
+                requests,
+                prefilling,
+            )| {
+                Load {
+                    requests,
+                    tokens,
+                    admitted_tokens,
+                    decode_tokens,
+                    prefix_replications: 0,
+                    pinned_prompt_tokens,
+                    prefilling,
+                }
+            },
+        )
+    }
+
+    proptest! {
+        /// Whatever a client asks (`max_tokens` to u64::MAX, prompts of any length), and
+        /// whatever the counters hold already (near their maximum too): no counter wraps, the
+        /// admitted-tokens clock never goes back and moves by at most the prompt plus
+        /// `MAX_ACCOUNTED_OUTPUT_TOKENS`, and a finished request leaves the in-flight figures
+        /// where they were (unless one had saturated).
+        #[test]
+        fn no_request_moves_a_counter_by_more_than_it_can_cost(
+            before in any_load(),
+            prompt in prop_oneof![0..100_000u64, any::<u64>()],
+            cached in any::<u64>(),
+            max_tokens in proptest::option::of(prop_oneof![0..10_000u64, any::<u64>()]),
+            max_model_len in proptest::option::of(any::<u64>()),
+            first_token in any::<bool>(),
+        ) {
+            let decode = accounted_output_tokens(max_tokens, max_model_len);
+            prop_assert!(decode <= MAX_ACCOUNTED_OUTPUT_TOKENS);
+            prop_assert!(max_model_len.is_none_or(|len| decode <= len));
+            let prefill = prompt.saturating_sub(cached);
+            let mut load = before;
+            load.start_request(prefill, prefill, decode);
+            prop_assert!(load.admitted_tokens >= before.admitted_tokens);
+            prop_assert!(load.admitted_tokens - before.admitted_tokens <= prompt.saturating_add(decode));
+            prop_assert!(load.tokens - before.tokens <= prompt.saturating_add(decode));
+            prop_assert!(load.requests - before.requests <= 1);
+            let admitted = load.admitted_tokens;
+            let mut remaining = prefill.saturating_add(decode);
+            let mut prefilling = true;
+            if first_token {
+                load.first_token(prefill, true);
+                remaining = decode;
+                prefilling = false;
+            }
+            load.end_request(remaining, decode, prefilling);
+            prop_assert_eq!(load.admitted_tokens, admitted, "the clock stays where it went");
+            let saturated = before.tokens.checked_add(prefill.saturating_add(decode)).is_none()
+                || before.requests == u32::MAX
+                || before.prefilling == u32::MAX
+                || before.decode_tokens.checked_add(decode).is_none();
+            if !saturated {
+                prop_assert_eq!(load.tokens, before.tokens);
+                prop_assert_eq!(load.requests, before.requests);
+                prop_assert_eq!(load.prefilling, before.prefilling);
+                prop_assert_eq!(load.decode_tokens, before.decode_tokens);
+            }
+        }
+    }
 
     fn info(id: BackendId) -> BackendInfo {
         BackendInfo {

@@ -50,6 +50,13 @@ pub struct GossipArgs {
     /// about (members + 1) periods plus 3 periods of suspicion. [default: 500]
     #[arg(long, env = "MYELIN_GOSSIP_PROBE_INTERVAL_MS", value_name = "MS")]
     pub gossip_probe_interval_ms: Option<u64>,
+
+    /// Most members (up, suspect or down; a down one is forgotten after 10 minutes) this
+    /// node's membership holds: gossip naming more is dropped (`reason="member_cap"`), so a
+    /// peer holding the key cannot make it probe and send state to any number of addresses.
+    /// [default: 256]
+    #[arg(long, env = "MYELIN_GOSSIP_MAX_MEMBERS", value_name = "N")]
+    pub gossip_max_members: Option<usize>,
 }
 
 /// The same keys in the `--config` file.
@@ -61,6 +68,7 @@ pub struct GossipFile {
     pub node_id: Option<String>,
     pub cluster_key_file: Option<PathBuf>,
     pub gossip_probe_interval_ms: Option<u64>,
+    pub gossip_max_members: Option<usize>,
 }
 
 /// The resolved cluster settings (present when gossip is on).
@@ -75,6 +83,7 @@ pub struct GossipSettings {
     pub node_id: Option<String>,
     pub key: ClusterKey,
     pub probe_interval: Duration,
+    pub max_members: usize,
 }
 
 impl GossipSettings {
@@ -84,6 +93,7 @@ impl GossipSettings {
             probe_period: self.probe_interval,
             probe_rtt: self.probe_interval * 2 / 5,
             suspect_to_down_after: self.probe_interval * 3,
+            max_members: self.max_members,
         }
     }
 }
@@ -130,6 +140,13 @@ pub fn resolve(args: GossipArgs, file: GossipFile) -> Result<Option<GossipSettin
     if probe_ms < 10 {
         return Err("--gossip-probe-interval-ms must be at least 10".into());
     }
+    let max_members = args
+        .gossip_max_members
+        .or(file.gossip_max_members)
+        .unwrap_or(myelin_gossip::DEFAULT_MAX_MEMBERS);
+    if !(2..=65_536).contains(&max_members) {
+        return Err("--gossip-max-members must be from 2 to 65536".into());
+    }
     let node_id = args.node_id.or(file.node_id);
     if let Some(name) = &node_id
         && (name.is_empty() || name.len() > myelin_gossip::messages::MAX_NODE_NAME_BYTES)
@@ -146,6 +163,7 @@ pub fn resolve(args: GossipArgs, file: GossipFile) -> Result<Option<GossipSettin
         node_id,
         key,
         probe_interval: Duration::from_millis(probe_ms),
+        max_members,
     }))
 }
 
@@ -222,6 +240,7 @@ mod tests {
         assert_eq!(settings.peers.len(), 1);
         assert_eq!(settings.node_id.as_deref(), Some("a"));
         assert_eq!(settings.probe_interval, Duration::from_millis(500));
+        assert_eq!(settings.max_members, myelin_gossip::DEFAULT_MAX_MEMBERS);
         let _ = std::fs::remove_dir_all(dir);
     }
 

@@ -21,6 +21,7 @@ impl Defaults {
     pub const ADMIN_LISTEN: &'static str = "127.0.0.1:9090";
     pub const BLOCK_SIZE_TOKENS: usize = 16;
     pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
+    pub const MAX_BODY_BUFFER_BYTES_PER_CORE: usize = 256 * 1024 * 1024;
     pub const MAX_CONNECTIONS_PER_CORE: usize = 4096;
     pub const MAX_IN_FLIGHT_PER_CORE: usize = 1024;
     pub const RETRY_AFTER_SECONDS: u64 = 1;
@@ -117,10 +118,15 @@ pub struct ServeArgs {
     #[arg(long, env = "MYELIN_LISTEN", value_name = "HOST:PORT")]
     pub listen: Option<SocketAddr>,
 
-    /// Also serve GET /metrics on this address (GET /metrics on --listen always works).
-    /// [default: none]
+    /// Also serve GET /metrics on this address, without a token (the admin API always serves
+    /// it, behind its token when one is set). [default: none]
     #[arg(long, env = "MYELIN_METRICS_LISTEN", value_name = "HOST:PORT")]
     pub metrics_listen: Option<SocketAddr>,
+
+    /// Also serve GET /metrics on --listen, to every client (its series name backends by id,
+    /// never by address). [default: off: /metrics is on the admin API and --metrics-listen]
+    #[arg(long, env = "MYELIN_METRICS_ON_CLIENT_PORT")]
+    pub metrics_on_client_port: bool,
 
     /// Address of the admin API (`/admin/backends`), served by the control core and never on
     /// --listen: HOST:PORT, or `unix:PATH` for a Unix socket (created mode 0600, a stale one
@@ -200,6 +206,16 @@ pub struct ServeArgs {
     /// Largest request body accepted; larger ones get 413. [default: 8388608]
     #[arg(long, env = "MYELIN_MAX_BODY_BYTES", value_name = "BYTES")]
     pub max_body_bytes: Option<usize>,
+
+    /// Bytes of request bodies one data core holds while reading them, before the requests
+    /// are admitted; a body that would take more gets 429 `router_overloaded` at once
+    /// (myelin_body_budget_rejections_total). [default: 268435456]
+    #[arg(
+        long,
+        env = "MYELIN_MAX_BODY_BUFFER_BYTES_PER_CORE",
+        value_name = "BYTES"
+    )]
+    pub max_body_buffer_bytes_per_core: Option<usize>,
 
     /// Client connections open at once per data core; one more is closed on accept
     /// (myelin_connections_refused_total). [default: 4096]
@@ -388,6 +404,7 @@ pub struct ServeArgs {
 pub struct FileConfig {
     pub listen: Option<SocketAddr>,
     pub metrics_listen: Option<SocketAddr>,
+    pub metrics_on_client_port: Option<bool>,
     pub admin_listen: Option<AdminListen>,
     pub admin_token_file: Option<PathBuf>,
     #[serde(default, alias = "backends")]
@@ -401,6 +418,7 @@ pub struct FileConfig {
     pub node_id: Option<String>,
     pub cluster_key_file: Option<PathBuf>,
     pub gossip_probe_interval_ms: Option<u64>,
+    pub gossip_max_members: Option<usize>,
     pub routing: Option<RoutingPolicy>,
     pub residency: Option<ResidencyMode>,
     pub tokenizer: Option<PathBuf>,
@@ -411,6 +429,7 @@ pub struct FileConfig {
     pub control_core: Option<usize>,
     pub no_pin: Option<bool>,
     pub max_body_bytes: Option<usize>,
+    pub max_body_buffer_bytes_per_core: Option<usize>,
     pub max_connections_per_core: Option<usize>,
     pub max_in_flight_per_core: Option<usize>,
     pub max_model_len: Option<u64>,
@@ -479,6 +498,8 @@ pub struct HealthConfig {
 pub struct ServeConfig {
     pub listen: SocketAddr,
     pub metrics_listen: Option<SocketAddr>,
+    /// GET /metrics on `listen` too (`--metrics-on-client-port`).
+    pub metrics_on_client_port: bool,
     pub admin_listen: AdminListen,
     /// Bearer token the admin API requires (always set when `admin_listen` is not loopback).
     pub admin_token: Option<AdminToken>,
@@ -494,6 +515,8 @@ pub struct ServeConfig {
     pub block_size: usize,
     pub layout: CoreLayout,
     pub max_body_bytes: usize,
+    /// `--max-body-buffer-bytes-per-core`.
+    pub max_body_buffer_bytes_per_core: usize,
     pub max_connections_per_core: usize,
     pub max_in_flight_per_core: usize,
     pub max_model_len: Option<u64>,
@@ -764,6 +787,7 @@ impl ServeConfig {
                 node_id: file.node_id.clone(),
                 cluster_key_file: file.cluster_key_file.clone(),
                 gossip_probe_interval_ms: file.gossip_probe_interval_ms,
+                gossip_max_members: file.gossip_max_members,
             },
         )
         .map_err(ConfigError::Gossip)?;
@@ -789,6 +813,8 @@ impl ServeConfig {
         Ok(ServeConfig {
             listen,
             metrics_listen: args.metrics_listen.or(file.metrics_listen),
+            metrics_on_client_port: args.metrics_on_client_port
+                || file.metrics_on_client_port.unwrap_or(false),
             admin_listen,
             admin_token,
             backends,
@@ -817,6 +843,12 @@ impl ServeConfig {
                     .or(file.max_body_bytes)
                     .unwrap_or(Defaults::MAX_BODY_BYTES),
                 "--max-body-bytes",
+            )?,
+            max_body_buffer_bytes_per_core: positive_usize(
+                args.max_body_buffer_bytes_per_core
+                    .or(file.max_body_buffer_bytes_per_core)
+                    .unwrap_or(Defaults::MAX_BODY_BUFFER_BYTES_PER_CORE),
+                "--max-body-buffer-bytes-per-core",
             )?,
             max_connections_per_core: positive_usize(
                 args.max_connections_per_core

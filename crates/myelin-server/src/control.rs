@@ -143,6 +143,8 @@ pub(crate) struct Control {
     shards: usize,
     residency: ResidencyMode,
     admin_token: Option<AdminToken>,
+    /// The process's metrics, served as GET /metrics on the admin API.
+    metrics: PrometheusHandle,
     pending_snapshots: RefCell<HashMap<u64, OneShot<ReplicaSnapshot>>>,
     next_request_id: Cell<u64>,
     health_config: HealthConfig,
@@ -166,6 +168,8 @@ pub(crate) struct Control {
     engine_stall: Option<Duration>,
     /// Data cores a mirror write could not be sent to since their last resync.
     mirror_dirty: RefCell<Vec<bool>>,
+    /// Per data core, the number the next mirror write to it carries ([`Message::MirrorWrites`]).
+    mirror_seq: RefCell<Vec<u64>>,
     /// Per data core, the followed backends whose snapshot it still waits for (a resync in
     /// progress).
     mirror_awaiting: RefCell<Vec<std::collections::BTreeSet<BackendId>>>,
@@ -200,7 +204,7 @@ pub async fn run_control(
     let backends = initial
         .into_iter()
         .map(|info| {
-            metrics::gauge!(names::BACKEND_UP, "backend" => info.spec.url.clone()).set(1.0);
+            metrics::gauge!(names::BACKEND_UP, "backend" => names::backend_label(info.id)).set(1.0);
             (
                 info.id,
                 ControlBackend {
@@ -216,6 +220,7 @@ pub async fn run_control(
         shards,
         residency: config.residency,
         admin_token: config.admin_token.clone(),
+        metrics: metrics.clone(),
         pending_snapshots: RefCell::new(HashMap::new()),
         next_request_id: Cell::new(1),
         health_config: config.health.clone(),
@@ -239,6 +244,7 @@ pub async fn run_control(
         engine_metrics_interval: config.engine_metrics_interval,
         engine_stall: config.engine_stall,
         mirror_dirty: RefCell::new(vec![false; shards]),
+        mirror_seq: RefCell::new(vec![0; shards]),
         mirror_awaiting: RefCell::new(vec![Default::default(); shards]),
         resolver: match crate::dns::Resolver::start(config.layout.control_cpu) {
             Ok(resolver) => Some(resolver),
@@ -444,11 +450,12 @@ async fn feed_loop(control: Rc<Control>, receiver: crossbeam_channel::Receiver<F
                 }
                 FeedEvent::Live { backend, status } => {
                     let live = status.is_none();
-                    if let Some(url) = control.url_of(backend) {
+                    if control.url_of(backend).is_some() {
                         // Only for backends still listed (a removed one's thread says
                         // `Stopped` after the removal).
                         control.mirror_status.borrow_mut().insert(backend, status);
-                        metrics::gauge!(names::KV_EVENTS_LIVE, "backend" => url).set(if live {
+                        let label = names::backend_label(backend);
+                        metrics::gauge!(names::KV_EVENTS_LIVE, "backend" => label).set(if live {
                             1.0
                         } else {
                             0.0
@@ -513,7 +520,7 @@ impl Control {
     /// A backend joined: its labelled series are exported at 0, and its KV events followed
     /// when its spec names an endpoint.
     fn follow_backend(&self, id: BackendId, spec: &BackendSpec) {
-        names::export_backend_series(&spec.url, spec.kv_events.as_deref());
+        names::export_backend_series(id, spec.kv_events.is_some());
         let Some(publish) = spec.kv_events.clone() else {
             return;
         };
@@ -550,10 +557,25 @@ impl Control {
     fn broadcast_write(&self, op: WriteOp) {
         let batch: Arc<[WriteOp]> = Arc::from(vec![op]);
         for shard in 0..self.shards {
-            if !self.send(shard, Message::Writes(batch.clone())) {
+            if !self.send_mirror(shard, batch.clone()) {
                 self.mark_mirror_dirty(shard);
             }
         }
+    }
+
+    /// Sends mirror writes to one data core with the next number of its sequence, used up
+    /// whether or not the send succeeds: the core sees the gap a drop leaves (and distrusts
+    /// its mirrors until their snapshots arrive).
+    fn send_mirror(&self, shard: usize, batch: Arc<[WriteOp]>) -> bool {
+        let seq = {
+            let mut seqs = self.mirror_seq.borrow_mut();
+            let Some(next) = seqs.get_mut(shard) else {
+                return false;
+            };
+            *next += 1;
+            *next - 1
+        };
+        self.send(shard, Message::MirrorWrites { seq, batch })
     }
 
     fn mark_mirror_dirty(&self, shard: usize) {
@@ -613,7 +635,7 @@ impl Control {
             WriteOp::MirrorLive { backend: id, live },
         ]);
         for shard in waiting {
-            if self.send(shard, Message::Writes(batch.clone())) {
+            if self.send_mirror(shard, batch.clone()) {
                 self.mirror_awaiting.borrow_mut()[shard].remove(&backend);
             } else {
                 self.mark_mirror_dirty(shard);
@@ -778,8 +800,9 @@ impl Control {
             (Some(false), _) | (None, false) => return,
             (None, true) => "streams_silent",
         };
-        if let Some(url) = self.url_of(backend) {
-            metrics::counter!(names::ENGINE_STALLS_TOTAL, "backend" => url, "evidence" => evidence)
+        if self.url_of(backend).is_some() {
+            let label = names::backend_label(backend);
+            metrics::counter!(names::ENGINE_STALLS_TOTAL, "backend" => label, "evidence" => evidence)
                 .increment(1);
         }
         self.with_backend_health(backend, |health, now, config, events| {
@@ -806,34 +829,34 @@ impl Control {
                 &mut events,
             );
             let after = backend.effective_state();
-            let url = backend.info.spec.url.clone();
+            let label = names::backend_label(id);
             for event in &events {
                 match event {
                     HealthEvent::BreakerTransition { from, to } => {
                         metrics::counter!(
                             names::BREAKER_TRANSITIONS_TOTAL,
-                            "backend" => url.clone(), "from" => *from, "to" => *to
+                            "backend" => label.clone(), "from" => *from, "to" => *to
                         )
                         .increment(1);
                     }
                     HealthEvent::CheckVerdict { up } => {
                         metrics::counter!(
                             names::HEALTH_TRANSITIONS_TOTAL,
-                            "backend" => url.clone(), "to" => if *up { "up" } else { "down" }
+                            "backend" => label.clone(), "to" => if *up { "up" } else { "down" }
                         )
                         .increment(1);
                     }
                 }
             }
             backend.info.state = after;
-            (before != after).then_some((after, url))
+            (before != after).then_some(after)
         };
-        if let Some((state, url)) = changed {
-            self.publish_state(id, state, url);
+        if let Some(state) = changed {
+            self.publish_state(id, state);
         }
     }
 
-    fn publish_state(&self, id: BackendId, state: BackendState, url: String) {
+    fn publish_state(&self, id: BackendId, state: BackendState) {
         // A dead engine's cache is gone: its mirror leaves routing until its stream says
         // whether it restarted (kv_subscriber.rs).
         if state == BackendState::Down
@@ -842,7 +865,7 @@ impl Control {
             subscriber.suspend();
         }
         let up = if state == BackendState::Up { 1.0 } else { 0.0 };
-        metrics::gauge!(names::BACKEND_UP, "backend" => url).set(up);
+        metrics::gauge!(names::BACKEND_UP, "backend" => names::backend_label(id)).set(up);
         let version = self.state.borrow_mut().take_version();
         self.broadcast(|| Message::BackendState { version, id, state });
     }
@@ -855,6 +878,11 @@ impl Control {
     /// The admin API's bearer token, when one is configured.
     pub(crate) fn admin_token(&self) -> Option<&AdminToken> {
         self.admin_token.as_ref()
+    }
+
+    /// GET /metrics as the admin API serves it.
+    pub(crate) fn metrics_response(&self, request: &Request<Incoming>) -> Response<Body> {
+        metrics_only(&self.metrics, request)
     }
 
     /// The configured residency mode (what a backend's residency is when no replica answered).
@@ -972,7 +1000,8 @@ impl Control {
                         state: BackendState::Up,
                     };
                     follow = Some((id, info.spec.clone()));
-                    metrics::gauge!(names::BACKEND_UP, "backend" => info.spec.url.clone()).set(1.0);
+                    metrics::gauge!(names::BACKEND_UP, "backend" => names::backend_label(id))
+                        .set(1.0);
                     state.backends.insert(
                         id,
                         ControlBackend {
@@ -995,7 +1024,7 @@ impl Control {
                 Some(backend) => {
                     unfollow = Some(id);
                     let version = state.take_version();
-                    metrics::gauge!(names::BACKEND_UP, "backend" => backend.info.spec.url.clone())
+                    metrics::gauge!(names::BACKEND_UP, "backend" => names::backend_label(id))
                         .set(0.0);
                     let message: Rc<dyn Fn() -> Message> =
                         Rc::new(move || Message::BackendRemove { version, id });
@@ -1012,10 +1041,8 @@ impl Control {
                     Some(backend) => {
                         backend.draining = true;
                         backend.info.state = BackendState::Draining;
-                        metrics::gauge!(
-                            names::BACKEND_UP, "backend" => backend.info.spec.url.clone()
-                        )
-                        .set(0.0);
+                        metrics::gauge!(names::BACKEND_UP, "backend" => names::backend_label(id))
+                            .set(0.0);
                         let info = backend.info.clone();
                         state.next_version += 1;
                         let sent = info.clone();
@@ -1176,8 +1203,10 @@ async fn engine_metrics_loop(control: Rc<Control>) {
                         *cache
                     };
                     if let Some(utilization) = cache.utilization {
-                        metrics::gauge!(names::BACKEND_KV_UTILIZATION, "backend" => spec.url.clone())
-                            .set(utilization);
+                        metrics::gauge!(
+                            names::BACKEND_KV_UTILIZATION, "backend" => names::backend_label(id)
+                        )
+                        .set(utilization);
                     }
                     control.broadcast(|| Message::BackendCache {
                         id,
@@ -1283,7 +1312,8 @@ async fn breaker_loop(control: Rc<Control>) {
                     if let HealthEvent::BreakerTransition { from, to } = event {
                         metrics::counter!(
                             names::BREAKER_TRANSITIONS_TOTAL,
-                            "backend" => backend.info.spec.url.clone(), "from" => from, "to" => to
+                            "backend" => names::backend_label(backend.info.id),
+                            "from" => from, "to" => to
                         )
                         .increment(1);
                     }
@@ -1291,12 +1321,12 @@ async fn breaker_loop(control: Rc<Control>) {
                 let after = backend.effective_state();
                 if before != after {
                     backend.info.state = after;
-                    changed.push((backend.info.id, after, backend.info.spec.url.clone()));
+                    changed.push((backend.info.id, after));
                 }
             }
         }
-        for (id, state, url) in changed {
-            control.publish_state(id, state, url);
+        for (id, state) in changed {
+            control.publish_state(id, state);
         }
         for (id, spec) in probes {
             let control = control.clone();

@@ -112,6 +112,10 @@ pub struct DataCore {
     watchdog: RefCell<Watchdog>,
     /// The context length each backend's `GET /v1/models` reported (the control core asks).
     model_lens: RefCell<std::collections::BTreeMap<BackendId, u64>>,
+    /// The number the control core's next mirror write should carry (a jump: one was dropped).
+    mirror_seq: Cell<u64>,
+    /// Bytes of request bodies this core holds while reading them (before admission).
+    pub body_budget: Rc<crate::body_budget::BodyBudget>,
 }
 
 /// Runs a data core until shutdown and drain complete.
@@ -207,6 +211,10 @@ pub async fn run_data_core(setup: DataCoreSetup) -> ServeReport {
         next_pin_key: Cell::new(0),
         watchdog: RefCell::new(Watchdog::new(setup.config.engine_stall)),
         model_lens: RefCell::new(std::collections::BTreeMap::new()),
+        mirror_seq: Cell::new(0),
+        body_budget: crate::body_budget::BodyBudget::new(
+            setup.config.max_body_buffer_bytes_per_core,
+        ),
         config: setup.config.clone(),
     });
     for (_, receiver) in receivers {
@@ -248,6 +256,35 @@ async fn receive_loop(core: Rc<DataCore>, receiver: ConnectedReceiver<Message>) 
     }
 }
 
+/// Prefix-tree arena slots counted per slice of an admin snapshot: the walk yields to the
+/// request path between slices (a tree of millions of nodes would otherwise hold this core
+/// for milliseconds).
+const SNAPSHOT_SLICE_SLOTS: usize = 16_384;
+
+/// Answers the control core's snapshot request: the prefix tree counted in slices, yielding
+/// between them when other tasks wait, then the rest at once (O(backends)).
+async fn answer_snapshot(core: Rc<DataCore>, request_id: u64) {
+    let mut routed = Vec::new();
+    let mut next = Some(0);
+    while let Some(from) = next {
+        next = core
+            .routing
+            .borrow()
+            .count_routed_blocks(from, SNAPSHOT_SLICE_SLOTS, &mut routed);
+        if next.is_some() {
+            glommio::yield_if_needed().await;
+        }
+    }
+    let snapshot = core.snapshot(routed);
+    core.send(
+        core.shards,
+        Message::SnapshotReply {
+            request_id,
+            snapshot: Box::new(snapshot),
+        },
+    );
+}
+
 /// Re-broadcasts this core's load on every backend: absolute values, so a dropped update is
 /// healed within one interval; and tells every other core which of this core's requests are
 /// in flight, so a dropped unpin heals too. Also publishes the tokenizer caches' sizes.
@@ -276,11 +313,13 @@ async fn resync_loop(core: Rc<DataCore>) {
     let prefix_bytes = metrics::gauge!(
         names::TOKENIZE_CACHE_BYTES, "cache" => "prefix", "shard" => core.shard_label.clone()
     );
+    let body_bytes = metrics::gauge!(names::BODY_BUFFER_BYTES, "shard" => core.shard_label.clone());
     loop {
         Timer::new(RESYNC_INTERVAL).await;
         let (segment, prefix) = core.tokenizer.borrow().cache_bytes();
         segment_bytes.set(segment as f64);
         prefix_bytes.set(prefix as f64);
+        body_bytes.set(core.body_budget.held() as f64);
         let loads: Vec<(BackendId, Load)> = core
             .backends
             .borrow()
@@ -390,10 +429,7 @@ impl LoadGuard {
         let was_prefilling = std::mem::take(&mut self.prefilling);
         if prefilled > 0 || was_prefilling {
             self.core.change_load(self.backend, |load| {
-                load.tokens = load.tokens.saturating_sub(prefilled);
-                if was_prefilling {
-                    load.prefilling = load.prefilling.saturating_sub(1);
-                }
+                load.first_token(prefilled, was_prefilling);
             });
         }
         // Learned from once: the first call is the first token's (later ones change nothing).
@@ -418,16 +454,10 @@ impl Drop for LoadGuard {
                 .borrow_mut()
                 .ended(self.backend, streaming);
         }
-        let remaining = self.prefill_tokens + self.decode_tokens;
-        let decode = self.decode_tokens;
-        let prefilling = self.prefilling;
+        let remaining = self.prefill_tokens.saturating_add(self.decode_tokens);
+        let (decode, prefilling) = (self.decode_tokens, self.prefilling);
         self.core.change_load(self.backend, |load| {
-            load.requests = load.requests.saturating_sub(1);
-            if prefilling {
-                load.prefilling = load.prefilling.saturating_sub(1);
-            }
-            load.tokens = load.tokens.saturating_sub(remaining);
-            load.decode_tokens = load.decode_tokens.saturating_sub(decode);
+            load.end_request(remaining, decode, prefilling);
         });
         self.core.send_pin_change(PinChange {
             from: self.core.shard,
@@ -443,6 +473,19 @@ impl DataCore {
         match message {
             Message::Writes(batch) => {
                 let mut routing = self.routing.borrow_mut();
+                for op in batch.iter() {
+                    routing.apply(op);
+                }
+            }
+            Message::MirrorWrites { seq, batch } => {
+                let mut routing = self.routing.borrow_mut();
+                if seq != self.mirror_seq.get() {
+                    // A mirror write to this core was dropped: no mirror here is exact until
+                    // the snapshots the control core sends for it (it saw the drop) arrive.
+                    self.meters.mirror_write_gaps.increment(1);
+                    routing.distrust_mirrors();
+                }
+                self.mirror_seq.set(seq.saturating_add(1));
                 for op in batch.iter() {
                     routing.apply(op);
                 }
@@ -552,14 +595,7 @@ impl DataCore {
                 }
             }
             Message::Snapshot { request_id } => {
-                let snapshot = self.snapshot();
-                self.send(
-                    self.shards,
-                    Message::SnapshotReply {
-                        request_id,
-                        snapshot: Box::new(snapshot),
-                    },
-                );
+                glommio::spawn_local(answer_snapshot(self.clone(), request_id)).detach();
             }
             // Messages for the control core never reach a data core.
             Message::Outcome { .. }
@@ -581,8 +617,9 @@ impl DataCore {
         );
     }
 
-    /// What this core's replica holds and the load this core puts on each backend.
-    fn snapshot(&self) -> ReplicaSnapshot {
+    /// What this core's replica holds and the load this core puts on each backend, with the
+    /// prefix tree's `routed` blocks per backend (counted in slices beforehand).
+    fn snapshot(&self, mut routed: Vec<(myelin_routing::BackendId, usize)>) -> ReplicaSnapshot {
         let routing = self.routing.borrow();
         let backends = self
             .backends
@@ -596,8 +633,12 @@ impl DataCore {
                 timing: routing.timing_figures(entry.info.id),
             })
             .collect();
+        routed.sort_unstable_by_key(|(backend, _)| *backend);
         ReplicaSnapshot {
-            counts: routing.block_counts(),
+            counts: myelin_routing::BlockCounts {
+                routed,
+                mirrored: routing.mirrored_blocks(),
+            },
             backends,
         }
     }
@@ -792,15 +833,7 @@ impl DataCore {
             .get(backend)
             .map(|entry| entry.metrics.in_flight.clone());
         self.change_load(backend, |load| {
-            load.requests = load.requests.saturating_add(1);
-            load.prefilling = load.prefilling.saturating_add(1);
-            load.tokens = load
-                .tokens
-                .saturating_add(prefill_tokens.saturating_add(decode_tokens));
-            load.admitted_tokens = load
-                .admitted_tokens
-                .saturating_add(admitted_prefill_tokens.saturating_add(decode_tokens));
-            load.decode_tokens = load.decode_tokens.saturating_add(decode_tokens);
+            load.start_request(admitted_prefill_tokens, prefill_tokens, decode_tokens);
         });
         let key = self.next_pin_key.get();
         self.next_pin_key.set(key + 1);
@@ -897,7 +930,9 @@ impl DataCore {
                     let tail = self.own_tail(change.from, &counted);
                     self.change_load_pinned(change.backend, |load, pinned| {
                         let new_blocks = pinned.pin(counted.owned(self.shard, self.shards));
-                        load.pinned_prompt_tokens += counted.block_tokens(new_blocks) + tail;
+                        load.pinned_prompt_tokens = load
+                            .pinned_prompt_tokens
+                            .saturating_add(counted.block_tokens(new_blocks).saturating_add(tail));
                     });
                 }
             }
@@ -955,7 +990,9 @@ impl DataCore {
             .max(probe.predicted_cached_tokens as u64);
         let shortfall = history_cached.saturating_sub(cached_tokens);
         if shortfall > 0 {
-            self.change_load(backend, |load| load.admitted_tokens += shortfall);
+            self.change_load(backend, |load| {
+                load.admitted_tokens = load.admitted_tokens.saturating_add(shortfall);
+            });
         }
         if let Some(write) = write {
             self.replicate(write);
@@ -964,7 +1001,9 @@ impl DataCore {
 
     /// Counts a request sent to `backend` as a second home of its prefix (admin API).
     pub fn note_prefix_replication(self: &Rc<Self>, backend: BackendId) {
-        self.change_load(backend, |load| load.prefix_replications += 1);
+        self.change_load(backend, |load| {
+            load.prefix_replications = load.prefix_replications.saturating_add(1);
+        });
     }
 
     /// Applies `change` to this core's load on `backend`; the other cores hear of it with the

@@ -155,7 +155,7 @@ impl Subscriber {
                 }
                 let mut follower = Follower {
                     backend,
-                    label: endpoints.publish.clone(),
+                    label: names::backend_label(backend),
                     feed,
                     sender,
                     last_seq: None,
@@ -427,7 +427,7 @@ impl Follower {
                 router: self.feed.block_size().get(),
             }));
             eprintln!(
-                "myelin: kv events {}: the engine's KV blocks are {foreign} tokens, the \
+                "myelin: kv events of backend {}: the engine's KV blocks are {foreign} tokens, the \
                  router's --block-size is {}: this engine's cache is not mirrored (the \
                  estimate routes it) until the two agree and the engine restarts",
                 self.label,

@@ -8,6 +8,7 @@
 mod admin;
 pub mod backend_spec;
 mod backends;
+mod body_budget;
 pub mod cluster;
 pub mod config;
 mod control;

@@ -50,6 +50,12 @@ pub enum Message {
     /// One shared batch per sender flush.
     Writes(Arc<[WriteOp]>),
 
+    // Control core -> every data core.
+    /// KV-event mirror writes (changes, liveness, snapshots) numbered per receiver: a gap in
+    /// `seq` tells the receiver a mirror write to it was dropped, so it stops routing on its
+    /// mirrors until the snapshots the control core then sends have rebuilt them.
+    MirrorWrites { seq: u64, batch: Arc<[WriteOp]> },
+
     // Data core -> every other data core.
     /// The sender's load on backends whose load changed since its last flush (absolute, so a
     /// dropped update heals).
@@ -131,6 +137,7 @@ impl Message {
     pub fn kind(&self) -> &'static str {
         match self {
             Message::Writes(_) => "writes",
+            Message::MirrorWrites { .. } => "mirror_writes",
             Message::Loads(_) => "loads",
             Message::Outcome { .. } => "outcome",
             Message::Stalled { .. } => "stalled",

@@ -34,6 +34,9 @@ pub const TOKENIZE_BYTES_TOTAL: &str = "myelin_tokenize_bytes_total";
 pub const TOKENIZE_TRUNCATED_TOTAL: &str = "myelin_tokenize_truncated_total";
 /// Bytes held by each data core's tokenizer caches, by `cache` (segment, prefix) and `shard`.
 pub const TOKENIZE_CACHE_BYTES: &str = "myelin_tokenize_cache_bytes";
+/// Bytes of request bodies each data core holds while reading them (before admission), by
+/// `shard` (`--max-body-buffer-bytes-per-core` bounds it).
+pub const BODY_BUFFER_BYTES: &str = "myelin_body_buffer_bytes";
 /// Prompt segments tokenized afresh (not from the segment cache).
 pub const TOKENIZE_SEGMENTS_TOTAL: &str = "myelin_tokenize_segments_total";
 /// Requests in flight on a backend, by `backend` (its URL).
@@ -70,6 +73,9 @@ pub const CROSS_CORE_DROPPED_TOTAL: &str = "myelin_cross_core_dropped_messages_t
 pub const LOAD_VIEW_STALENESS_SECONDS: &str = "myelin_load_view_staleness_seconds";
 /// Requests refused with 429 because the core was at its in-flight limit.
 pub const OVERLOAD_REJECTIONS_TOTAL: &str = "myelin_overload_rejections_total";
+/// Requests refused with 429 because their body would take the core past
+/// `--max-body-buffer-bytes-per-core`.
+pub const BODY_BUDGET_REJECTIONS_TOTAL: &str = "myelin_body_budget_rejections_total";
 /// Streams that broke after the first byte and were ended with an SSE error event.
 pub const UPSTREAM_STREAM_ERRORS_TOTAL: &str = "myelin_upstream_stream_errors_total";
 /// Deadlines that passed, by `kind`: `body_read` (client body, 408), `upstream_header`
@@ -113,6 +119,9 @@ pub const KV_EVENTS_UNSYNCED_TOTAL: &str = "myelin_kv_events_unsynced_total";
 /// Cross-core state re-sent after a dropped message, by `kind`: `mirror` (a data core's mirror
 /// rebuilt from the KV-event feeds), `backends` (the backend list, re-sent every second).
 pub const STATE_RESYNCS_TOTAL: &str = "myelin_state_resyncs_total";
+/// Gaps a data core found in the control core's numbered mirror writes (a write to it was
+/// dropped): its mirrors are not routed on until their snapshots have rebuilt them.
+pub const MIRROR_WRITE_GAPS_TOTAL: &str = "myelin_mirror_write_gaps_total";
 /// Engine host-name resolutions on the resolver thread, by `result` (`ok`, `error`: the last
 /// good address is kept).
 pub const DNS_RESOLUTIONS_TOTAL: &str = "myelin_dns_resolutions_total";
@@ -155,6 +164,7 @@ pub const TOKENIZATION_MISMATCH_TOTAL: &str = "myelin_tokenization_mismatch_tota
 pub struct CoreMetrics {
     pub client_disconnects: Counter,
     pub overload_rejections: Counter,
+    pub body_budget_rejections: Counter,
     pub tokenize_seconds: Histogram,
     pub tokenize_cached_segments: Counter,
     pub tokenize_segments: Counter,
@@ -170,6 +180,7 @@ pub struct CoreMetrics {
     pub ttft_prediction_error: Histogram,
     pub ttft_prediction_relative_error: Histogram,
     pub backend_resyncs: Counter,
+    pub mirror_write_gaps: Counter,
     /// Pins of in-flight prompts released because their unpin was lost (`pins.rs`).
     pub pins_reconciled: Counter,
     /// By `extent`.
@@ -201,6 +212,7 @@ impl CoreMetrics {
         CoreMetrics {
             client_disconnects: metrics::counter!(CLIENT_DISCONNECTS_TOTAL),
             overload_rejections: metrics::counter!(OVERLOAD_REJECTIONS_TOTAL),
+            body_budget_rejections: metrics::counter!(BODY_BUDGET_REJECTIONS_TOTAL),
             tokenize_seconds: metrics::histogram!(TOKENIZE_SECONDS),
             tokenize_cached_segments: metrics::counter!(TOKENIZE_CACHED_SEGMENTS_TOTAL),
             tokenize_segments: metrics::counter!(TOKENIZE_SEGMENTS_TOTAL),
@@ -218,6 +230,7 @@ impl CoreMetrics {
             ttft_prediction_error: metrics::histogram!(TTFT_PREDICTION_ERROR),
             ttft_prediction_relative_error: metrics::histogram!(TTFT_PREDICTION_RELATIVE_ERROR),
             backend_resyncs: metrics::counter!(STATE_RESYNCS_TOTAL, "kind" => "backends"),
+            mirror_write_gaps: metrics::counter!(MIRROR_WRITE_GAPS_TOTAL),
             pins_reconciled: metrics::counter!(STATE_RESYNCS_TOTAL, "kind" => "kv_pins"),
             tokenize_prompts: Family::new(
                 |extent| metrics::counter!(TOKENIZE_PROMPTS_TOTAL, "extent" => extent),
@@ -302,11 +315,11 @@ pub struct BackendMetrics {
 }
 
 impl BackendMetrics {
-    /// Registers the handles of the backend labelled `label` (its URL).
-    pub fn new(label: &str) -> Self {
+    /// Registers the handles of backend `id` ([`backend_label`]).
+    pub fn new(id: crate::backends::BackendId) -> Self {
         BackendMetrics {
-            selected: metrics::counter!(BACKEND_SELECTED_TOTAL, "backend" => label.to_string()),
-            in_flight: metrics::gauge!(BACKEND_IN_FLIGHT, "backend" => label.to_string()),
+            selected: metrics::counter!(BACKEND_SELECTED_TOTAL, "backend" => backend_label(id)),
+            in_flight: metrics::gauge!(BACKEND_IN_FLIGHT, "backend" => backend_label(id)),
         }
     }
 }
@@ -416,21 +429,27 @@ pub const KV_SKIP_REASONS: &[&str] = &[
     "unknown_removal",
 ];
 
+/// The `backend` label of a backend's series: its id, as `GET /admin/backends` and the
+/// `x-myelin-backend` header show it (engine addresses stay on the admin API).
+pub fn backend_label(id: crate::backends::BackendId) -> String {
+    id.to_string()
+}
+
 /// Exports a backend's labelled counters and gauges at 0 from when it is added (Prometheus'
 /// advice: an alert on `rate(...)` or `> 0` over a series that does not exist yet never
-/// fires). `url` labels the backend's series; `kv_events`, its publish endpoint when it has
-/// one, labels the KV-event series.
-pub fn export_backend_series(url: &str, kv_events: Option<&str>) {
-    metrics::counter!(TOKENIZATION_MISMATCH_TOTAL, "backend" => url.to_string()).increment(0);
+/// fires); the KV-event series too when it publishes KV events.
+pub fn export_backend_series(id: crate::backends::BackendId, kv_events: bool) {
+    let label = backend_label(id);
+    metrics::counter!(TOKENIZATION_MISMATCH_TOTAL, "backend" => label.clone()).increment(0);
     for to in ["up", "down"] {
-        metrics::counter!(HEALTH_TRANSITIONS_TOTAL, "backend" => url.to_string(), "to" => to)
+        metrics::counter!(HEALTH_TRANSITIONS_TOTAL, "backend" => label.clone(), "to" => to)
             .increment(0);
     }
     for evidence in STALL_EVIDENCE {
-        metrics::counter!(ENGINE_STALLS_TOTAL, "backend" => url.to_string(), "evidence" => evidence)
+        metrics::counter!(ENGINE_STALLS_TOTAL, "backend" => label.clone(), "evidence" => evidence)
             .increment(0);
     }
-    if let Some(endpoint) = kv_events {
+    if kv_events {
         for counter in [
             KV_EVENTS_BATCHES_TOTAL,
             KV_EVENTS_DECODE_ERRORS_TOTAL,
@@ -438,9 +457,9 @@ pub fn export_backend_series(url: &str, kv_events: Option<&str>) {
             KV_EVENTS_RESTARTS_TOTAL,
             KV_EVENTS_UNSYNCED_TOTAL,
         ] {
-            metrics::counter!(counter, "backend" => endpoint.to_string()).increment(0);
+            metrics::counter!(counter, "backend" => label.clone()).increment(0);
         }
-        metrics::gauge!(KV_EVENTS_BLOCK_SIZE_MISMATCH, "backend" => endpoint.to_string()).set(0.0);
+        metrics::gauge!(KV_EVENTS_BLOCK_SIZE_MISMATCH, "backend" => label).set(0.0);
     }
 }
 
@@ -499,6 +518,11 @@ fn describe() {
         TOKENIZE_CACHE_BYTES,
         Unit::Bytes,
         "Bytes held by each data core's tokenizer caches, by cache and shard."
+    );
+    describe_gauge!(
+        BODY_BUFFER_BYTES,
+        Unit::Bytes,
+        "Bytes of request bodies each data core holds while reading them, by shard."
     );
     describe_gauge!(BACKEND_IN_FLIGHT, "Requests in flight per backend.");
     describe_gauge!(
@@ -578,6 +602,10 @@ fn describe() {
     describe_counter!(
         STATE_RESYNCS_TOTAL,
         "Cross-core state re-sent after a dropped message, by kind."
+    );
+    describe_counter!(
+        MIRROR_WRITE_GAPS_TOTAL,
+        "Lost mirror writes a data core noticed: its mirrors are not routed on until rebuilt."
     );
     describe_counter!(
         TOKENIZE_BYTES_TOTAL,

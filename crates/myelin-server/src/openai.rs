@@ -129,6 +129,19 @@ impl ApiError {
         }
     }
 
+    /// A body that would take the core past its body-buffer budget.
+    pub fn body_budget() -> Self {
+        ApiError {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: "The router is reading as many request bodies as this core may hold; \
+                      retry later"
+                .into(),
+            error_type: "rate_limit_error",
+            param: None,
+            code: Some("router_overloaded"),
+        }
+    }
+
     pub fn no_backend() -> Self {
         ApiError {
             status: StatusCode::SERVICE_UNAVAILABLE,

@@ -16,6 +16,7 @@ use myelin_http::body::{Body, full};
 use serde_json::Value;
 
 use crate::backends::{BackendId, BackendState};
+use crate::body_budget::Reservation;
 use crate::data_core::{DataCore, InFlightPermit, LoadGuard};
 use crate::metrics as names;
 use crate::openai::{ApiError, Endpoint, GenerationRequest, parse_generation_request};
@@ -27,13 +28,6 @@ use crate::relay::{RelayBody, RelayObserver, StreamEnd, Usage};
 use crate::routing_glue::deepest_match;
 use crate::token_parity::{self, PromptKind};
 
-/// Output tokens assumed for load accounting when a request sets no `max_tokens`.
-const DEFAULT_EXPECTED_OUTPUT_TOKENS: u64 = 256;
-/// Most output tokens one request counts for in load, the admitted-tokens clock and the
-/// predicted TTFT, whatever its `max_tokens` says: no model's context is longer, and a client's
-/// number must not move shared state by more than a request can cost (the engine rejects what
-/// its context cannot hold).
-const MAX_ACCOUNTED_OUTPUT_TOKENS: u64 = 1 << 20;
 /// Time allowed for one backend's `/v1/models` answer.
 const MODELS_TIMEOUT: Duration = Duration::from_secs(2);
 /// Largest `/v1/models` answer read from one backend (larger ones are left out of the union).
@@ -60,8 +54,9 @@ impl Route {
     }
 }
 
-/// Maps method and path to a route, or the 404/405 error.
-fn route_of(method: &Method, path: &str) -> Result<Route, ApiError> {
+/// Maps method and path to a route, or the 404/405 error. `/metrics` is a route only with
+/// `metrics` (`--metrics-on-client-port`).
+fn route_of(method: &Method, path: &str, metrics: bool) -> Result<Route, ApiError> {
     let path = path
         .strip_suffix('/')
         .filter(|p| !p.is_empty())
@@ -87,7 +82,7 @@ fn route_of(method: &Method, path: &str) -> Result<Route, ApiError> {
         ),
         "/v1/models" => allow("GET", Route::Models, is_get),
         "/health" => allow("GET", Route::Health, is_get),
-        "/metrics" => allow("GET", Route::Metrics, is_get),
+        "/metrics" if metrics => allow("GET", Route::Metrics, is_get),
         // The admin API (`/admin/...`) is only on --admin-listen: unknown here.
         _ => Err(ApiError::not_found(method.as_str(), path)),
     }
@@ -96,7 +91,12 @@ fn route_of(method: &Method, path: &str) -> Result<Route, ApiError> {
 /// Entry point for every request a data core accepts.
 pub async fn handle(core: Rc<DataCore>, request: Request<Incoming>) -> Response<Body> {
     let arrived = Instant::now();
-    let (label, response) = match route_of(request.method(), request.uri().path()) {
+    let routed = route_of(
+        request.method(),
+        request.uri().path(),
+        core.config.metrics_on_client_port,
+    );
+    let (label, response) = match routed {
         Ok(route) => {
             let response = match route {
                 Route::Generate(endpoint) => {
@@ -227,10 +227,23 @@ async fn generate(
     // Parse: the body, bounded in size and time, before anything else is held for the request
     // (a slow upload must not keep an in-flight slot: see Accept below).
     let (parts, body) = request.into_parts();
-    let read = read_body(body, &parts.headers, core.config.max_body_bytes);
+    let mut reservation = core.body_budget.reservation();
+    let read = read_body(
+        body,
+        &parts.headers,
+        core.config.max_body_bytes,
+        Some(&mut reservation),
+    );
     let body = match myelin_http::rt::timeout(core.config.body_read_timeout, read).await {
         Some(Ok(body)) => body,
-        Some(Err(error)) => return error_response(&error),
+        Some(Err(error)) => {
+            // The only refusal of a body that is not about the body itself.
+            if error.code == ApiError::body_budget().code {
+                core.meters.body_budget_rejections.increment(1);
+                return with_retry_after(error_response(&error), core.config.retry_after_seconds);
+            }
+            return error_response(&error);
+        }
         None => {
             core.meters.timeout("body_read");
             return error_response(&ApiError::body_timeout());
@@ -239,7 +252,11 @@ async fn generate(
 
     // Accept: a bounded number of requests in flight per core; past it, 429 right away
     // (cheaper for everyone than queueing behind engines that are already saturated).
-    let Some(permit) = core.admit() else {
+    let admitted = core.admit();
+    // Admitted or not, the body no longer counts against the budget: the in-flight limit
+    // bounds admitted requests.
+    drop(reservation);
+    let Some(permit) = admitted else {
         core.meters.overload_rejections.increment(1);
         return with_retry_after(
             error_response(&ApiError::overloaded()),
@@ -368,11 +385,8 @@ async fn generate(
         headers: proxy::end_to_end_headers(&parts.headers),
         body,
     };
-    let decode_tokens = generation
-        .max_tokens
-        .unwrap_or(DEFAULT_EXPECTED_OUTPUT_TOKENS)
-        .min(max_model_len.unwrap_or(MAX_ACCOUNTED_OUTPUT_TOKENS))
-        .min(MAX_ACCOUNTED_OUTPUT_TOKENS);
+    let decode_tokens =
+        crate::backends::accounted_output_tokens(generation.max_tokens, max_model_len);
     // Tokenization parity: the engine's usage.prompt_tokens against the router's own count,
     // when the router tokenized the whole (single) prompt and the answer carries usage.
     let parity = (tokens.complete && !generation.batch && generation.usage_expected).then(|| {
@@ -568,6 +582,7 @@ async fn read_body(
     mut body: Incoming,
     headers: &http::HeaderMap,
     limit: usize,
+    mut reservation: Option<&mut Reservation>,
 ) -> Result<Bytes, ApiError> {
     let declared = headers
         .get(header::CONTENT_LENGTH)
@@ -595,6 +610,12 @@ async fn read_body(
         if let Ok(data) = frame.into_data() {
             if length + data.len() > limit {
                 return Err(ApiError::body_too_large(limit));
+            }
+            // Counted before it is kept.
+            if let Some(reservation) = reservation.as_deref_mut()
+                && !reservation.grow(data.len())
+            {
+                return Err(ApiError::body_budget());
             }
             length += data.len();
             match joined.as_mut() {
@@ -625,7 +646,7 @@ fn join(frames: &[Bytes], last: &[u8], length: usize) -> BytesMut {
 /// Reads an admin request's body (small, bounded).
 pub async fn read_admin_body(request: Request<Incoming>, limit: usize) -> Result<Bytes, ApiError> {
     let (parts, body) = request.into_parts();
-    read_body(body, &parts.headers, limit).await
+    read_body(body, &parts.headers, limit, None).await
 }
 
 /// Tracks one relayed response: TTFT, duration, stream breaks, client disconnects; holds the
@@ -677,7 +698,7 @@ impl RelayObserver for ResponseObserver {
                 .get(self.backend)
                 .map(|entry| entry.info.spec.url.clone());
             if let Some(url) = url {
-                token_parity::check(&url, router_tokens, engine_tokens, kind);
+                token_parity::check(self.backend, &url, router_tokens, engine_tokens, kind);
             }
         }
     }
@@ -869,11 +890,18 @@ mod tests {
     #[test]
     fn routes() {
         assert_eq!(
-            route_of(&Method::POST, "/v1/chat/completions"),
+            route_of(&Method::POST, "/v1/chat/completions", false),
             Ok(Route::Generate(Endpoint::ChatCompletions))
         );
-        assert_eq!(route_of(&Method::GET, "/v1/models/"), Ok(Route::Models));
-        let status = |method: Method, path: &str| route_of(&method, path).unwrap_err().status;
+        assert_eq!(
+            route_of(&Method::GET, "/v1/models/", false),
+            Ok(Route::Models)
+        );
+        let status =
+            |method: Method, path: &str| route_of(&method, path, false).unwrap_err().status;
+        // /metrics is on the admin API unless --metrics-on-client-port.
+        assert_eq!(status(Method::GET, "/metrics"), StatusCode::NOT_FOUND);
+        assert_eq!(route_of(&Method::GET, "/metrics", true), Ok(Route::Metrics));
         assert_eq!(
             status(Method::GET, "/v1/chat/completions"),
             StatusCode::METHOD_NOT_ALLOWED
@@ -896,7 +924,7 @@ mod tests {
 
     #[test]
     fn method_not_allowed_carries_allow_header() {
-        let error = route_of(&Method::GET, "/v1/completions").unwrap_err();
+        let error = route_of(&Method::GET, "/v1/completions", false).unwrap_err();
         let response = error_response(&error);
         assert_eq!(response.headers()[header::ALLOW], "POST");
     }

@@ -262,6 +262,15 @@ impl RoutingShard {
         }
     }
 
+    /// A mirror write to this replica was lost: every backend's mirror is not routed on until
+    /// it is cleared and rebuilt (the snapshots of a mirror resync begin with a clear).
+    pub fn distrust_mirrors(&mut self) {
+        for &id in self.backends.keys() {
+            self.shard
+                .mark_mirror_untrusted(myelin_routing::BackendId(id));
+        }
+    }
+
     pub fn add_backend(&mut self, info: &BackendInfo) {
         let shards = self.shards;
         let entry = self
@@ -446,8 +455,20 @@ impl RoutingShard {
     }
 
     /// Blocks per backend this replica holds, in the tree and the verified mirror (admin API).
-    pub fn block_counts(&self) -> BlockCounts {
-        self.shard.blocks_by_backend()
+    /// The prefix tree's blocks per backend in arena slots `from..from + slots`, added to
+    /// `counts`; the next slice's start, `None` past the end.
+    pub fn count_routed_blocks(
+        &self,
+        from: usize,
+        slots: usize,
+        counts: &mut Vec<(myelin_routing::BackendId, usize)>,
+    ) -> Option<usize> {
+        self.shard.count_routed_blocks(from, slots, counts)
+    }
+
+    /// The verified mirror's blocks per backend (kept as events arrive: O(backends)).
+    pub fn mirrored_blocks(&self) -> Vec<(myelin_routing::BackendId, usize)> {
+        self.shard.mirrored_blocks_by_backend()
     }
 
     /// Residency in effect for a backend (admin API).

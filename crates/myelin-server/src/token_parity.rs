@@ -15,6 +15,7 @@
 //! only when its lock is free at once (under contention a core's mismatch may not become the
 //! shown "last"; it is still counted).
 
+use crate::backends::BackendId;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -102,46 +103,50 @@ struct Slot {
     counter: metrics::Counter,
 }
 
-static SLOTS: Mutex<Option<HashMap<String, Arc<Slot>>>> = Mutex::new(None);
+static SLOTS: Mutex<Option<HashMap<BackendId, Arc<Slot>>>> = Mutex::new(None);
 
 thread_local! {
     /// This thread's handles on the slots it has used.
-    static HANDLES: RefCell<HashMap<String, Arc<Slot>>> = RefCell::new(HashMap::new());
+    static HANDLES: RefCell<HashMap<BackendId, Arc<Slot>>> = RefCell::new(HashMap::new());
 }
 
 /// `backend`'s slot, created on its first mismatch in the process.
-fn slot(backend: &str) -> Arc<Slot> {
+fn slot(backend: BackendId) -> Arc<Slot> {
     HANDLES.with(|handles| {
-        if let Some(slot) = handles.borrow().get(backend) {
+        if let Some(slot) = handles.borrow().get(&backend) {
             return slot.clone();
         }
         let slot = SLOTS
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .get_or_insert_with(HashMap::new)
-            .entry(backend.to_string())
+            .entry(backend)
             .or_insert_with(|| {
                 Arc::new(Slot {
                     mismatches: AtomicU64::new(0),
                     last: Mutex::new(None),
                     counter: metrics::counter!(
                         crate::metrics::TOKENIZATION_MISMATCH_TOTAL,
-                        "backend" => backend.to_string()
+                        "backend" => crate::metrics::backend_label(backend)
                     ),
                 })
             })
             .clone();
-        handles
-            .borrow_mut()
-            .insert(backend.to_string(), slot.clone());
+        handles.borrow_mut().insert(backend, slot.clone());
         slot
     })
 }
 
-/// Compares the router's count with the engine's for one answered request of `backend`
-/// (its label: the URL the metrics use). Returns whether they differ; on a difference counts
-/// it, keeps it as the backend's last, and logs it if it is the backend's first.
-pub fn check(backend: &str, router_tokens: u64, engine_tokens: u64, kind: PromptKind) -> bool {
+/// Compares the router's count with the engine's for one answered request of `backend` (at
+/// `url`, for the log). Returns whether they differ; on a difference counts it, keeps it as
+/// the backend's last, and logs it if it is the backend's first.
+pub fn check(
+    backend: BackendId,
+    url: &str,
+    router_tokens: u64,
+    engine_tokens: u64,
+    kind: PromptKind,
+) -> bool {
     if router_tokens == engine_tokens {
         return false;
     }
@@ -161,7 +166,7 @@ pub fn check(backend: &str, router_tokens: u64, engine_tokens: u64, kind: Prompt
     }
     if first {
         eprintln!(
-            "myelin: WARNING tokenization mismatch on backend {backend}: the router counted {} \
+            "myelin: WARNING tokenization mismatch on backend {backend} ({url}): the router counted {} \
              prompt tokens, the engine {} ({}); likely cause: {}. Prefix routing cannot match \
              this engine's cache until they agree (myelin_tokenization_mismatch_total counts \
              every mismatch; GET /admin/backends shows the last).",
@@ -177,13 +182,13 @@ pub fn check(backend: &str, router_tokens: u64, engine_tokens: u64, kind: Prompt
     true
 }
 
-/// The parity record of `backend` (by its label), for `GET /admin/backends`.
-pub fn of(backend: &str) -> BackendParity {
+/// The parity record of `backend`, for `GET /admin/backends`.
+pub fn of(backend: BackendId) -> BackendParity {
     let slot = SLOTS
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
         .as_ref()
-        .and_then(|slots| slots.get(backend).cloned());
+        .and_then(|slots| slots.get(&backend).cloned());
     slot.map_or_else(BackendParity::default, |slot| BackendParity {
         mismatches: slot.mismatches.load(Ordering::Relaxed),
         last: slot
@@ -211,11 +216,11 @@ mod tests {
 
     #[test]
     fn mismatches_are_counted_per_backend_and_the_last_is_kept() {
-        let backend = "http://parity-test:1";
-        assert!(!check(backend, 50, 50, PromptKind::Chat));
+        let (backend, url) = (9_001, "http://parity-test:1");
+        assert!(!check(backend, url, 50, 50, PromptKind::Chat));
         assert_eq!(of(backend), BackendParity::default());
-        assert!(check(backend, 50, 58, PromptKind::Chat));
-        assert!(check(backend, 70, 71, PromptKind::Completion));
+        assert!(check(backend, url, 50, 58, PromptKind::Chat));
+        assert!(check(backend, url, 70, 71, PromptKind::Completion));
         let parity = of(backend);
         assert_eq!(parity.mismatches, 2);
         let last = parity.last.unwrap();
@@ -223,17 +228,23 @@ mod tests {
         let json = last.to_json();
         assert_eq!(json["api"], "completions");
         assert!(json["likely_cause"].as_str().unwrap().contains("BOS"));
-        assert_eq!(of("http://another:2").mismatches, 0);
+        assert_eq!(of(9_002).mismatches, 0);
     }
 
     #[test]
     fn mismatches_from_many_threads_are_all_counted() {
-        let backend = "http://parity-threads:1";
+        let backend = 9_003;
         let threads: Vec<_> = (0..4)
             .map(|_| {
                 std::thread::spawn(move || {
                     for _ in 0..250 {
-                        assert!(check(backend, 10, 11, PromptKind::Completion));
+                        assert!(check(
+                            backend,
+                            "http://parity-threads:1",
+                            10,
+                            11,
+                            PromptKind::Completion
+                        ));
                     }
                 })
             })

@@ -490,12 +490,16 @@ struct HostilePeer {
 
 impl HostilePeer {
     fn join(target: u16) -> HostilePeer {
+        HostilePeer::join_as("hostile", target)
+    }
+
+    fn join_as(name: &str, target: u16) -> HostilePeer {
         let socket = UdpSocket::bind("127.0.0.1:0").expect("bind");
         socket
             .set_read_timeout(Some(Duration::from_millis(5)))
             .expect("timeout");
         let node = myelin_gossip::GossipNode::new(myelin_gossip::GossipConfig {
-            node_name: "hostile".into(),
+            node_name: name.into(),
             addr: socket.local_addr().expect("addr"),
             boot: 1,
             key: ClusterKey::new(KEY.as_bytes()).unwrap(),
@@ -503,6 +507,7 @@ impl HostilePeer {
                 probe_period: Duration::from_millis(PROBE_MS),
                 probe_rtt: Duration::from_millis(PROBE_MS / 2),
                 suspect_to_down_after: Duration::from_millis(PROBE_MS * 5),
+                max_members: myelin_gossip::DEFAULT_MAX_MEMBERS,
             },
             block_size: 16,
             seeds: vec![gossip_addr(target).parse().unwrap()],
@@ -551,6 +556,66 @@ impl HostilePeer {
             self.pump();
         }
     }
+}
+
+/// Peers holding the key, more than `--gossip-max-members`: the node's member table holds
+/// the cap and no more (so it probes and sends state to no more addresses than that), the
+/// rest are refused and counted, and the node still serves.
+#[test]
+fn peers_past_the_member_cap_are_refused() {
+    let key = key_file();
+    let engine = Engine::start("capped", ONE_CHUNK);
+    let port = free_udp_port();
+    let node = start_node_with(
+        "capped",
+        port,
+        &[],
+        &key,
+        &[&engine],
+        PROBE_MS,
+        &["--gossip-max-members", "2"],
+    );
+    let mut peers: Vec<HostilePeer> = (0..4)
+        .map(|index| HostilePeer::join_as(&format!("peer-{index}"), port))
+        .collect();
+    let member_cap = |node: &Router| {
+        metric_value(
+            &node.metrics(),
+            &[
+                "myelin_gossip_packets_dropped_total",
+                "reason=\"member_cap\"",
+            ],
+        )
+    };
+    let deadline = Instant::now() + CLUSTER_PATIENCE;
+    loop {
+        for peer in &mut peers {
+            peer.pump();
+        }
+        let report = cluster(&node);
+        let held = report["members"].as_array().map_or(0, Vec::len);
+        assert!(held <= 2, "past the cap: {report}");
+        if report["members_up"] == 2 && member_cap(&node) >= 1.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "two members and refusals: {report}"
+        );
+    }
+    // A while later: still two, and the node still routes.
+    let until = Instant::now() + Duration::from_millis(PROBE_MS * 6);
+    while Instant::now() < until {
+        for peer in &mut peers {
+            peer.pump();
+        }
+    }
+    let report = cluster(&node);
+    assert!(
+        report["members"].as_array().map_or(0, Vec::len) <= 2,
+        "{report}"
+    );
+    assert_eq!(complete(&node, &prompt(3, 64)), 0);
 }
 
 #[test]

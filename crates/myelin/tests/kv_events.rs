@@ -161,16 +161,12 @@ fn an_engine_of_another_block_size_is_not_mirrored_and_says_why() {
     // `auto` routes that engine on the estimate.
     assert_eq!(backends[0]["residency"], "estimate");
     let metrics = router.metrics();
-    let publish = &cluster.kv_event_endpoints()[0]
-        .as_ref()
-        .expect("events")
-        .publish;
     assert_eq!(
         metric_value(
             &metrics,
             &[
                 "myelin_kv_events_block_size_mismatch",
-                &format!("backend=\"{publish}\"")
+                &format!("backend=\"{}\"", backends[0]["id"])
             ]
         ),
         16.0

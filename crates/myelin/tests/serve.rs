@@ -157,6 +157,16 @@ fn same_prefix_goes_to_the_same_backend() {
         );
         assert_eq!(response.status, 200);
         chosen.push(response.header("x-myelin-backend").unwrap().to_string());
+        // The next request may land on the other data core: once the route learned here is in
+        // its replica too and the request has left the load (on a busy machine either can
+        // take a moment), it must go the same way.
+        wait_until("the learned route in every replica, nothing in flight", || {
+            let listing = router.admin("GET", "/admin/backends", None).json();
+            listing["replicas_agree"] == true
+                && listing["backends"]
+                    .as_array()
+                    .is_some_and(|all| all.iter().all(|b| b["in_flight_requests"] == 0))
+        });
     }
     assert!(chosen.iter().all(|url| url == &chosen[0]), "{chosen:?}");
     let metrics = router.metrics();
@@ -577,6 +587,15 @@ fn admin_api_is_separate_authenticated_and_never_leaks_engine_addresses() {
         with_token("DELETE", "/admin/backends/0", None, None).status,
         401
     );
+    // /metrics is behind the same token.
+    assert_eq!(with_token("GET", "/metrics", None, None).status, 401);
+    let scraped = with_token("GET", "/metrics", Some("tok-123"), None);
+    assert_eq!(scraped.status, 200);
+    assert!(
+        scraped
+            .text()
+            .contains("myelin_backend_up{backend=\"1\"} 1")
+    );
     let listing = with_token("GET", "/admin/backends", Some("tok-123"), None);
     assert_eq!(listing.status, 200);
     let listing = listing.json();
@@ -900,8 +919,10 @@ fn models_is_the_union_of_the_backends() {
     assert_eq!(router.get("/health").status, 200);
 }
 
+/// /metrics is on the admin API (and `--metrics-listen`), not on the client port unless
+/// `--metrics-on-client-port`; its series name backends by id, never by address.
 #[test]
-fn metrics_are_served_on_both_listeners() {
+fn metrics_are_served_on_the_admin_api_and_metrics_listen_not_to_clients() {
     let engine = Engine::start("a", normal());
     let metrics_port = {
         let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -942,14 +963,18 @@ fn metrics_are_served_on_both_listeners() {
     }
     // The data cores record through handles registered once per core (per backend when it is
     // added): the values still land in the shared series, once per event.
-    let backend = format!("backend=\"{}\"", engine.url());
+    let backend = "backend=\"0\"";
+    assert!(
+        !text.contains(&engine.url()),
+        "an engine address in\n{text}"
+    );
     let chat = "route=\"/v1/chat/completions\"";
     assert_eq!(
         metric_value(&text, &["myelin_requests_total", chat, "status=\"200\""]),
         1.0
     );
     assert_eq!(
-        metric_value(&text, &["myelin_backend_selected_total", &backend]),
+        metric_value(&text, &["myelin_backend_selected_total", backend]),
         1.0
     );
     assert_eq!(
@@ -979,6 +1004,20 @@ fn metrics_are_served_on_both_listeners() {
     );
     assert_eq!(separate.status, 200);
     assert!(separate.text().contains("myelin_requests_total"));
+    // Clients get a 404 in OpenAI's shape.
+    let client = router.get("/metrics");
+    assert_eq!(client.status, 404);
+    assert_eq!(client.json()["error"]["code"], "unknown_url");
+    drop(router);
+
+    let open = Router::start(&["--backend", &engine.url(), "--metrics-on-client-port"]);
+    let client = open.get("/metrics");
+    assert_eq!(client.status, 200);
+    assert!(
+        client
+            .text()
+            .contains("myelin_backend_selected_total{backend=\"0\"} 0")
+    );
 }
 
 #[test]
@@ -1430,10 +1469,9 @@ fn labelled_series_are_exported_at_zero_before_they_count() {
     let engine = Engine::start("a", normal());
     let router = Router::start(&["--backend", &engine.url()]);
     let metrics = router.metrics();
-    let url = engine.url();
     for series in [
-        format!("myelin_tokenization_mismatch_total{{backend=\"{url}\"}} 0"),
-        format!("myelin_health_check_transitions_total{{backend=\"{url}\",to=\"down\"}} 0"),
+        "myelin_tokenization_mismatch_total{backend=\"0\"} 0".to_string(),
+        "myelin_health_check_transitions_total{backend=\"0\",to=\"down\"} 0".to_string(),
         "myelin_retries_total{reason=\"connect\"} 0".to_string(),
         "myelin_retries_total{reason=\"header_timeout\"} 0".to_string(),
         "myelin_kv_events_skipped_blocks_total{reason=\"orphan\"} 0".to_string(),

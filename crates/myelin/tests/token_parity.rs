@@ -186,18 +186,20 @@ fn a_different_chat_template_is_counted_shown_and_logged_once() {
         "{last}"
     );
 
-    let metrics = request(addr, "GET", "/metrics", &[], None).text();
+    // Series name backends by id (the admin listing maps ids to addresses).
+    let metrics = request(admin, "GET", "/metrics", &[], None).text();
     let counted = metric_value(
         &metrics,
         &[
             "myelin_tokenization_mismatch_total",
-            &format!("backend=\"{other_url}\""),
+            &format!("backend=\"{}\"", odd["id"]),
         ],
     );
     assert_eq!(counted, 4.0, "{metrics}");
     // The backend whose counts agree has its series, at 0 (exported from when it was added).
     assert!(metrics.contains(&format!(
-        "myelin_tokenization_mismatch_total{{backend=\"{same_url}\"}} 0"
+        "myelin_tokenization_mismatch_total{{backend=\"{}\"}} 0",
+        matching["id"]
     )));
 
     let _ = child.kill();

@@ -378,6 +378,8 @@ fn run_leg(
                     // Unused here; a free port keeps routers from colliding on the default.
                     "--admin-listen".into(),
                     "127.0.0.1:0".into(),
+                    // The harness reads the router's /metrics where it sends its requests.
+                    "--metrics-on-client-port".into(),
                 ];
                 arguments.extend(layout.serve_flags());
                 for url in &urls {

@@ -45,6 +45,8 @@ pub(crate) const MEMBER_CHANGES_TOTAL: &str = "myelin_gossip_member_changes_tota
 /// Peer figures clamped to their bounds where they entered (a count, a token figure, an
 /// admitted-tokens counter growing too fast, a stamp ahead of the cluster's clock).
 pub(crate) const PEER_VALUES_CLAMPED_TOTAL: &str = "myelin_gossip_peer_values_clamped_total";
+/// Member updates left out because the member table was full (`--gossip-max-members`).
+pub(crate) const MEMBERS_REFUSED_TOTAL: &str = "myelin_gossip_members_refused_total";
 
 /// How often own routes are announced (batched: every route learned since).
 const ANNOUNCE_INTERVAL: Duration = Duration::from_millis(50);
@@ -86,6 +88,8 @@ pub(crate) struct Gossip {
     last_peer_load_sent: Cell<Option<Instant>>,
     /// The node's clamped-values counter as last exported.
     clamped_exported: Cell<u64>,
+    /// The node's refused-members counter as last exported.
+    refused_exported: Cell<u64>,
 }
 
 /// Binds the gossip socket and starts the cluster's tasks on this executor.
@@ -143,11 +147,18 @@ pub(crate) fn start(
         sent_peer_loads: RefCell::new(Vec::new()),
         last_peer_load_sent: Cell::new(None),
         clamped_exported: Cell::new(0),
+        refused_exported: Cell::new(0),
     });
     eprintln!(
         "myelin: gossip on {bound} as {} (advertised {advertise}), seeds {:?}",
         gossip.node_name, settings.peers
     );
+    // Exported at 0 from the start (an alert on them sees a series before the first count).
+    metrics::counter!(PEER_VALUES_CLAMPED_TOTAL).increment(0);
+    metrics::counter!(MEMBERS_REFUSED_TOTAL).increment(0);
+    for reason in ["not_member", "rate_limited", "member_cap", "bad_mac"] {
+        metrics::counter!(PACKETS_DROPPED_TOTAL, "reason" => reason).increment(0);
+    }
     glommio::spawn_local(receive_loop(control.clone(), gossip.clone())).detach();
     glommio::spawn_local(tick_loop(control.clone(), gossip.clone(), stop)).detach();
     Ok(gossip)
@@ -262,8 +273,15 @@ impl Gossip {
                 metrics::counter!(PACKETS_DROPPED_TOTAL, "reason" => error.reason()).increment(1);
             }
         }
-        let clamped = self.node.borrow().counters().clamped_values;
+        let counters = self.node.borrow().counters();
+        let clamped = counters.clamped_values;
         self.count_clamped(clamped.saturating_sub(self.clamped_exported.replace(clamped)));
+        let refused = counters
+            .members_refused
+            .saturating_sub(self.refused_exported.replace(counters.members_refused));
+        if refused > 0 {
+            metrics::counter!(MEMBERS_REFUSED_TOTAL).increment(refused);
+        }
         self.pump();
     }
 
@@ -637,6 +655,7 @@ impl Gossip {
             "route_blocks_held": node.routes().blocks(),
             "announce_backlog": node.announce_backlog(),
             "announce_dropped": node.counters().announce_dropped,
+            "members_refused": node.counters().members_refused,
         })
     }
 }

@@ -191,9 +191,13 @@ impl Router {
         stream
     }
 
-    /// GET /metrics as text.
+    /// GET /metrics on the admin API, as text.
     pub fn metrics(&self) -> String {
-        self.get("/metrics").text()
+        let response = self.admin("GET", "/metrics", None);
+        let status = response.status;
+        let text = response.text();
+        assert_eq!(status, 200, "{text}");
+        text
     }
 
     /// The admin view of every backend, with a bearer token.
