@@ -141,9 +141,6 @@ pub struct MembershipParams {
 /// would make the periodic sends to every member a flood.
 pub const DEFAULT_MAX_MEMBERS: usize = 256;
 
-/// How long a member declared down is remembered (so its room frees for a new one).
-const REMOVE_DOWN_AFTER: Duration = Duration::from_secs(600);
-
 impl Default for MembershipParams {
     fn default() -> Self {
         MembershipParams {
@@ -170,9 +167,8 @@ impl MembershipParams {
         config.probe_rtt = self.probe_rtt.min(self.probe_period / 2);
         config.suspect_to_down_after = self.suspect_to_down_after;
         config.max_transmissions = NonZeroU8::new(6).unwrap_or(NonZeroU8::MIN);
-        config.remove_down_after = Some(REMOVE_DOWN_AFTER);
         // Down members are remembered a while (so a late packet of theirs cannot revive
-        // them), then forgotten: the table stays bounded.
+        // them), then forgotten: the table stays bounded, and their room frees for new ones.
         config.remove_down_after = Some(Duration::from_secs(60));
         config.max_packet_size = NonZeroUsize::new(MAX_PACKET_BYTES - HEADER_BYTES - MAC_BYTES)
             .unwrap_or(NonZeroUsize::MIN);

@@ -51,7 +51,7 @@ pub struct GossipArgs {
     #[arg(long, env = "MYELIN_GOSSIP_PROBE_INTERVAL_MS", value_name = "MS")]
     pub gossip_probe_interval_ms: Option<u64>,
 
-    /// Most members (up, suspect or down; a down one is forgotten after 10 minutes) this
+    /// Most members (up, suspect or down; a down one is forgotten after a minute) this
     /// node's membership holds: gossip naming more is dropped (`reason="member_cap"`), so a
     /// peer holding the key cannot make it probe and send state to any number of addresses.
     /// [default: 256]

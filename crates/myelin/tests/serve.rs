@@ -160,13 +160,16 @@ fn same_prefix_goes_to_the_same_backend() {
         // The next request may land on the other data core: once the route learned here is in
         // its replica too and the request has left the load (on a busy machine either can
         // take a moment), it must go the same way.
-        wait_until("the learned route in every replica, nothing in flight", || {
-            let listing = router.admin("GET", "/admin/backends", None).json();
-            listing["replicas_agree"] == true
-                && listing["backends"]
-                    .as_array()
-                    .is_some_and(|all| all.iter().all(|b| b["in_flight_requests"] == 0))
-        });
+        wait_until(
+            "the learned route in every replica, nothing in flight",
+            || {
+                let listing = router.admin("GET", "/admin/backends", None).json();
+                listing["replicas_agree"] == true
+                    && listing["backends"]
+                        .as_array()
+                        .is_some_and(|all| all.iter().all(|b| b["in_flight_requests"] == 0))
+            },
+        );
     }
     assert!(chosen.iter().all(|url| url == &chosen[0]), "{chosen:?}");
     let metrics = router.metrics();
