@@ -558,6 +558,71 @@ impl HostilePeer {
     }
 }
 
+/// A flood of forged datagrams that pass the magic check and fail the HMAC (the costliest a
+/// sender without the key can make): the control core's other tasks still run (each receive
+/// is an io_uring completion, and the loop yields every 64 datagrams besides), so the admin
+/// API answers while the flood is still going (the flood stops when it has, or after 20 s: an
+/// answer that waited for the flood to end fails the test), and requests are served.
+#[test]
+fn a_flood_of_forged_gossip_does_not_starve_the_control_core() {
+    let key = key_file();
+    let engine = Engine::start("flooded", ONE_CHUNK);
+    let port = free_udp_port();
+    let node = start_node_probing("flooded", port, &[], &key, &[&engine], PROBE_MS);
+    let forged = encode_packet(
+        &ClusterKey::new(b"not the cluster key, but long enough").unwrap(),
+        Sender { node: 7, boot: 1 },
+        1,
+        &Payload::Digest(DigestPayload {
+            block_size: 16,
+            routes: 0,
+            buckets: vec![0; DIGEST_BUCKETS],
+            reply: true,
+        }),
+    )
+    .unwrap();
+    let answered = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flood = {
+        let answered = answered.clone();
+        let target: SocketAddr = gossip_addr(port).parse().unwrap();
+        std::thread::spawn(move || {
+            let socket = UdpSocket::bind("127.0.0.1:0").expect("bind");
+            let until = Instant::now() + Duration::from_secs(20);
+            let mut sent = 0u64;
+            while !answered.load(std::sync::atomic::Ordering::SeqCst) {
+                if Instant::now() > until {
+                    return (sent, false);
+                }
+                for _ in 0..256 {
+                    let _ = socket.send_to(&forged, target);
+                }
+                sent += 256;
+            }
+            (sent, true)
+        })
+    };
+    // Let the flood reach the node, then ask the admin API and send a request meanwhile.
+    let before = Instant::now();
+    while metric_value(
+        &node.metrics(),
+        &["myelin_gossip_packets_dropped_total", "reason=\"bad_mac\""],
+    ) < 1_000.0
+    {
+        assert!(
+            before.elapsed() < CLUSTER_PATIENCE,
+            "the flood never arrived"
+        );
+    }
+    assert_eq!(node.admin("GET", "/admin/backends", None).status, 200);
+    assert_eq!(complete(&node, &prompt(5, 64)), 0);
+    answered.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (sent, during) = flood.join().expect("flood thread");
+    assert!(
+        during,
+        "the admin API answered only after the flood ({sent} datagrams)"
+    );
+}
+
 /// Peers holding the key, more than `--gossip-max-members`: the node's member table holds
 /// the cap and no more (so it probes and sends state to no more addresses than that), the
 /// rest are refused and counted, and the node still serves.
