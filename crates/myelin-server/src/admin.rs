@@ -15,7 +15,8 @@ use serde_json::{Value, json};
 
 use crate::backend_spec::BackendSpec;
 use crate::backends::{BackendId, BackendInfo, Load};
-use crate::control::{AdminOp, AdminOutcome, Control};
+use crate::config::AdminListen;
+use crate::control::{AdminOp, AdminOutcome, AdminServer, Control};
 use crate::messages::ReplicaSnapshot;
 use crate::metrics as names;
 use crate::openai::ApiError;
@@ -26,11 +27,60 @@ const MAX_ADMIN_BODY_BYTES: usize = 64 * 1024;
 /// Time an admin client has to send its (small) body.
 const ADMIN_BODY_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Binds the admin API's listener (`--admin-listen`: TCP, or a Unix socket) and serves it on
+/// this (the control) core until `shutdown` ([`crate::control::StartAdmin`]).
+pub fn start(
+    control: &Rc<Control>,
+    listen: &AdminListen,
+    shutdown: myelin_http::server::Shutdown,
+) -> Result<AdminServer, String> {
+    match listen {
+        AdminListen::Tcp(addr) => {
+            let listener =
+                glommio::net::TcpListener::bind(addr).map_err(|error| error.to_string())?;
+            let address = listener.local_addr().map_or_else(
+                |_| format!("http://{addr}"),
+                |bound| format!("http://{bound}"),
+            );
+            Ok(AdminServer {
+                task: serve(listener, control, shutdown),
+                address,
+                socket: None,
+            })
+        }
+        AdminListen::Unix(path) => Ok(AdminServer {
+            task: serve(bind_unix(path)?, control, shutdown),
+            address: format!("unix:{}", path.display()),
+            socket: Some(path.clone()),
+        }),
+    }
+}
+
+/// Serves the admin API on `listener` (TCP or Unix) until `shutdown`.
+fn serve<L: myelin_http::server::Listener + 'static>(
+    listener: L,
+    control: &Rc<Control>,
+    shutdown: myelin_http::server::Shutdown,
+) -> glommio::Task<myelin_http::server::ServeReport> {
+    let admin_control = control.clone();
+    glommio::spawn_local(myelin_http::server::serve(
+        listener,
+        move |request: Request<Incoming>| handle(admin_control.clone(), request),
+        myelin_http::server::ServerConfig {
+            header_read_timeout: Duration::from_secs(10),
+            drain_timeout: Duration::from_millis(500),
+            error_bodies: Some(crate::openai::protocol_error_body),
+            ..Default::default()
+        },
+        shutdown,
+    ))
+}
+
 /// Binds the admin API's Unix socket at `path`, readable and writable by this user only (mode
 /// 0600: the umask is narrowed while the socket file is created, so it never exists with wider
 /// permissions). A socket file left behind by a router that is gone (nothing accepts on it) is
 /// replaced; a live socket or a file of another kind at `path` is an error.
-pub fn bind_unix(path: &std::path::Path) -> Result<glommio::net::UnixListener, String> {
+fn bind_unix(path: &std::path::Path) -> Result<glommio::net::UnixListener, String> {
     use std::os::unix::fs::{FileTypeExt, PermissionsExt};
     match std::fs::symlink_metadata(path) {
         Ok(existing) if existing.file_type().is_socket() => {

@@ -187,8 +187,25 @@ pub(crate) struct Control {
     gossip: RefCell<Option<Rc<gossip::Gossip>>>,
 }
 
+/// The admin API's listener, started on the control core ([`run_control`]'s `start_admin`).
+pub struct AdminServer {
+    pub task: glommio::Task<myelin_http::server::ServeReport>,
+    /// What the startup line shows (`http://HOST:PORT` or `unix:PATH`).
+    pub address: String,
+    /// The Unix socket to remove at exit.
+    pub socket: Option<std::path::PathBuf>,
+}
+
+/// Binds `listen` and serves the admin API on it until the shutdown (`admin.rs`).
+pub type StartAdmin =
+    fn(&Rc<Control>, &AdminListen, myelin_http::server::Shutdown) -> Result<AdminServer, String>;
+
 /// Runs the control core until `stop` is set. `initial` are the configured backends (ids
 /// 0..n, in order); the data cores were given the same list at startup.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the control core's whole setup, handed over once by lib.rs"
+)]
 pub async fn run_control(
     config: Arc<ServeConfig>,
     shards: usize,
@@ -197,6 +214,7 @@ pub async fn run_control(
     metrics: PrometheusHandle,
     stop: Arc<AtomicBool>,
     ready: std::sync::mpsc::Sender<Result<ControlAddrs, String>>,
+    start_admin: StartAdmin,
 ) {
     let (mesh, receivers) = mesh_ends.connect().await;
     let (feed_sender, feed_receiver) = crossbeam_channel::bounded(KV_FEED_QUEUE);
@@ -330,22 +348,11 @@ pub async fn run_control(
     let admin_shutdown = myelin_http::server::Shutdown::new();
     admin_shutdown.follow(stop.clone(), STOP_POLL_INTERVAL);
     let mut admin_socket = None;
-    let admin = match &config.admin_listen {
-        AdminListen::Tcp(addr) => glommio::net::TcpListener::bind(addr)
-            .map_err(|error| error.to_string())
-            .map(|listener| {
-                addrs.admin = listener
-                    .local_addr()
-                    .ok()
-                    .map(|addr| format!("http://{addr}"));
-                serve_admin(listener, &control, admin_shutdown)
-            }),
-        AdminListen::Unix(path) => crate::admin::bind_unix(path).map(|listener| {
-            addrs.admin = Some(format!("unix:{}", path.display()));
-            admin_socket = Some(path.clone());
-            serve_admin(listener, &control, admin_shutdown)
-        }),
-    };
+    let admin = start_admin(&control, &config.admin_listen, admin_shutdown).map(|started| {
+        addrs.admin = Some(started.address);
+        admin_socket = started.socket;
+        started.task
+    });
     match admin {
         Ok(server) => servers.push(server),
         Err(error) => {
@@ -388,26 +395,6 @@ pub async fn run_control(
     if let Some(path) = admin_socket {
         let _ = std::fs::remove_file(path);
     }
-}
-
-/// Serves the admin API on `listener` (TCP or Unix) until `shutdown`.
-fn serve_admin<L: myelin_http::server::Listener + 'static>(
-    listener: L,
-    control: &Rc<Control>,
-    shutdown: myelin_http::server::Shutdown,
-) -> glommio::Task<myelin_http::server::ServeReport> {
-    let admin_control = control.clone();
-    glommio::spawn_local(myelin_http::server::serve(
-        listener,
-        move |request: Request<Incoming>| crate::admin::handle(admin_control.clone(), request),
-        myelin_http::server::ServerConfig {
-            header_read_timeout: Duration::from_secs(10),
-            drain_timeout: Duration::from_millis(500),
-            error_bodies: Some(crate::request_path::protocol_error_body),
-            ..Default::default()
-        },
-        shutdown,
-    ))
 }
 
 fn metrics_only(handle: &PrometheusHandle, request: &Request<Incoming>) -> Response<Body> {

@@ -4,6 +4,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeSet;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -12,7 +13,10 @@ use std::time::{Duration, Instant};
 
 use glommio::channels::shared_channel::ConnectedReceiver;
 use glommio::timer::Timer;
+use http::{Request, Response};
+use hyper::body::Incoming;
 use metrics_exporter_prometheus::PrometheusHandle;
+use myelin_http::body::Body;
 use myelin_http::client::{Pool, PoolConfig};
 use myelin_http::server::{ServeReport, ServerConfig, Shutdown};
 use myelin_routing::PinnedBlocks;
@@ -118,8 +122,13 @@ pub struct DataCore {
     pub body_budget: Rc<crate::body_budget::BodyBudget>,
 }
 
-/// Runs a data core until shutdown and drain complete.
-pub async fn run_data_core(setup: DataCoreSetup) -> ServeReport {
+/// Runs a data core until shutdown and drain complete, answering every client request with
+/// `handler` (the request path, `request_path.rs`).
+pub async fn run_data_core<H, F>(setup: DataCoreSetup, handler: H) -> ServeReport
+where
+    H: Fn(Rc<DataCore>, Request<Incoming>) -> F + 'static,
+    F: Future<Output = Response<Body>> + 'static,
+{
     let routing = match RoutingShard::new(&setup.config, setup.shards, setup.clock_origin) {
         Ok(routing) => routing,
         Err(error) => {
@@ -236,14 +245,14 @@ pub async fn run_data_core(setup: DataCoreSetup) -> ServeReport {
     let handler_core = core.clone();
     let server_config = ServerConfig {
         drain_timeout: setup.config.drain_timeout + DRAIN_GRACE,
-        error_bodies: Some(crate::request_path::protocol_error_body),
+        error_bodies: Some(crate::openai::protocol_error_body),
         max_connections: setup.config.max_connections_per_core,
         on_refused: Some(crate::metrics::connection_refused),
         ..ServerConfig::default()
     };
     myelin_http::server::serve(
         listener,
-        move |request| crate::request_path::handle(handler_core.clone(), request),
+        move |request| handler(handler_core.clone(), request),
         server_config,
         shutdown,
     )

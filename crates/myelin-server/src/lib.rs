@@ -241,7 +241,7 @@ pub fn start(config: ServeConfig, stop: Arc<AtomicBool>) -> Result<Server, Serve
             ready: ready_sender.clone(),
             clock_origin,
         };
-        let handle = spawn_executor(spec, move || run_data_core(setup))
+        let handle = spawn_executor(spec, move || run_data_core(setup, request_path::handle))
             .map_err(|source| ServeError::Executor { name, source })?;
         data_cores.push(handle);
         // Port 0: the first shard picks the port, the others join it (SO_REUSEPORT).
@@ -280,6 +280,7 @@ pub fn start(config: ServeConfig, stop: Arc<AtomicBool>) -> Result<Server, Serve
             control_metrics,
             control_flag,
             control_ready_sender,
+            admin::start,
         )
     })
     .map_err(|source| ServeError::Executor {

@@ -490,6 +490,47 @@ fn token_ids(items: &[Value]) -> Option<Vec<u32>> {
         .collect()
 }
 
+/// The OpenAI error JSON of hyper's own answer to a request it could not parse (a malformed
+/// head: 400; a URI or head too large: 414, 431), which would otherwise have no body. Counted
+/// like any answer (`route="other"`).
+pub fn protocol_error_body(status: u16) -> Option<bytes::Bytes> {
+    let (message, code) = match status {
+        400 => ("The request is not valid HTTP/1.1", "invalid_http_request"),
+        414 => ("The request URI is too long", "uri_too_long"),
+        431 => (
+            "The request header fields are too large",
+            "headers_too_large",
+        ),
+        _ => return None,
+    };
+    // Called by the HTTP server without the core at hand: this thread's (this core's) own
+    // handles, registered on first use like `CoreMetrics::request`.
+    thread_local! {
+        static COUNTERS: std::cell::RefCell<Vec<(u16, metrics::Counter)>> =
+            const { std::cell::RefCell::new(Vec::new()) };
+    }
+    COUNTERS.with_borrow_mut(|counters| {
+        if let Some((_, counter)) = counters.iter().find(|(s, _)| *s == status) {
+            counter.increment(1);
+        } else {
+            let counter = metrics::counter!(
+                crate::metrics::REQUESTS_TOTAL,
+                "route" => "other", "status" => status.to_string()
+            );
+            counter.increment(1);
+            counters.push((status, counter));
+        }
+    });
+    let error = ApiError {
+        status: StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST),
+        message: message.into(),
+        error_type: "invalid_request_error",
+        param: None,
+        code: Some(code),
+    };
+    Some(bytes::Bytes::from(error.to_json().to_string()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -18,7 +18,6 @@ use serde_json::Value;
 use crate::backends::{BackendId, BackendState};
 use crate::body_budget::Reservation;
 use crate::data_core::{DataCore, InFlightPermit, LoadGuard};
-use crate::metrics as names;
 use crate::openai::{ApiError, Endpoint, GenerationRequest, parse_generation_request};
 use crate::pins::PromptBlocks;
 use crate::proxy::{
@@ -152,47 +151,6 @@ pub fn error_response(error: &ApiError) -> Response<Body> {
         response.headers_mut().insert(header::ALLOW, value);
     }
     response
-}
-
-/// The OpenAI error JSON of hyper's own answer to a request it could not parse (a malformed
-/// head: 400; a URI or head too large: 414, 431), which would otherwise have no body. Counted
-/// like any answer (`route="other"`).
-pub fn protocol_error_body(status: u16) -> Option<Bytes> {
-    let (message, code) = match status {
-        400 => ("The request is not valid HTTP/1.1", "invalid_http_request"),
-        414 => ("The request URI is too long", "uri_too_long"),
-        431 => (
-            "The request header fields are too large",
-            "headers_too_large",
-        ),
-        _ => return None,
-    };
-    // Called by the HTTP server without the core at hand: this thread's (this core's) own
-    // handles, registered on first use like `CoreMetrics::request`.
-    thread_local! {
-        static COUNTERS: std::cell::RefCell<Vec<(u16, metrics::Counter)>> =
-            const { std::cell::RefCell::new(Vec::new()) };
-    }
-    COUNTERS.with_borrow_mut(|counters| {
-        if let Some((_, counter)) = counters.iter().find(|(s, _)| *s == status) {
-            counter.increment(1);
-        } else {
-            let counter = metrics::counter!(
-                names::REQUESTS_TOTAL,
-                "route" => "other", "status" => status.to_string()
-            );
-            counter.increment(1);
-            counters.push((status, counter));
-        }
-    });
-    let error = ApiError {
-        status: StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST),
-        message: message.into(),
-        error_type: "invalid_request_error",
-        param: None,
-        code: Some(code),
-    };
-    Some(Bytes::from(error.to_json().to_string()))
 }
 
 /// A JSON response.

@@ -45,12 +45,13 @@ mod load;
 mod merge;
 mod normalize;
 mod pattern;
+mod unsupported;
 
 use std::path::Path;
 use std::sync::Arc;
 
 pub use corpus::SELF_CHECK_CORPUS;
-pub use load::Unsupported;
+pub use unsupported::Unsupported;
 
 use crate::{
     BUNDLED_TOKENIZER_JSON, BUNDLED_TOKENIZER_NAME, TokenizeError, Tokenizer, TokenizerSource,

@@ -8,6 +8,7 @@
 pub mod args;
 pub mod cpus;
 pub mod engine;
+pub mod figures;
 pub mod loadgen;
 pub mod procstat;
 pub mod report;

@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-use super::report::{LegKind, LegResult};
+use super::figures::{LegKind, LegResult};
 use super::shapes::Shape;
 
 /// Busiest data core's share of routing lookups, shared-prefix-2k at 2 router cores.

@@ -209,6 +209,10 @@ pub struct SharedPrefixSettings {
     pub question_tokens: u32,
 }
 
+/// Most turns a conversation may have (the generator's message keys hold the turn in 16
+/// bits).
+pub const MAX_TURNS: u32 = 1 << 16;
+
 /// Growing multi-turn conversations (`multi-turn`).
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -485,11 +489,10 @@ impl WorkloadConfig {
                 if multi.conversations == 0 || multi.turns == 0 {
                     return Err(self.invalid("multi_turn: conversations and turns must be > 0"));
                 }
-                if multi.turns > super::multi_turn::MAX_TURNS {
-                    return Err(self.invalid(format!(
-                        "multi_turn: turns must be at most {}",
-                        super::multi_turn::MAX_TURNS
-                    )));
+                if multi.turns > MAX_TURNS {
+                    return Err(
+                        self.invalid(format!("multi_turn: turns must be at most {}", MAX_TURNS))
+                    );
                 }
                 for (name, range) in [
                     ("first_tokens", multi.first_tokens),

@@ -11,12 +11,9 @@
 //! rate, so every leg and the capacity measurement see the same sequence.
 
 use super::churn_open::OpenSchedule;
-use super::config::{MultiTurnSettings, WorkloadConfig, WorkloadError};
+use super::config::{MAX_TURNS, MultiTurnSettings, WorkloadConfig, WorkloadError};
 use super::{PlannedRequest, TokenAlphabet};
 use crate::rng::{self, stream};
-
-/// Most turns a conversation may have (message keys hold the turn in 16 bits).
-pub const MAX_TURNS: u32 = 1 << 16;
 
 /// Which conversation and turn each arrival is, in arrival order.
 #[derive(Debug, Clone)]

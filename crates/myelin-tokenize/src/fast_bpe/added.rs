@@ -15,8 +15,8 @@ use std::borrow::Cow;
 use aho_corasick::{AhoCorasick, MatchKind};
 use serde_json::Value;
 
-use super::load::Unsupported;
 use super::normalize::Normalizer;
+use super::unsupported::Unsupported;
 use crate::Tokenizer;
 
 /// An added token as declared in `tokenizer.json`.
