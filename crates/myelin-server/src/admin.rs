@@ -181,7 +181,7 @@ pub async fn handle(control: Rc<Control>, request: Request<Incoming>) -> Respons
         ("other", refused_browser())
     } else if request.uri().path() == "/metrics" {
         let response = if matches!(*request.method(), Method::GET | Method::HEAD) {
-            control.metrics_response(&request)
+            names::exposition(control.metrics())
         } else {
             error_response(&ApiError::method_not_allowed(
                 request.method().as_str(),

@@ -13,10 +13,10 @@ use std::time::{Duration, Instant};
 
 use glommio::channels::shared_channel::ConnectedReceiver;
 use glommio::timer::Timer;
-use http::{Method, Request, Response, StatusCode, header};
+use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use metrics_exporter_prometheus::PrometheusHandle;
-use myelin_http::body::{Body, empty, full};
+use myelin_http::body::{Body, empty};
 use myelin_http::client::{Pool, PoolConfig};
 use myelin_routing::WriteOp;
 
@@ -404,10 +404,7 @@ fn metrics_only(handle: &PrometheusHandle, request: &Request<Incoming>) -> Respo
             .body(empty())
             .unwrap_or_else(|_| Response::new(empty()));
     }
-    Response::builder()
-        .header(header::CONTENT_TYPE, "text/plain; version=0.0.4")
-        .body(full(handle.render()))
-        .unwrap_or_else(|_| Response::new(empty()))
+    names::exposition(handle)
 }
 
 /// Forwards the subscribers' mirror changes to every data core's replica (one shared payload
@@ -867,9 +864,9 @@ impl Control {
         self.admin_token.as_ref()
     }
 
-    /// GET /metrics as the admin API serves it.
-    pub(crate) fn metrics_response(&self, request: &Request<Incoming>) -> Response<Body> {
-        metrics_only(&self.metrics, request)
+    /// The process's metrics (GET /metrics on the admin API).
+    pub(crate) fn metrics(&self) -> &PrometheusHandle {
+        &self.metrics
     }
 
     /// The configured residency mode (what a backend's residency is when no replica answered).

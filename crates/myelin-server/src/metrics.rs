@@ -7,6 +7,17 @@ use std::collections::HashMap;
 use metrics::{Counter, Gauge, Histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
+/// GET /metrics: the Prometheus text of every series, wherever it is served (the admin API,
+/// `--metrics-listen`, the client port with `--metrics-on-client-port`).
+pub fn exposition(handle: &PrometheusHandle) -> http::Response<myelin_http::body::Body> {
+    let mut response = http::Response::new(myelin_http::body::full(handle.render()));
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain; version=0.0.4"),
+    );
+    response
+}
+
 /// Requests answered, by `route` (path or `other`) and HTTP `status`.
 pub const REQUESTS_TOTAL: &str = "myelin_requests_total";
 /// Router-observed time from request arrival to the first response byte from the engine.

@@ -110,7 +110,7 @@ pub async fn handle(core: Rc<DataCore>, request: Request<Incoming>) -> Response<
                 }
                 Route::Models => models(&core).await,
                 Route::Health => health(&core),
-                Route::Metrics => metrics_text(&core),
+                Route::Metrics => crate::metrics::exposition(&core.metrics),
             };
             (route.label(), response)
         }
@@ -832,15 +832,6 @@ fn health(core: &DataCore) -> Response<Body> {
 }
 
 /// GET /metrics: Prometheus text.
-fn metrics_text(core: &DataCore) -> Response<Body> {
-    let mut response = Response::new(full(core.metrics.render()));
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; version=0.0.4"),
-    );
-    response
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

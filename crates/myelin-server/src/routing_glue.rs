@@ -454,7 +454,6 @@ impl RoutingShard {
         }
     }
 
-    /// Blocks per backend this replica holds, in the tree and the verified mirror (admin API).
     /// The prefix tree's blocks per backend in arena slots `from..from + slots`, added to
     /// `counts`; the next slice's start, `None` past the end.
     pub fn count_routed_blocks(

@@ -92,6 +92,15 @@ pub(crate) struct Gossip {
     refused_exported: Cell<u64>,
 }
 
+/// Adds to counter `name` what the node's own counter `total` grew by since it was last
+/// exported (`exported`).
+fn export_increase(name: &'static str, exported: &Cell<u64>, total: u64) {
+    let increase = total.saturating_sub(exported.replace(total));
+    if increase > 0 {
+        metrics::counter!(name).increment(increase);
+    }
+}
+
 /// Binds the gossip socket and starts the cluster's tasks on this executor.
 pub(crate) fn start(
     control: &Rc<Control>,
@@ -274,14 +283,16 @@ impl Gossip {
             }
         }
         let counters = self.node.borrow().counters();
-        let clamped = counters.clamped_values;
-        self.count_clamped(clamped.saturating_sub(self.clamped_exported.replace(clamped)));
-        let refused = counters
-            .members_refused
-            .saturating_sub(self.refused_exported.replace(counters.members_refused));
-        if refused > 0 {
-            metrics::counter!(MEMBERS_REFUSED_TOTAL).increment(refused);
-        }
+        export_increase(
+            PEER_VALUES_CLAMPED_TOTAL,
+            &self.clamped_exported,
+            counters.clamped_values,
+        );
+        export_increase(
+            MEMBERS_REFUSED_TOTAL,
+            &self.refused_exported,
+            counters.members_refused,
+        );
         self.pump();
     }
 
