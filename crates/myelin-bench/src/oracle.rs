@@ -133,6 +133,7 @@ impl Oracle {
                     last_routed_ms: 0,
                     residency_stamp: 0,
                     verified_resident_blocks: Some(blocks),
+                    verified_partial: false,
                 }
             })
             .collect();

@@ -65,7 +65,7 @@ mod ttft;
 
 pub use backend::{BackendId, BackendState, BackendView, MemoryPressure};
 pub use error::{NoBackend, ParseNameError, RoutingError};
-pub use mirror::ResidencyMirror;
+pub use mirror::{MirrorTrust, ResidencyMirror};
 pub use myelin_art::{
     BlockChain, ChainHashMap, InsertOutcome, MatchSegment, ROOT_CHAIN_HASH, TreeStats, chain_hash,
 };

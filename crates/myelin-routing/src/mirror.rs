@@ -76,12 +76,35 @@ impl Holders {
     }
 }
 
+/// How far routing may trust a backend's mirror (sent by whoever follows its event stream).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MirrorTrust {
+    /// Not followed, out of sync or distrusted: routing ignores the mirror.
+    None,
+    /// In sync, but the router joined the stream after the engine had cached blocks it never
+    /// saw (started against a warm engine beyond its replay buffer, or cleared itself after
+    /// lost batches): every block in the mirror is resident; a block missing from it may be
+    /// resident too, so the estimate and history decide for those.
+    Partial,
+    /// In sync since the engine started or last cleared its cache: exactly its blocks.
+    Exact,
+}
+
+impl MirrorTrust {
+    /// Whether routing reads the mirror at all.
+    pub fn is_live(self) -> bool {
+        self != MirrorTrust::None
+    }
+}
+
 /// Per block chain hash, which backends hold how many copies; per backend, whether its event
-/// stream is live (in sync) so its mirror may be trusted.
+/// stream is live (in sync) so its mirror may be trusted, and whether it is partial.
 #[derive(Default)]
 pub struct ResidencyMirror {
     blocks: ChainHashMap<Holders>,
     live: BTreeSet<BackendId>,
+    /// Live backends whose mirror is [`MirrorTrust::Partial`].
+    partial: BTreeSet<BackendId>,
     /// Backends whose mirror may have missed a change (a lost write): not live, whatever
     /// their stream says, until their next clear (a snapshot begins with one).
     untrusted: BTreeSet<BackendId>,
@@ -96,7 +119,25 @@ impl ResidencyMirror {
     /// resynchronises (call [`Self::clear_backend`] to drop them).
     /// A backend marked untrusted stays not live until its mirror is cleared.
     pub fn set_live(&mut self, backend: BackendId, live: bool) {
-        if live {
+        self.set_trust(
+            backend,
+            if live {
+                MirrorTrust::Exact
+            } else {
+                MirrorTrust::None
+            },
+        );
+    }
+
+    /// [`Self::set_live`] with partial mirrors: a partial one is live, and routing counts its
+    /// blocks as resident without taking a missing block as evicted.
+    pub fn set_trust(&mut self, backend: BackendId, trust: MirrorTrust) {
+        if trust == MirrorTrust::Partial {
+            self.partial.insert(backend);
+        } else {
+            self.partial.remove(&backend);
+        }
+        if trust.is_live() {
             if !self.untrusted.contains(&backend) {
                 self.live.insert(backend);
             }
@@ -107,6 +148,11 @@ impl ResidencyMirror {
 
     pub fn is_live(&self, backend: BackendId) -> bool {
         self.live.contains(&backend)
+    }
+
+    /// Whether `backend`'s mirror is live and partial.
+    pub fn is_partial(&self, backend: BackendId) -> bool {
+        self.is_live(backend) && self.partial.contains(&backend)
     }
 
     /// Backends whose mirror is live, ascending.
@@ -229,7 +275,10 @@ impl ResidencyMirror {
         std::mem::size_of::<Self>()
             + buckets * (std::mem::size_of::<(u64, Holders)>() + 1)
             + self.blocks.values().map(Holders::heap_bytes).sum::<usize>()
-            + (self.live.len() + self.untrusted.len() + self.per_backend.len() * 2)
+            + (self.live.len()
+                + self.partial.len()
+                + self.untrusted.len()
+                + self.per_backend.len() * 2)
                 * std::mem::size_of::<BackendId>()
                 * 2
     }

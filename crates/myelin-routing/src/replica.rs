@@ -14,6 +14,7 @@ use std::sync::Arc;
 use myelin_art::BlockChain;
 
 use crate::backend::BackendId;
+use crate::mirror::MirrorTrust;
 
 /// One change of a backend's verified mirror, from its KV-event stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,8 +44,12 @@ pub enum WriteOp {
         backend: BackendId,
         changes: Arc<[MirrorChange]>,
     },
-    /// `backend`'s KV-event mirror became live (in sync) or stopped being followed.
-    MirrorLive { backend: BackendId, live: bool },
+    /// `backend`'s KV-event mirror became live (in sync, exact or partial) or stopped being
+    /// followed.
+    MirrorLive {
+        backend: BackendId,
+        trust: MirrorTrust,
+    },
     /// `backend` reported reusing less of a prompt than history said it held: the first block
     /// it did not reuse was last used at residency stamp `stamp`, so (LRU) every use stamped
     /// below it is gone too. Replicas keep the largest such stamp per backend (commutes).

@@ -498,7 +498,7 @@ impl<E: ResidencyEstimator> Router<E> {
         let expected = match (self.residency, verified) {
             (ResidencyMode::Off, _) => return history,
             (ResidencyMode::Verified, verified) => verified.unwrap_or(0.0),
-            (ResidencyMode::Auto, Some(verified)) => verified,
+            (ResidencyMode::Auto, Some(verified)) if !entry.verified_partial => verified,
             (ResidencyMode::Estimate | ResidencyMode::Auto, _) => {
                 self.probabilities.clear();
                 self.estimator.block_probabilities(
@@ -513,7 +513,12 @@ impl<E: ResidencyEstimator> Router<E> {
                 );
                 // Only the historically matched blocks can count, whatever the estimator wrote.
                 self.probabilities.truncate(entry.matched_blocks as usize);
-                expected_cached_tokens(block_size, &self.probabilities)
+                let estimated = expected_cached_tokens(block_size, &self.probabilities);
+                // A partial mirror's blocks are resident for sure; past them, the estimate.
+                match (self.residency, verified) {
+                    (ResidencyMode::Auto, Some(verified)) => estimated.max(verified),
+                    _ => estimated,
+                }
             }
         };
         if pending {

@@ -12,7 +12,7 @@ use myelin_art::{
 
 use crate::backend::BackendId;
 use crate::error::RoutingError;
-use crate::mirror::ResidencyMirror;
+use crate::mirror::{MirrorTrust, ResidencyMirror};
 use crate::replica::{MirrorChange, WriteOp};
 
 /// Sizing of a [`Shard`].
@@ -47,6 +47,9 @@ pub struct BackendMatch {
     /// `Some(n)` when the backend's KV-event mirror is live: it verifiably holds the first `n`
     /// blocks of the prompt and not block `n`. `None`: nothing verified.
     pub verified_resident_blocks: Option<u32>,
+    /// The live mirror is partial: it holds the first `n` blocks, and block `n` is unknown
+    /// (see [`MirrorTrust::Partial`]).
+    pub verified_partial: bool,
 }
 
 /// Result of a shard lookup, for every backend, in one walk. Plain data, `Send`: it crosses
@@ -185,11 +188,15 @@ impl Shard {
                 last_routed_ms: prefix.last_routed_ms,
                 residency_stamp: prefix.residency_stamp,
                 verified_resident_blocks: None,
+                verified_partial: false,
             })
             .collect();
         for (backend, resident_blocks) in verified {
             match backends.binary_search_by_key(&backend, |entry| entry.backend) {
-                Ok(index) => backends[index].verified_resident_blocks = Some(resident_blocks),
+                Ok(index) => {
+                    backends[index].verified_resident_blocks = Some(resident_blocks);
+                    backends[index].verified_partial = self.mirror.is_partial(backend);
+                }
                 Err(index) => backends.insert(
                     index,
                     BackendMatch {
@@ -198,6 +205,7 @@ impl Shard {
                         last_routed_ms: 0,
                         residency_stamp: 0,
                         verified_resident_blocks: Some(resident_blocks),
+                        verified_partial: self.mirror.is_partial(backend),
                     },
                 ),
             }
@@ -254,7 +262,7 @@ impl Shard {
                     }
                 }
             }
-            WriteOp::MirrorLive { backend, live } => self.set_mirror_live(*backend, *live),
+            WriteOp::MirrorLive { backend, trust } => self.set_mirror_trust(*backend, *trust),
             WriteOp::Evicted { backend, stamp } => self.mark_evicted_below(*backend, *stamp),
         }
     }
@@ -293,6 +301,16 @@ impl Shard {
     /// ignored (residency `auto` falls back to the estimate for it).
     pub fn set_mirror_live(&mut self, backend: BackendId, live: bool) {
         self.mirror.set_live(backend, live);
+    }
+
+    /// [`Self::set_mirror_live`], a partial mirror included (see [`MirrorTrust::Partial`]).
+    pub fn set_mirror_trust(&mut self, backend: BackendId, trust: MirrorTrust) {
+        self.mirror.set_trust(backend, trust);
+    }
+
+    /// Whether `backend`'s mirror is live and partial.
+    pub fn mirror_partial(&self, backend: BackendId) -> bool {
+        self.mirror.is_partial(backend)
     }
 
     pub fn mirror_live(&self, backend: BackendId) -> bool {

@@ -6,7 +6,7 @@ use std::num::NonZeroU32;
 use myelin_routing::{
     BackendId, BackendMatch, BackendState, BackendView, BlockChain, CostModel,
     DEFAULT_DECODE_STEP_TOKENS, DEFAULT_ENGINE_TIMING, Decision, EngineQueue, EngineTiming,
-    EstimateInput, KvMemory, MEMORY_FULL_UTILIZATION, MemoryPressure, NoBackend,
+    EstimateInput, KvMemory, MEMORY_FULL_UTILIZATION, MemoryPressure, MirrorTrust, NoBackend,
     PlaceholderEstimator, Policy, PrefixMatch, ResidencyEstimator, ResidencyMode, Router,
     RouterConfig, RoutingError, Shard, ShardConfig, admission_wait_tokens, expected_cached_tokens,
 };
@@ -379,6 +379,59 @@ fn verified_eviction_of_a_middle_block_cuts_the_cached_prefix() {
         .decide(40, &matched, &[up(0, 0)])
         .unwrap();
     assert_eq!(verified.expected_cached_tokens, 0.0);
+}
+
+/// A partial mirror (the router joined the event stream after the engine had cached blocks it
+/// never saw): its blocks are resident, but a block missing from it is not taken as evicted.
+/// `auto` takes the larger of the mirror's prefix and the estimate of the history; `verified`
+/// counts the mirror's blocks only; once exact, the mirror is taken at its word.
+#[test]
+fn a_partial_mirror_is_a_floor_under_the_estimate() {
+    let mut shard = shard();
+    let tokens = prompt(10, 2);
+    let chain = shard.chain(&tokens);
+    shard.learn_chain(&chain, BackendId(0), 1, 0).unwrap();
+    // Since the router subscribed, backend 0 stored 3 of the prompt's blocks, backend 1 (never
+    // routed this prompt) 5.
+    for &hash in &chain.hashes()[..3] {
+        shard.apply_block_stored(BackendId(0), hash);
+    }
+    for &hash in &chain.hashes()[..5] {
+        shard.apply_block_stored(BackendId(1), hash);
+    }
+    for backend in [0, 1] {
+        shard.set_mirror_trust(BackendId(backend), MirrorTrust::Partial);
+    }
+    let matched = shard.lookup_chain(&chain, 5).unwrap();
+    let entry = matched.backend(BackendId(0)).unwrap();
+    assert_eq!(
+        (entry.verified_resident_blocks, entry.verified_partial),
+        (Some(3), true)
+    );
+    let expected = |mode, matched: &PrefixMatch, backend| {
+        router(Policy::Prefix, mode, 0)
+            .decide(40, matched, &[up(backend, 0)])
+            .unwrap()
+            .expected_cached_tokens
+    };
+    // The (placeholder) estimate of backend 0's 10 historical blocks beats the mirror's 3.
+    assert_eq!(expected(ResidencyMode::Auto, &matched, 0), 40.0);
+    assert_eq!(expected(ResidencyMode::Verified, &matched, 0), 12.0);
+    // No history on backend 1: the mirror's 5 blocks.
+    assert_eq!(expected(ResidencyMode::Auto, &matched, 1), 20.0);
+    shard.set_mirror_trust(BackendId(0), MirrorTrust::Exact);
+    let matched = shard.lookup_chain(&chain, 6).unwrap();
+    assert!(!matched.backend(BackendId(0)).unwrap().verified_partial);
+    assert_eq!(expected(ResidencyMode::Auto, &matched, 0), 12.0);
+    shard.set_mirror_trust(BackendId(0), MirrorTrust::None);
+    let matched = shard.lookup_chain(&chain, 7).unwrap();
+    assert_eq!(
+        matched
+            .backend(BackendId(0))
+            .unwrap()
+            .verified_resident_blocks,
+        None
+    );
 }
 
 #[test]
@@ -754,6 +807,7 @@ fn backend_match_is_plain_data_found_by_backend_id() {
         last_routed_ms: 3,
         residency_stamp: 4,
         verified_resident_blocks: None,
+        verified_partial: false,
     };
     // Entries sorted by backend id, as a lookup returns them: found by binary search, absent
     // backends have no entry and match 0 blocks.

@@ -13,8 +13,8 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use myelin_routing::{
-    BackendId, BackendState, BackendView, BlockChain, MirrorChange, Policy, ResidencyMode, Router,
-    RouterConfig, Shard, ShardConfig, WriteOp,
+    BackendId, BackendState, BackendView, BlockChain, MirrorChange, MirrorTrust, Policy,
+    ResidencyMode, Router, RouterConfig, Shard, ShardConfig, WriteOp,
 };
 use proptest::prelude::*;
 
@@ -40,7 +40,7 @@ enum Step {
         kind: u8,
     },
     /// A backend's mirror goes live or not.
-    Live { backend: u32, live: bool },
+    Live { backend: u32, trust: MirrorTrust },
     /// Deliver up to `count` messages of one channel (by index among the non-empty ones).
     Deliver { channel: usize, count: usize },
 }
@@ -69,7 +69,15 @@ fn step(cores: usize) -> impl Strategy<Value = Step> {
                 kind,
             }
         ),
-        1 => (0..BACKENDS, any::<bool>()).prop_map(|(backend, live)| Step::Live { backend, live }),
+        1 => (
+            0..BACKENDS,
+            prop_oneof![
+                Just(MirrorTrust::None),
+                Just(MirrorTrust::Partial),
+                Just(MirrorTrust::Exact)
+            ]
+        )
+            .prop_map(|(backend, trust)| Step::Live { backend, trust }),
         3 => (0..64usize, 1..4usize).prop_map(|(channel, count)| Step::Deliver { channel, count }),
     ]
 }
@@ -289,10 +297,10 @@ fn run(
                     cluster.write(None, op);
                 }
             }
-            Step::Live { backend, live } => {
+            Step::Live { backend, trust } => {
                 let op = WriteOp::MirrorLive {
                     backend: BackendId(*backend),
-                    live: *live,
+                    trust: *trust,
                 };
                 single.apply(&op);
                 cluster.write(None, op);

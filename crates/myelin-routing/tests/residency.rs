@@ -39,6 +39,7 @@ fn matched(blocks: u32, stamp: u64) -> BackendMatch {
         last_routed_ms: 1,
         residency_stamp: stamp,
         verified_resident_blocks: None,
+        verified_partial: false,
     }
 }
 

@@ -17,6 +17,7 @@ use crate::backend_spec::BackendSpec;
 use crate::backends::{BackendId, BackendInfo, Load};
 use crate::config::AdminListen;
 use crate::control::{AdminOp, AdminOutcome, AdminServer, Control};
+use crate::kv_subscriber::MirrorStatus;
 use crate::messages::ReplicaSnapshot;
 use crate::metrics as names;
 use crate::openai::ApiError;
@@ -363,8 +364,9 @@ async fn list(control: &Rc<Control>) -> Response<Body> {
             let backend = myelin_routing::BackendId(info.id);
             let routed = reference.map_or(0, |first| first.counts.routed_of(backend));
             // What routing believes the engine holds: its own KV events when they are in
-            // effect, else the learned routes (which `estimate` scores through the estimator).
-            let (resident, source) = if residency == "verified" {
+            // effect (a partial mirror: what they show for sure), else the learned routes
+            // (which `estimate` scores through the estimator).
+            let (resident, source) = if residency == "verified" || residency == "partial" {
                 (
                     reference.map_or(0, |first| first.counts.mirrored_of(backend)),
                     "kv-events",
@@ -382,8 +384,13 @@ async fn list(control: &Rc<Control>) -> Response<Body> {
             // The KV-event mirror: live, or why not (null: no KV-event stream).
             json["kv_events_mirror"] = match control.mirror_status(info.id) {
                 None => Value::Null,
-                Some(None) => json!({"live": true}),
-                Some(Some(why)) => json!({"live": false, "reason": why.describe()}),
+                Some(MirrorStatus::Exact) => json!({"live": true, "partial": false}),
+                Some(MirrorStatus::Partial(why)) => {
+                    json!({"live": true, "partial": true, "reason": why.describe()})
+                }
+                Some(MirrorStatus::NotLive(why)) => {
+                    json!({"live": false, "partial": false, "reason": why.describe()})
+                }
             };
             json["kv_capacity_tokens_reported"] = json!(engine_cache.capacity_tokens);
             json["kv_utilization"] = json!(engine_cache.utilization);

@@ -18,14 +18,14 @@ use hyper::body::Incoming;
 use metrics_exporter_prometheus::PrometheusHandle;
 use myelin_http::body::{Body, empty};
 use myelin_http::client::{Pool, PoolConfig};
-use myelin_routing::WriteOp;
+use myelin_routing::{MirrorTrust, WriteOp};
 
 use crate::backend_spec::BackendSpec;
 use crate::backends::{BackendId, BackendInfo, BackendState};
 use crate::config::{AdminListen, AdminToken, HealthConfig, ResidencyMode, ServeConfig};
 use crate::health::{BackendHealth, HealthEvent};
 use crate::kv_feed::{KvFeed, MirrorChange};
-use crate::kv_subscriber::{FeedEvent, KvEndpoints, NotLive, Subscriber};
+use crate::kv_subscriber::{FeedEvent, KvEndpoints, MirrorStatus, Subscriber};
 use crate::mesh::{Mesh, MeshEnds, OneShot};
 use crate::messages::{Message, ReplicaSnapshot};
 use crate::metrics as names;
@@ -154,7 +154,7 @@ pub(crate) struct Control {
     /// KV-event subscribers by backend; dropping one stops its thread.
     subscribers: RefCell<HashMap<BackendId, Subscriber>>,
     /// Each followed backend's mirror: live (`None`) or why not, as its subscriber last said.
-    mirror_status: RefCell<HashMap<BackendId, Option<NotLive>>>,
+    mirror_status: RefCell<HashMap<BackendId, MirrorStatus>>,
     /// Each backend's KV-cache figures from its last metrics scrape (residency estimate).
     engine_caches: RefCell<HashMap<BackendId, crate::engine_metrics::EngineCache>>,
     /// Per backend, its scraped generated-tokens counter and when it last moved (the progress
@@ -433,28 +433,32 @@ async fn feed_loop(control: Rc<Control>, receiver: crossbeam_channel::Receiver<F
                     control.broadcast_write(op);
                 }
                 FeedEvent::Live { backend, status } => {
-                    let live = status.is_none();
+                    let trust = status.trust();
                     if control.url_of(backend).is_some() {
                         // Only for backends still listed (a removed one's thread says
                         // `Stopped` after the removal).
                         control.mirror_status.borrow_mut().insert(backend, status);
                         let label = names::backend_label(backend);
-                        metrics::gauge!(names::KV_EVENTS_LIVE, "backend" => label).set(if live {
-                            1.0
-                        } else {
-                            0.0
-                        });
+                        metrics::gauge!(names::KV_EVENTS_LIVE, "backend" => label.clone())
+                            .set(if trust.is_live() { 1.0 } else { 0.0 });
+                        metrics::gauge!(names::KV_EVENTS_PARTIAL, "backend" => label).set(
+                            if trust == MirrorTrust::Partial {
+                                1.0
+                            } else {
+                                0.0
+                            },
+                        );
                     }
                     control.broadcast_write(WriteOp::MirrorLive {
                         backend: myelin_routing::BackendId(backend),
-                        live,
+                        trust,
                     });
                 }
                 FeedEvent::Snapshot {
                     backend,
                     changes,
-                    live,
-                } => control.deliver_snapshot(backend, changes, live),
+                    trust,
+                } => control.deliver_snapshot(backend, changes, trust),
             }
         }
     }
@@ -521,6 +525,9 @@ impl Control {
             self.control_cpu,
         ) {
             Ok(subscriber) => {
+                if let Some(tokens) = spec.capacity_tokens {
+                    subscriber.set_capacity_blocks(tokens / u64::from(self.block_size.get()));
+                }
                 self.subscribers.borrow_mut().insert(id, subscriber);
             }
             Err(error) => eprintln!("myelin: cannot follow KV events of {}: {error}", spec.url),
@@ -598,7 +605,7 @@ impl Control {
 
     /// Sends a backend's whole mirror to the data cores waiting for it (replacing what their
     /// replica holds for it, liveness included).
-    fn deliver_snapshot(&self, backend: BackendId, changes: Vec<MirrorChange>, live: bool) {
+    fn deliver_snapshot(&self, backend: BackendId, changes: Vec<MirrorChange>, trust: MirrorTrust) {
         let waiting: Vec<usize> = self
             .mirror_awaiting
             .borrow()
@@ -616,7 +623,7 @@ impl Control {
                 backend: id,
                 changes: changes.into(),
             },
-            WriteOp::MirrorLive { backend: id, live },
+            WriteOp::MirrorLive { backend: id, trust },
         ]);
         for shard in waiting {
             if self.send_mirror(shard, batch.clone()) {
@@ -874,9 +881,9 @@ impl Control {
         self.residency
     }
 
-    /// A followed backend's mirror: `Some(None)` while live, `Some(Some(why))` when not, `None`
-    /// when the backend has no KV-event stream (or its subscriber has said nothing yet).
-    pub(crate) fn mirror_status(&self, id: BackendId) -> Option<Option<NotLive>> {
+    /// A followed backend's mirror (exact, partial or not live, and why); `None` when the
+    /// backend has no KV-event stream (or its subscriber has said nothing yet).
+    pub(crate) fn mirror_status(&self, id: BackendId) -> Option<MirrorStatus> {
         self.mirror_status.borrow().get(&id).copied()
     }
 
@@ -1186,6 +1193,13 @@ async fn engine_metrics_loop(control: Rc<Control>) {
                         }
                         *cache
                     };
+                    // The end of a partial mirror (the configured capacity, else the engine's).
+                    if let Some(tokens) = spec.capacity_tokens.or(cache.capacity_tokens)
+                        && let Some(subscriber) = control.subscribers.borrow().get(&id)
+                    {
+                        subscriber
+                            .set_capacity_blocks(tokens / u64::from(control.block_size.get()));
+                    }
                     if let Some(utilization) = cache.utilization {
                         metrics::gauge!(
                             names::BACKEND_KV_UTILIZATION, "backend" => names::backend_label(id)

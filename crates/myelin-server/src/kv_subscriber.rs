@@ -10,32 +10,37 @@
 //! - at start, with a replay endpoint, everything the engine still buffers is replayed first,
 //!   so blocks cached before the router started are known;
 //! - a gap (the PUB socket dropped batches for a slow subscriber) is filled from the replay
-//!   socket when there is one; a gap it cannot fill (no replay socket, or batches the engine no
-//!   longer buffers) leaves the mirror wrong in ways nobody can tell, so the mirror is cleared
-//!   and not live (routing falls back to the estimate for that backend) until it is exact
-//!   again: after the engine's next `AllBlocksCleared` or restart;
+//!   socket when there is one;
 //! - a sequence going back means the engine restarted with an empty cache: the backend's
 //!   mirror is cleared.
 //!
-//! Three more things take the mirror out of routing (not live: the estimate decides) until
-//! the stream shows it exact again:
+//! A mirror that may lack blocks the engine holds is *partial* ([`Partial`]): live, its blocks
+//! count as cached, and for the rest the estimate and history decide. That is the case when
+//! the first batch seen is not the engine's first (a warm engine whose replay buffer no longer
+//! reaches back, or no replay socket), after a gap that cannot be filled (the mirror is
+//! cleared at the gap: what follows is exact), and after the tracked-block map passed its
+//! bound ([`KvFeed::overflowed`]; reset with the mirror). It is exact again when the engine
+//! clears its cache (`AllBlocksCleared`), restarts, or has stored more blocks than its KV
+//! capacity since ([`Subscriber::set_capacity_blocks`]).
+//!
+//! Two things take the mirror out of routing (not live: the estimate decides) until the
+//! stream shows it exact again:
 //! - the backend went down ([`Subscriber::suspend`]): a dead engine's blocks are gone, and its
 //!   restarted process publishes nothing until it stores its first block. The next batch
 //!   decides: one that continues the sequence (it was not a restart) brings the mirror back
 //!   as it was, one that starts a new sequence clears it first;
 //! - the engine's blocks are of another size than the router's `--block-size`: none can be
 //!   mirrored (said once in the log, and in `myelin_kv_events_block_size_mismatch`), until the
-//!   engine restarts;
-//! - the tracked-block map passed its bound and was reset ([`KvFeed::overflowed`]), until the
-//!   engine clears its cache or restarts.
+//!   engine restarts.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 use myelin_kv_events::decode::{self, DecodedBatch, ReplayFrame};
+use myelin_routing::MirrorTrust;
 
 use crate::backends::BackendId;
 use crate::kv_feed::{FeedCounters, KvFeed, MirrorChange};
@@ -67,18 +72,76 @@ pub enum FeedEvent {
         backend: BackendId,
         updates: Vec<MirrorChange>,
     },
-    /// The backend's mirror is in sync (`status` is `None`) or not, and why.
+    /// The backend's mirror is in sync (exact or partial) or not, and why.
     Live {
         backend: BackendId,
-        status: Option<NotLive>,
+        status: MirrorStatus,
     },
     /// The whole mirror (`Cleared`, then every block), in stream order with `Updates`, and
-    /// whether it is live: asked for by [`Subscriber::request_snapshot`].
+    /// how far it is trusted: asked for by [`Subscriber::request_snapshot`].
     Snapshot {
         backend: BackendId,
         changes: Vec<MirrorChange>,
-        live: bool,
+        trust: MirrorTrust,
     },
+}
+
+/// A backend's mirror as its subscriber sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MirrorStatus {
+    /// Out of routing (the estimate decides), and why.
+    NotLive(NotLive),
+    /// In sync, but it may lack blocks the engine holds, and why.
+    Partial(Partial),
+    /// In sync since the engine started or last cleared its cache.
+    Exact,
+}
+
+impl MirrorStatus {
+    /// What routing makes of it.
+    pub fn trust(self) -> MirrorTrust {
+        match self {
+            MirrorStatus::NotLive(_) => MirrorTrust::None,
+            MirrorStatus::Partial(_) => MirrorTrust::Partial,
+            MirrorStatus::Exact => MirrorTrust::Exact,
+        }
+    }
+}
+
+/// Why a live mirror is partial: every block in it is resident, but the engine may hold others
+/// the router never saw stored. Routing counts the mirror's blocks and leaves the rest to the
+/// estimate and history, until the engine clears its cache, restarts, or has stored more
+/// blocks than its KV capacity since the mirror became partial (by then, under LRU, what it
+/// held before has been evicted unless it was used again).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Partial {
+    /// The first batch seen was not the engine's first (`first_seq`): the router started
+    /// against a warm engine, beyond what its replay buffer still held (or without one).
+    JoinedLate { first_seq: u64 },
+    /// Batches were lost and could not be replayed: the mirror was cleared at the gap.
+    Unsynced,
+    /// The tracked-block map passed its bound and was reset, the mirror with it.
+    Overflowed,
+}
+
+impl Partial {
+    /// For `GET /admin/backends`.
+    pub fn describe(self) -> String {
+        let why = match self {
+            Partial::JoinedLate { first_seq } => format!(
+                "the first event batch seen was number {first_seq}, not 0: the engine had cached \
+                 blocks before the router subscribed"
+            ),
+            Partial::Unsynced => {
+                "event batches were lost and could not be replayed: the mirror was cleared".into()
+            }
+            Partial::Overflowed => "more blocks than the mirror tracks: it was reset".into(),
+        };
+        format!(
+            "{why}; its blocks count as cached, the estimate decides for the rest until the \
+             engine clears its cache, restarts or stores more blocks than its capacity"
+        )
+    }
 }
 
 /// Why a backend's mirror is not live (routing then uses the estimate for it).
@@ -88,12 +151,6 @@ pub enum NotLive {
     Starting,
     /// The backend went down; the stream's next batch decides.
     BackendDown,
-    /// Batches were lost and could not be replayed: exact again after the engine's next cache
-    /// reset or restart.
-    Unsynced,
-    /// The tracked-block map passed its bound: exact again after the engine's next cache
-    /// reset or restart.
-    Overflowed,
     /// The engine's blocks are not of the router's block size.
     BlockSize { engine: u32, router: u32 },
     /// The subscriber stopped.
@@ -108,13 +165,6 @@ impl NotLive {
             NotLive::BackendDown => {
                 "the backend went down: waiting for its stream to show whether it restarted".into()
             }
-            NotLive::Unsynced => {
-                "event batches were lost: waiting for the engine's next cache reset or restart"
-                    .into()
-            }
-            NotLive::Overflowed => "more blocks than the mirror tracks: waiting for the \
-                                    engine's next cache reset or restart"
-                .into(),
             NotLive::BlockSize { engine, router } => format!(
                 "the engine's blocks are {engine} tokens, the router's --block-size is {router}: \
                  not mirrored until they agree"
@@ -129,6 +179,8 @@ pub struct Subscriber {
     stop: Arc<AtomicBool>,
     snapshot: Arc<AtomicBool>,
     suspend: Arc<AtomicBool>,
+    /// The engine's KV capacity in blocks (0: unknown), for [`Partial`]'s end.
+    capacity_blocks: Arc<AtomicU64>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -147,6 +199,8 @@ impl Subscriber {
         let thread_snapshot = snapshot.clone();
         let suspend = Arc::new(AtomicBool::new(false));
         let thread_suspend = suspend.clone();
+        let capacity_blocks = Arc::new(AtomicU64::new(0));
+        let thread_capacity_blocks = capacity_blocks.clone();
         let thread = std::thread::Builder::new()
             .name(format!("myelin-kv-{backend}"))
             .spawn(move || {
@@ -160,25 +214,36 @@ impl Subscriber {
                     sender,
                     last_seq: None,
                     last_live_seq: None,
-                    status: Some(NotLive::Starting),
-                    unsynced: false,
+                    not_live: Some(NotLive::Starting),
+                    partial: None,
+                    stored_since_partial: 0,
+                    sent: MirrorStatus::NotLive(NotLive::Starting),
                     foreign_block_size: None,
                     snapshot: thread_snapshot,
                     suspend: thread_suspend,
+                    capacity_blocks: thread_capacity_blocks,
                     reported: FeedCounters::default(),
                 };
                 follower.run(&endpoints, &thread_stop);
                 let _ = follower.sender.send(FeedEvent::Live {
                     backend,
-                    status: Some(NotLive::Stopped),
+                    status: MirrorStatus::NotLive(NotLive::Stopped),
                 });
             })?;
         Ok(Subscriber {
             stop,
             snapshot,
             suspend,
+            capacity_blocks,
             thread: Some(thread),
         })
+    }
+
+    /// The engine's KV capacity, in blocks: a partial mirror becomes exact once the engine has
+    /// stored more blocks than this since it became partial (unknown: only a cache clear or a
+    /// restart ends it).
+    pub fn set_capacity_blocks(&self, blocks: u64) {
+        self.capacity_blocks.store(blocks, Ordering::Relaxed);
     }
 
     /// The backend went down: its mirror stops being live within about [`RECEIVE_TIMEOUT`]
@@ -229,10 +294,16 @@ struct Follower {
     last_seq: Option<u64>,
     /// Last batch received on the live socket.
     last_live_seq: Option<u64>,
-    /// `None` while live.
-    status: Option<NotLive>,
-    /// A gap could not be filled: the mirror stays not live until it is exact again.
-    unsynced: bool,
+    /// Why the mirror is out of routing; `None` while live.
+    not_live: Option<NotLive>,
+    /// Why the live mirror may lack blocks the engine holds; `None`: exact.
+    partial: Option<Partial>,
+    /// Blocks the engine stored since the mirror became partial.
+    stored_since_partial: u64,
+    /// The status last sent to the control core.
+    sent: MirrorStatus,
+    /// [`Subscriber::set_capacity_blocks`].
+    capacity_blocks: Arc<AtomicU64>,
     /// The engine's block size, when it is not the router's: nothing can be mirrored until
     /// the engine restarts.
     foreign_block_size: Option<u32>,
@@ -265,7 +336,7 @@ impl Follower {
             self.set_status(None);
         }
         while !stop.load(Ordering::Acquire) {
-            if self.suspend.swap(false, Ordering::AcqRel) && self.status.is_none() {
+            if self.suspend.swap(false, Ordering::AcqRel) && self.not_live.is_none() {
                 self.set_status(Some(NotLive::BackendDown));
             }
             if self.snapshot.swap(false, Ordering::AcqRel) {
@@ -274,7 +345,7 @@ impl Follower {
                 let _ = self.sender.send(FeedEvent::Snapshot {
                     backend: self.backend,
                     changes,
-                    live: self.status.is_none(),
+                    trust: self.status().trust(),
                 });
             }
             let frames = match subscriber.recv_multipart(0) {
@@ -298,20 +369,27 @@ impl Follower {
                 self.restart();
             }
             self.last_live_seq = Some(seq);
-            match self.last_seq {
+            let missing_from = match self.last_seq {
                 // Already applied from the replay socket.
                 Some(last) if seq <= last => continue,
                 Some(last) if seq > last + 1 => {
                     metrics::counter!(names::KV_EVENTS_GAPS_TOTAL, "backend" => self.label.clone())
                         .increment(1);
-                    if let Some(replay) = &replay {
-                        self.replay_from(replay, last + 1, Some(seq));
-                    }
-                    if self.last_seq.is_some_and(|last| last + 1 < seq) {
-                        self.lose_sync();
-                    }
+                    Some(last + 1)
                 }
-                _ => {}
+                // The first batch seen is not the engine's first (a batch published before
+                // the subscription took effect, or a warm engine): the ones before it are
+                // asked for too. What the buffer no longer holds leaves the mirror partial.
+                None if seq > 0 => Some(0),
+                _ => None,
+            };
+            if let Some(start) = missing_from {
+                if let Some(replay) = &replay {
+                    self.replay_from(replay, start, Some(seq));
+                }
+                if self.last_seq.is_some_and(|last| last + 1 < seq) {
+                    self.lose_sync();
+                }
             }
             self.apply(seq, &message.batch);
             if self.exact() {
@@ -320,9 +398,10 @@ impl Follower {
         }
     }
 
-    /// Whether the mirror holds exactly what the engine announced.
+    /// Whether the mirror holds what the engine announced (all of it, or all since it became
+    /// partial).
     fn exact(&self) -> bool {
-        !self.unsynced && self.foreign_block_size.is_none()
+        self.foreign_block_size.is_none()
     }
 
     fn socket(
@@ -383,7 +462,7 @@ impl Follower {
         self.last_seq = None;
         // A new engine process starts empty: the mirror is exact again (and its blocks may
         // now be of the router's size).
-        self.unsynced = false;
+        self.end_partial();
         if self.foreign_block_size.take().is_some() {
             metrics::gauge!(names::KV_EVENTS_BLOCK_SIZE_MISMATCH, "backend" => self.label.clone())
                 .set(0.0);
@@ -392,31 +471,52 @@ impl Follower {
     }
 
     /// A gap that cannot be filled: batches are lost, so the mirror may hold evicted blocks
-    /// and miss stored ones. It is cleared and not live until it is exact again.
+    /// and miss stored ones. It is cleared and partial from here: what is stored after the
+    /// gap is exact.
     fn lose_sync(&mut self) {
         metrics::counter!(names::KV_EVENTS_UNSYNCED_TOTAL, "backend" => self.label.clone())
             .increment(1);
-        self.set_status(Some(NotLive::Unsynced));
+        self.begin_partial(Partial::Unsynced);
         let mut updates = Vec::new();
         self.feed.clear(&mut updates);
-        self.unsynced = true;
         self.forward(updates);
     }
 
+    fn begin_partial(&mut self, why: Partial) {
+        self.partial = Some(why);
+        self.stored_since_partial = 0;
+        self.publish();
+    }
+
+    fn end_partial(&mut self) {
+        self.partial = None;
+        self.publish();
+    }
+
     fn apply(&mut self, seq: u64, batch: &DecodedBatch) {
-        let skipped_for_size = self.feed.counters.skipped_block_size;
+        let before = self.feed.counters;
         let mut updates = Vec::new();
         for event in &batch.events {
             self.feed.apply(event, &mut updates);
         }
-        // The engine dropped its whole cache: from here on the mirror is exact again.
-        if self.unsynced && updates.contains(&MirrorChange::Cleared) {
-            self.unsynced = false;
+        let after = self.feed.counters;
+        if after.overflow_clears > before.overflow_clears {
+            self.begin_partial(Partial::Overflowed);
+        } else if updates.contains(&MirrorChange::Cleared) {
+            // The engine dropped its whole cache: from here on the mirror is exact.
+            self.end_partial();
+        } else if self.last_seq.is_none() && seq > 0 {
+            // The engine's batches before this one are neither replayed nor coming.
+            self.begin_partial(Partial::JoinedLate { first_seq: seq });
+        } else if self.partial.is_some() {
+            self.stored_since_partial += (after.stored_blocks - before.stored_blocks)
+                + (after.skipped_orphan - before.skipped_orphan);
+            let capacity = self.capacity_blocks.load(Ordering::Relaxed);
+            if capacity > 0 && self.stored_since_partial > capacity {
+                self.end_partial();
+            }
         }
-        if self.feed.overflowed() {
-            self.unsynced = true;
-            self.set_status(Some(NotLive::Overflowed));
-        }
+        let skipped_for_size = before.skipped_block_size;
         let foreign = self.feed.counters.foreign_block_size;
         if self.feed.counters.skipped_block_size > skipped_for_size
             && self.foreign_block_size.is_none()
@@ -452,9 +552,24 @@ impl Follower {
         }
     }
 
-    fn set_status(&mut self, status: Option<NotLive>) {
-        if self.status != status {
-            self.status = status;
+    fn status(&self) -> MirrorStatus {
+        match (self.not_live, self.partial) {
+            (Some(why), _) => MirrorStatus::NotLive(why),
+            (None, Some(why)) => MirrorStatus::Partial(why),
+            (None, None) => MirrorStatus::Exact,
+        }
+    }
+
+    fn set_status(&mut self, not_live: Option<NotLive>) {
+        self.not_live = not_live;
+        self.publish();
+    }
+
+    /// Tells the control core the mirror's status, when it changed.
+    fn publish(&mut self) {
+        let status = self.status();
+        if self.sent != status {
+            self.sent = status;
             let _ = self.sender.send(FeedEvent::Live {
                 backend: self.backend,
                 status,

@@ -146,6 +146,9 @@ pub fn connection_refused() {
 
 /// 1 while a backend's KV-event mirror is live (in sync), by backend.
 pub const KV_EVENTS_LIVE: &str = "myelin_kv_events_live";
+/// 1 while a backend's live mirror is partial (it may lack blocks the engine cached before the
+/// router saw its stream, or before a gap), by backend.
+pub const KV_EVENTS_PARTIAL: &str = "myelin_kv_events_partial";
 /// The block size of a backend's KV events while it is not the router's `--block-size` (its
 /// cache is then not mirrored), 0 otherwise, by backend.
 pub const KV_EVENTS_BLOCK_SIZE_MISMATCH: &str = "myelin_kv_events_block_size_mismatch";
@@ -470,6 +473,7 @@ pub fn export_backend_series(id: u32, kv_events: bool) {
         ] {
             metrics::counter!(counter, "backend" => label.clone()).increment(0);
         }
+        metrics::gauge!(KV_EVENTS_PARTIAL, "backend" => label.clone()).set(0.0);
         metrics::gauge!(KV_EVENTS_BLOCK_SIZE_MISMATCH, "backend" => label).set(0.0);
     }
 }
@@ -650,6 +654,10 @@ fn describe() {
     describe_gauge!(
         KV_EVENTS_LIVE,
         "1 while a backend's KV-event mirror is in sync."
+    );
+    describe_gauge!(
+        KV_EVENTS_PARTIAL,
+        "1 while a backend's live KV-event mirror is partial (may lack blocks cached before it)."
     );
     describe_counter!(
         CONNECTIONS_REFUSED_TOTAL,

@@ -339,8 +339,9 @@ impl RoutingShard {
         })
     }
 
-    /// Whether scoring `id` uses the estimator (residency `estimate`, or `auto` without a
-    /// live KV-event mirror).
+    /// Whether scoring `id` uses the estimator alone (residency `estimate`, or `auto` without
+    /// a live KV-event mirror; under a partial mirror the expected cache mixes the mirror's
+    /// blocks in, so its answers do not calibrate the estimator).
     fn estimates(&self, id: BackendId) -> bool {
         match self.residency {
             ResidencyMode::Estimate => true,
@@ -473,7 +474,9 @@ impl RoutingShard {
     /// Residency in effect for a backend (admin API).
     pub fn residency_of(&self, id: BackendId) -> &'static str {
         let live = self.shard.mirror_live(myelin_routing::BackendId(id));
+        let partial = self.shard.mirror_partial(myelin_routing::BackendId(id));
         match self.residency {
+            ResidencyMode::Auto if partial => "partial",
             ResidencyMode::Auto if live => "verified",
             ResidencyMode::Auto => "estimate",
             mode => mode.as_str(),

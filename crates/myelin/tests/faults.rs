@@ -503,10 +503,11 @@ fn sim_cluster(engines: usize, faults: myelin_sim::FaultConfig) -> myelin_sim::S
 }
 
 /// Finding 6: an engine whose KV-event batches get lost and that has no replay socket. The
-/// gap is detected; the mirror is cleared and not live (residency falls back to the
-/// estimate) until the engine drops its cache (`AllBlocksCleared`), when it is exact again.
+/// gap is detected; the mirror is cleared at the gap and partial from there (its blocks count,
+/// the estimate decides for the rest) until the engine drops its cache (`AllBlocksCleared`),
+/// when it is exact again.
 #[test]
-fn a_kv_event_gap_without_replay_takes_the_mirror_out_until_it_is_exact_again() {
+fn a_kv_event_gap_without_replay_leaves_a_partial_mirror_until_it_is_exact_again() {
     let cluster = sim_cluster(
         1,
         myelin_sim::FaultConfig {
@@ -530,14 +531,23 @@ fn a_kv_event_gap_without_replay_takes_the_mirror_out_until_it_is_exact_again() 
             .to_string()
     };
     let mut seed = 0;
-    wait_until("a gap to take the mirror out", || {
+    wait_until("a gap to leave the mirror partial", || {
         seed += 1;
         let response = router.post_json("/v1/chat/completions", &sim_chat(40, seed));
         assert_eq!(response.status, 200);
         metric_value(&router.metrics(), &["myelin_kv_events_unsynced_total"]) >= 1.0
-            && residency() == "estimate"
+            && residency() == "partial"
     });
-    assert_eq!(router.backends()[0]["resident_blocks_source"], "routes");
+    let backend = &router.backends()[0];
+    assert_eq!(backend["resident_blocks_source"], "kv-events");
+    assert_eq!(backend["kv_events_mirror"]["partial"], true);
+    assert!(
+        backend["kv_events_mirror"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("lost"),
+        "{backend}"
+    );
     // The engine drops its cache: the mirror is exact (empty) again. (The reset's batch may
     // itself be one the fault drops: then the next reset's comes through.)
     wait_until("the mirror to be live again", || {

@@ -257,3 +257,61 @@ fn a_backend_that_goes_down_takes_its_mirror_out_of_routing_until_its_stream_spe
     drop(router);
     cluster.shutdown();
 }
+
+/// Warm start: the router subscribes to an engine that cached blocks in more batches than its
+/// replay buffer still holds. The mirror is partial (live; its blocks count, the estimate
+/// decides for the rest) and says why, until the engine has stored more blocks than its
+/// capacity since (here the spec's `capacity-tokens`), when it is exact.
+#[test]
+fn a_router_started_against_a_warm_engine_has_a_partial_mirror_until_the_cache_turns_over() {
+    let cluster = SimCluster::start(ClusterConfig {
+        engines: 1,
+        speedup: 50.0,
+        kv_events: Some(KvEventsConfig {
+            buffer_steps: 2,
+            ..KvEventsConfig::default()
+        }),
+        ..ClusterConfig::default()
+    })
+    .expect("simulated engines");
+    // Several requests, each at least one batch: more than the replay buffer's two.
+    for seed in 1..6 {
+        chat_engine(&cluster, 100, seed);
+    }
+    let events = cluster.kv_event_endpoints()[0].clone().expect("events");
+    // 40 blocks of 16 tokens.
+    let backend = format!(
+        "{},kv-events={},kv-replay={},capacity-tokens=640",
+        cluster.engine_urls()[0],
+        events.publish,
+        events.replay
+    );
+    let router = Router::start(&["--backend", &backend, "--residency", "auto"]);
+    let partial = wait_for(&router, "a partial mirror", |backends| {
+        backends[0]["residency"] == "partial"
+    });
+    assert_eq!(mirror(&partial)["live"], true);
+    assert_eq!(mirror(&partial)["partial"], true);
+    assert!(reason(&partial).contains("not 0"), "{partial:?}");
+    assert_eq!(partial[0]["resident_blocks_source"], "kv-events");
+    assert_eq!(
+        metric_value(&router.metrics(), &["myelin_kv_events_partial"]),
+        1.0
+    );
+    // Requests through the router: the engine stores more than 40 blocks (each chat of 300
+    // words is tens of blocks), so whatever it held before has been evicted or used again.
+    for seed in 10..14 {
+        let response = router.post_json("/v1/chat/completions", &chat(300, seed));
+        assert_eq!(response.status, 200);
+    }
+    let exact = wait_for(&router, "the mirror exact", |backends| {
+        backends[0]["residency"] == "verified"
+    });
+    assert_eq!(mirror(&exact)["partial"], false);
+    assert_eq!(
+        metric_value(&router.metrics(), &["myelin_kv_events_partial"]),
+        0.0
+    );
+    drop(router);
+    cluster.shutdown();
+}

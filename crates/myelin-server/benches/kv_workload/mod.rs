@@ -28,7 +28,7 @@ use myelin_kv_events::{
     BlockRemoved, BlockStored, DecodedEvent, EventBatch, KvEvent, MEDIUM_GPU, WireVersion,
     decode_live, encode_batch,
 };
-use myelin_routing::{BackendId, MirrorChange, Shard, ShardConfig, WriteOp};
+use myelin_routing::{BackendId, MirrorChange, MirrorTrust, Shard, ShardConfig, WriteOp};
 use myelin_server::kv_feed::KvFeed;
 use myelin_server::kv_subscriber::FeedEvent;
 
@@ -294,7 +294,7 @@ impl Workload {
         for engine in 0..ENGINES as u32 {
             shard.apply(&WriteOp::MirrorLive {
                 backend: BackendId(engine),
-                live: true,
+                trust: MirrorTrust::Exact,
             });
         }
         for (engine, changes) in &self.warm_changes {
