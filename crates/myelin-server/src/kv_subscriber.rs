@@ -617,3 +617,174 @@ impl Follower {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroU32;
+
+    use crossbeam_channel::Receiver;
+    use myelin_kv_events::decode::DecodedEvent;
+    use myelin_kv_events::wire::{
+        AllBlocksCleared, BlockStored, KV_CACHE_SPEC_FULL_ATTENTION, KvEvent, MEDIUM_GPU,
+    };
+
+    use super::*;
+
+    const BLOCK: u32 = 4;
+
+    fn follower(capacity_blocks: u64) -> (Follower, Receiver<FeedEvent>) {
+        let (sender, receiver) = crossbeam_channel::unbounded();
+        let follower = Follower {
+            backend: 3,
+            label: "3".into(),
+            feed: KvFeed::new(NonZeroU32::new(BLOCK).unwrap()),
+            sender,
+            last_seq: None,
+            last_live_seq: None,
+            not_live: Some(NotLive::Starting),
+            partial: None,
+            stored_since_partial: 0,
+            sent: MirrorStatus::NotLive(NotLive::Starting),
+            foreign_block_size: None,
+            snapshot: Arc::new(AtomicBool::new(false)),
+            suspend: Arc::new(AtomicBool::new(false)),
+            capacity_blocks: Arc::new(AtomicU64::new(capacity_blocks)),
+            reported: FeedCounters::default(),
+        };
+        (follower, receiver)
+    }
+
+    fn batch(events: Vec<KvEvent>) -> DecodedBatch {
+        DecodedBatch {
+            ts: 0.0,
+            events: events
+                .into_iter()
+                .map(|event| DecodedEvent {
+                    event,
+                    locality: None,
+                })
+                .collect(),
+            data_parallel_rank: None,
+            skipped_unknown_events: 0,
+        }
+    }
+
+    /// A chain of `blocks` blocks from the root, engine hashes from `first_hash`.
+    fn stored(first_hash: u64, blocks: u32) -> KvEvent {
+        KvEvent::BlockStored(BlockStored {
+            block_hashes: (0..u64::from(blocks)).map(|i| first_hash + i).collect(),
+            parent_block_hash: None,
+            token_ids: (0..blocks * BLOCK)
+                .map(|token| token + first_hash as u32)
+                .collect(),
+            block_size: BLOCK,
+            lora_id: None,
+            medium: Some(MEDIUM_GPU.into()),
+            lora_name: None,
+            group_idx: Some(0),
+            kv_cache_spec_kind: Some(KV_CACHE_SPEC_FULL_ATTENTION.into()),
+            kv_cache_spec_sliding_window: None,
+        })
+    }
+
+    /// The mirror statuses sent so far, in order.
+    fn statuses(receiver: &Receiver<FeedEvent>) -> Vec<MirrorStatus> {
+        receiver
+            .try_iter()
+            .filter_map(|event| match event {
+                FeedEvent::Live { status, .. } => Some(status),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Applies a batch as the receive loop does after the sequence checks.
+    fn receive(follower: &mut Follower, seq: u64, events: Vec<KvEvent>) {
+        follower.apply(seq, &batch(events));
+        if follower.exact() {
+            follower.set_status(None);
+        }
+    }
+
+    #[test]
+    fn joining_a_stream_at_batch_zero_is_exact() {
+        let (mut follower, receiver) = follower(100);
+        receive(&mut follower, 0, vec![stored(10, 2)]);
+        receive(&mut follower, 1, vec![stored(20, 2)]);
+        assert_eq!(statuses(&receiver), vec![MirrorStatus::Exact]);
+    }
+
+    #[test]
+    fn joining_late_is_partial_until_a_capacity_of_blocks_is_stored() {
+        let (mut follower, receiver) = follower(10);
+        receive(&mut follower, 7, vec![stored(10, 4)]);
+        let late = MirrorStatus::Partial(Partial::JoinedLate { first_seq: 7 });
+        assert_eq!(statuses(&receiver), vec![late]);
+        assert_eq!(follower.status().trust(), MirrorTrust::Partial);
+        // 6 + 4 = 10 blocks stored since: not more than the capacity yet.
+        receive(&mut follower, 8, vec![stored(20, 6)]);
+        receive(&mut follower, 9, vec![stored(30, 4)]);
+        assert_eq!(statuses(&receiver), vec![]);
+        receive(&mut follower, 10, vec![stored(40, 1)]);
+        assert_eq!(statuses(&receiver), vec![MirrorStatus::Exact]);
+    }
+
+    #[test]
+    fn with_no_capacity_known_only_a_clear_or_a_restart_ends_a_partial_mirror() {
+        let (mut follower, receiver) = follower(0);
+        receive(&mut follower, 3, vec![stored(10, 50)]);
+        receive(&mut follower, 4, vec![stored(100, 50)]);
+        assert_eq!(follower.status().trust(), MirrorTrust::Partial);
+        receive(
+            &mut follower,
+            5,
+            vec![KvEvent::AllBlocksCleared(AllBlocksCleared)],
+        );
+        assert_eq!(follower.status(), MirrorStatus::Exact);
+        // A restart whose first batch was missed: partial again, from that batch.
+        follower.restart();
+        receive(&mut follower, 2, vec![stored(10, 1)]);
+        assert_eq!(
+            follower.status(),
+            MirrorStatus::Partial(Partial::JoinedLate { first_seq: 2 })
+        );
+        follower.restart();
+        receive(&mut follower, 0, vec![stored(10, 1)]);
+        assert_eq!(follower.status(), MirrorStatus::Exact);
+        let seen = statuses(&receiver);
+        assert_eq!(seen.first().map(|s| s.trust()), Some(MirrorTrust::Partial));
+        assert_eq!(seen.last(), Some(&MirrorStatus::Exact));
+    }
+
+    #[test]
+    fn a_gap_that_cannot_be_filled_clears_the_mirror_and_leaves_it_partial() {
+        let (mut follower, receiver) = follower(100);
+        receive(&mut follower, 0, vec![stored(10, 2)]);
+        follower.lose_sync();
+        let events: Vec<FeedEvent> = receiver.try_iter().collect();
+        // Exact first; then partial, and the mirror cleared after the status changed.
+        let partial_at = events
+            .iter()
+            .position(|event| {
+                matches!(
+                    event,
+                    FeedEvent::Live {
+                        status: MirrorStatus::Partial(Partial::Unsynced),
+                        ..
+                    }
+                )
+            })
+            .expect("partial");
+        let cleared_at = events
+            .iter()
+            .position(|event| {
+                matches!(event, FeedEvent::Updates { updates, .. } if updates == &[MirrorChange::Cleared])
+            })
+            .expect("cleared");
+        assert!(partial_at < cleared_at);
+        // What follows the gap is exact, but the mirror stays partial (and live).
+        receive(&mut follower, 5, vec![stored(30, 2)]);
+        assert_eq!(follower.status(), MirrorStatus::Partial(Partial::Unsynced));
+        assert!(follower.status().trust().is_live());
+    }
+}
