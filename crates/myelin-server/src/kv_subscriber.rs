@@ -222,6 +222,7 @@ impl Subscriber {
                     snapshot: thread_snapshot,
                     suspend: thread_suspend,
                     capacity_blocks: thread_capacity_blocks,
+                    replayed: Replayed::default(),
                     reported: FeedCounters::default(),
                 };
                 follower.run(&endpoints, &thread_stop);
@@ -285,6 +286,47 @@ pub(crate) fn pin_to(cpu: usize) {
     }
 }
 
+/// The payload hashes of batches applied from the replay socket, by sequence number, until the
+/// live socket passes them: a live batch of the same number and bytes is the same batch, one of
+/// other bytes is a new engine process's. Bounded (vLLM buffers 10,000 batches by default).
+#[derive(Debug, Default)]
+struct Replayed {
+    batches: std::collections::VecDeque<(u64, u64)>,
+}
+
+impl Replayed {
+    const MAX_BATCHES: usize = 16_384;
+
+    fn remember(&mut self, seq: u64, hash: u64) {
+        if self.batches.len() == Self::MAX_BATCHES {
+            self.batches.pop_front();
+        }
+        self.batches.push_back((seq, hash));
+    }
+
+    /// The hash replayed for `seq`, if any; forgets it and every earlier one (the live stream
+    /// is past them).
+    fn take(&mut self, seq: u64) -> Option<u64> {
+        while let Some(&(front, hash)) = self.batches.front() {
+            if front > seq {
+                return None;
+            }
+            self.batches.pop_front();
+            if front == seq {
+                return Some(hash);
+            }
+        }
+        None
+    }
+}
+
+/// A hash of a batch's payload (its last frame), to tell two batches of one number apart.
+fn payload_hash(frames: &[Vec<u8>]) -> u64 {
+    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+    let payload = frames.last().map_or(&[][..], Vec::as_slice);
+    BuildHasherDefault::<DefaultHasher>::default().hash_one(payload)
+}
+
 struct Follower {
     backend: BackendId,
     label: String,
@@ -304,6 +346,8 @@ struct Follower {
     sent: MirrorStatus,
     /// [`Subscriber::set_capacity_blocks`].
     capacity_blocks: Arc<AtomicU64>,
+    /// Batches applied from the replay socket that may still come live.
+    replayed: Replayed,
     /// The engine's block size, when it is not the router's: nothing can be mirrored until
     /// the engine restarts.
     foreign_block_size: Option<u32>,
@@ -364,8 +408,12 @@ impl Follower {
             };
             let seq = message.seq;
             // vLLM never repeats a live sequence number: going back means a new engine
-            // process (restart), whose cache starts empty.
-            if self.last_live_seq.is_some_and(|previous| seq <= previous) {
+            // process (restart), whose cache starts empty. A batch the replay socket already
+            // gave is a restart's too when its bytes differ (the engine restarted before any
+            // batch came live).
+            let repeated_live = self.last_live_seq.is_some_and(|previous| seq <= previous);
+            let replayed_as = self.replayed.take(seq);
+            if repeated_live || replayed_as.is_some_and(|hash| hash != payload_hash(&frames)) {
                 self.restart();
             }
             self.last_live_seq = Some(seq);
@@ -444,6 +492,7 @@ impl Follower {
                     {
                         continue;
                     }
+                    self.replayed.remember(seq, payload_hash(&frames));
                     self.apply(seq, &batch);
                 }
                 Err(_) => {
@@ -460,6 +509,7 @@ impl Follower {
         let mut updates = Vec::new();
         self.feed.clear(&mut updates);
         self.last_seq = None;
+        self.replayed = Replayed::default();
         // A new engine process starts empty: the mirror is exact again (and its blocks may
         // now be of the router's size).
         self.end_partial();
@@ -649,6 +699,7 @@ mod tests {
             snapshot: Arc::new(AtomicBool::new(false)),
             suspend: Arc::new(AtomicBool::new(false)),
             capacity_blocks: Arc::new(AtomicU64::new(capacity_blocks)),
+            replayed: Replayed::default(),
             reported: FeedCounters::default(),
         };
         (follower, receiver)
@@ -704,6 +755,36 @@ mod tests {
         if follower.exact() {
             follower.set_status(None);
         }
+    }
+
+    #[test]
+    fn replayed_batches_are_known_by_number_until_the_live_stream_passes_them() {
+        let mut replayed = Replayed::default();
+        for seq in 3..8 {
+            replayed.remember(seq, seq * 10);
+        }
+        assert_eq!(replayed.take(2), None);
+        assert_eq!(replayed.take(4), Some(40), "3 is forgotten on the way");
+        assert_eq!(replayed.take(3), None);
+        assert_eq!(replayed.take(7), Some(70));
+        assert!(replayed.batches.is_empty());
+        for seq in 0..Replayed::MAX_BATCHES as u64 + 2 {
+            replayed.remember(seq, seq);
+        }
+        assert_eq!(replayed.batches.len(), Replayed::MAX_BATCHES);
+        assert_eq!(
+            replayed.take(1),
+            None,
+            "the oldest are dropped at the bound"
+        );
+        assert_eq!(
+            payload_hash(&[b"topic".to_vec(), b"a".to_vec()]),
+            payload_hash(&[b"other".to_vec(), b"a".to_vec()])
+        );
+        assert_ne!(
+            payload_hash(&[b"a".to_vec()]),
+            payload_hash(&[b"b".to_vec()])
+        );
     }
 
     #[test]

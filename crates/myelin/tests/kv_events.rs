@@ -315,3 +315,37 @@ fn a_router_started_against_a_warm_engine_has_a_partial_mirror_until_the_cache_t
     drop(router);
     cluster.shutdown();
 }
+
+/// The engine restarts before any of its batches came live to the router (everything it had
+/// was replayed at the router's start): its new stream's numbers are ones the replay already
+/// gave, with other bytes. That is a restart (the mirror is cleared and follows the new
+/// stream), not batches to skip as already applied.
+#[test]
+fn an_engine_restarted_before_any_batch_came_live_is_seen_as_a_restart() {
+    let cluster = cluster(WireVersion::V0_33);
+    // Batches 0.. are published before the router exists; it gets them from the replay socket.
+    for seed in 1..4 {
+        chat_engine(&cluster, 200, seed);
+    }
+    let args = backend_args(&cluster);
+    let mut all: Vec<&str> = args.iter().map(String::as_str).collect();
+    all.extend(["--residency", "auto"]);
+    let router = Router::start(&all);
+    let replayed = wait_for(&router, "the replayed mirror", |backends| {
+        backends[0]["residency"] == "verified" && resident(&backends[0]) > 0
+    });
+    let before = resident(&replayed[0]);
+    assert!(cluster.restart_kv_publisher(0));
+    // One small request: the new process's first batches, numbered from 0 again.
+    chat_engine(&cluster, 20, 9);
+    wait_for(
+        &router,
+        "the restart seen and the mirror rebuilt",
+        |backends| {
+            let restarts = metric_value(&router.metrics(), &["myelin_kv_events_restarts_total"]);
+            restarts >= 1.0 && resident(&backends[0]) > 0 && resident(&backends[0]) < before
+        },
+    );
+    drop(router);
+    cluster.shutdown();
+}
