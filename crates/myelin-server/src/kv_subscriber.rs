@@ -207,24 +207,14 @@ impl Subscriber {
                 if let Some(cpu) = cpu {
                     pin_to(cpu);
                 }
-                let mut follower = Follower {
+                let mut follower = Follower::new(
                     backend,
-                    label: names::backend_label(backend),
                     feed,
                     sender,
-                    last_seq: None,
-                    last_live_seq: None,
-                    not_live: Some(NotLive::Starting),
-                    partial: None,
-                    stored_since_partial: 0,
-                    sent: MirrorStatus::NotLive(NotLive::Starting),
-                    foreign_block_size: None,
-                    snapshot: thread_snapshot,
-                    suspend: thread_suspend,
-                    capacity_blocks: thread_capacity_blocks,
-                    replayed: Replayed::default(),
-                    reported: FeedCounters::default(),
-                };
+                    thread_snapshot,
+                    thread_suspend,
+                    thread_capacity_blocks,
+                );
                 follower.run(&endpoints, &thread_stop);
                 let _ = follower.sender.send(FeedEvent::Live {
                     backend,
@@ -359,6 +349,35 @@ struct Follower {
 }
 
 impl Follower {
+    /// A follower of `backend`'s stream that has seen nothing yet.
+    fn new(
+        backend: BackendId,
+        feed: KvFeed,
+        sender: Sender<FeedEvent>,
+        snapshot: Arc<AtomicBool>,
+        suspend: Arc<AtomicBool>,
+        capacity_blocks: Arc<AtomicU64>,
+    ) -> Follower {
+        Follower {
+            backend,
+            label: names::backend_label(backend),
+            feed,
+            sender,
+            last_seq: None,
+            last_live_seq: None,
+            not_live: Some(NotLive::Starting),
+            partial: None,
+            stored_since_partial: 0,
+            sent: MirrorStatus::NotLive(NotLive::Starting),
+            foreign_block_size: None,
+            snapshot,
+            suspend,
+            capacity_blocks,
+            replayed: Replayed::default(),
+            reported: FeedCounters::default(),
+        }
+    }
+
     fn run(&mut self, endpoints: &KvEndpoints, stop: &AtomicBool) {
         let context = zmq::Context::new();
         let subscriber = match self.socket(&context, zmq::SUB, &endpoints.publish) {
@@ -684,24 +703,14 @@ mod tests {
 
     fn follower(capacity_blocks: u64) -> (Follower, Receiver<FeedEvent>) {
         let (sender, receiver) = crossbeam_channel::unbounded();
-        let follower = Follower {
-            backend: 3,
-            label: "3".into(),
-            feed: KvFeed::new(NonZeroU32::new(BLOCK).unwrap()),
+        let follower = Follower::new(
+            3,
+            KvFeed::new(NonZeroU32::new(BLOCK).unwrap()),
             sender,
-            last_seq: None,
-            last_live_seq: None,
-            not_live: Some(NotLive::Starting),
-            partial: None,
-            stored_since_partial: 0,
-            sent: MirrorStatus::NotLive(NotLive::Starting),
-            foreign_block_size: None,
-            snapshot: Arc::new(AtomicBool::new(false)),
-            suspend: Arc::new(AtomicBool::new(false)),
-            capacity_blocks: Arc::new(AtomicU64::new(capacity_blocks)),
-            replayed: Replayed::default(),
-            reported: FeedCounters::default(),
-        };
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicU64::new(capacity_blocks)),
+        );
         (follower, receiver)
     }
 
