@@ -222,7 +222,7 @@ impl KvFeed {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use myelin_kv_events::wire::{AllBlocksCleared, KV_CACHE_SPEC_FULL_ATTENTION, MEDIUM_GPU};
     use myelin_routing::BlockChain;
@@ -231,14 +231,15 @@ mod tests {
         KvFeed::new(NonZeroU32::new(4).unwrap())
     }
 
-    fn local(event: KvEvent) -> DecodedEvent {
+    pub(crate) fn local(event: KvEvent) -> DecodedEvent {
         DecodedEvent {
             event,
             locality: None,
         }
     }
 
-    fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> DecodedEvent {
+    /// A `BlockStored` of 4-token blocks.
+    pub(crate) fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> DecodedEvent {
         local(KvEvent::BlockStored(BlockStored {
             block_hashes: hashes.to_vec(),
             parent_block_hash: parent,

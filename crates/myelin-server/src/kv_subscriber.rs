@@ -693,12 +693,11 @@ mod tests {
 
     use crossbeam_channel::Receiver;
     use myelin_kv_events::decode::DecodedEvent;
-    use myelin_kv_events::wire::{
-        AllBlocksCleared, BlockStored, KV_CACHE_SPEC_FULL_ATTENTION, KvEvent, MEDIUM_GPU,
-    };
+    use myelin_kv_events::wire::{AllBlocksCleared, KvEvent};
 
     use super::*;
 
+    /// The block size of `kv_feed`'s test events.
     const BLOCK: u32 = 4;
 
     fn follower(capacity_blocks: u64) -> (Follower, Receiver<FeedEvent>) {
@@ -714,37 +713,22 @@ mod tests {
         (follower, receiver)
     }
 
-    fn batch(events: Vec<KvEvent>) -> DecodedBatch {
+    fn batch(events: Vec<DecodedEvent>) -> DecodedBatch {
         DecodedBatch {
             ts: 0.0,
-            events: events
-                .into_iter()
-                .map(|event| DecodedEvent {
-                    event,
-                    locality: None,
-                })
-                .collect(),
+            events,
             data_parallel_rank: None,
             skipped_unknown_events: 0,
         }
     }
 
     /// A chain of `blocks` blocks from the root, engine hashes from `first_hash`.
-    fn stored(first_hash: u64, blocks: u32) -> KvEvent {
-        KvEvent::BlockStored(BlockStored {
-            block_hashes: (0..u64::from(blocks)).map(|i| first_hash + i).collect(),
-            parent_block_hash: None,
-            token_ids: (0..blocks * BLOCK)
-                .map(|token| token + first_hash as u32)
-                .collect(),
-            block_size: BLOCK,
-            lora_id: None,
-            medium: Some(MEDIUM_GPU.into()),
-            lora_name: None,
-            group_idx: Some(0),
-            kv_cache_spec_kind: Some(KV_CACHE_SPEC_FULL_ATTENTION.into()),
-            kv_cache_spec_sliding_window: None,
-        })
+    fn stored(first_hash: u64, blocks: u32) -> DecodedEvent {
+        let hashes: Vec<u64> = (0..u64::from(blocks)).map(|i| first_hash + i).collect();
+        let tokens: Vec<u32> = (0..blocks * BLOCK)
+            .map(|token| token + first_hash as u32)
+            .collect();
+        crate::kv_feed::tests::stored(&hashes, None, &tokens)
     }
 
     /// The mirror statuses sent so far, in order.
@@ -759,7 +743,7 @@ mod tests {
     }
 
     /// Applies a batch as the receive loop does after the sequence checks.
-    fn receive(follower: &mut Follower, seq: u64, events: Vec<KvEvent>) {
+    fn receive(follower: &mut Follower, seq: u64, events: Vec<DecodedEvent>) {
         follower.apply(seq, &batch(events));
         if follower.exact() {
             follower.set_status(None);
@@ -828,7 +812,9 @@ mod tests {
         receive(
             &mut follower,
             5,
-            vec![KvEvent::AllBlocksCleared(AllBlocksCleared)],
+            vec![crate::kv_feed::tests::local(KvEvent::AllBlocksCleared(
+                AllBlocksCleared,
+            ))],
         );
         assert_eq!(follower.status(), MirrorStatus::Exact);
         // A restart whose first batch was missed: partial again, from that batch.
