@@ -8,7 +8,9 @@ pub const DEFAULT_LEGS: &str =
 
 /// Every leg name `--legs` accepts. A router leg may end in `:tokens` to run with the cost in
 /// tokens (`myelin serve --cost tokens`), the cost the router had before the cost in seconds:
-/// `prefix+off:tokens` is history-only prefix routing as it was.
+/// `prefix+off:tokens` is history-only prefix routing as it was; and in `:--FLAG=VALUE`
+/// suffixes, `myelin serve` flags of that leg alone, to compare settings in one run:
+/// `prefix+auto:--extra-prefill-percent=0` beside `prefix+auto`.
 pub const KNOWN_LEGS: &[&str] = &[
     "round-robin",
     "least-load",
@@ -125,6 +127,10 @@ pub enum LegError {
     NoPortPlaceholder(String),
     #[error("no legs to run")]
     Empty,
+    #[error(
+        "leg `{0}`: a suffix is `:tokens` or `:--FLAG=VALUE` (a `myelin serve` flag) on a router leg"
+    )]
+    BadSuffix(String),
 }
 
 /// Parses `--legs a,b,c`.
@@ -135,10 +141,21 @@ pub fn parse_legs(list: &str) -> Result<Vec<LegSpec>, LegError> {
         .map(str::trim)
         .filter(|name| !name.is_empty())
     {
-        let (base, router_args) = match name.strip_suffix(":tokens") {
-            Some(base) if base != "oracle" => (base, vec!["--cost".into(), "tokens".into()]),
-            _ => (name, Vec::new()),
-        };
+        let mut parts = name.split(':');
+        let base = parts.next().unwrap_or_default();
+        let mut router_args: Vec<String> = Vec::new();
+        let mut suffixes = String::new();
+        for suffix in parts {
+            match suffix {
+                "tokens" => router_args.extend(["--cost".into(), "tokens".into()]),
+                flag if flag.starts_with("--") && flag.len() > 2 => {
+                    router_args.push(flag.to_string())
+                }
+                _ => return Err(LegError::BadSuffix(name.to_string())),
+            }
+            suffixes.push(':');
+            suffixes.push_str(suffix);
+        }
         let kind = match base {
             "round-robin" => LegKind::RoundRobin,
             "least-load" => LegKind::LeastLoad,
@@ -149,14 +166,13 @@ pub fn parse_legs(list: &str) -> Result<Vec<LegSpec>, LegError> {
             "oracle" => LegKind::Oracle,
             unknown => return Err(LegError::Unknown(unknown.to_string())),
         };
+        if !router_args.is_empty() && !kind.uses_myelin_router() {
+            return Err(LegError::BadSuffix(name.to_string()));
+        }
         push_unique(
             &mut legs,
             LegSpec {
-                name: if router_args.is_empty() {
-                    kind.describe().to_string()
-                } else {
-                    format!("{}:tokens", kind.describe())
-                },
+                name: format!("{}{suffixes}", kind.describe()),
                 kind,
                 command: None,
                 router_args,
@@ -303,7 +319,31 @@ mod tests {
         assert!(legs[0].router_args.is_empty());
         assert_eq!(
             parse_legs("oracle:tokens"),
-            Err(LegError::Unknown("oracle:tokens".into()))
+            Err(LegError::BadSuffix("oracle:tokens".into()))
+        );
+    }
+
+    #[test]
+    fn flag_suffixes_give_one_leg_its_own_serve_flags() {
+        let legs = parse_legs(
+            "prefix+auto,prefix+auto:--extra-prefill-percent=0,prefix:tokens:--load-bound-tokens=0",
+        )
+        .unwrap();
+        assert_eq!(legs[1].name, "prefix+auto:--extra-prefill-percent=0");
+        assert_eq!(legs[1].kind, LegKind::Prefix(Residency::Auto));
+        assert_eq!(legs[1].router_args, ["--extra-prefill-percent=0"]);
+        assert!(legs[0].router_args.is_empty());
+        assert_eq!(legs[2].name, "prefix+off:tokens:--load-bound-tokens=0");
+        assert_eq!(
+            legs[2].router_args,
+            ["--cost", "tokens", "--load-bound-tokens=0"]
+        );
+        for bad in ["prefix+auto:fast", "prefix+auto:--", "oracle:--cost=tokens"] {
+            assert_eq!(parse_legs(bad), Err(LegError::BadSuffix(bad.into())));
+        }
+        assert_eq!(
+            parse_legs("prefix+auto:--x=1,prefix+auto:--x=1"),
+            Err(LegError::Duplicate("prefix+auto:--x=1".into()))
         );
     }
 

@@ -240,9 +240,13 @@ mod tests {
             1000.0,
         );
         assert!((seconds - expected.seconds).abs() < 1e-12);
-        // 9,000 queued ahead cost more than prefilling the whole prompt elsewhere.
-        let busy = [truth(0, 0), truth(4000, 9000)];
-        assert_eq!(oracle.choose(5000, 10, &busy), Some(0));
+        // 7,000 queued ahead cost more than prefilling the whole prompt elsewhere, but not
+        // more than that plus the charge for prefilling the 4,000 cached tokens again (the
+        // router's default); 9,000 do.
+        let busy = [truth(0, 0), truth(4000, 7000)];
+        assert_eq!(oracle.choose(5000, 10, &busy), Some(1));
+        let busier = [truth(0, 0), truth(4000, 9000)];
+        assert_eq!(oracle.choose(5000, 10, &busier), Some(0));
     }
 
     #[test]
@@ -274,9 +278,9 @@ mod tests {
         // A burst of requests for a prefix engine 0 holds (4,000 of 4,100 tokens): the
         // engines have received none of them yet. Each one in transit to engine 0 queues its
         // 100 uncached tokens there; once that prefill ahead costs more than prefilling all
-        // 4,100 on engine 1, the next goes there.
+        // 4,100 on engine 1 plus the charge for the 4,000 prefilled again, the next goes there.
         let mut picks = Vec::new();
-        for _ in 0..60 {
+        for _ in 0..120 {
             picks.push(
                 oracle
                     .choose(4100, 400, &[received(0, 4000), received(0, 0)])
@@ -305,7 +309,10 @@ mod tests {
             .seconds
         };
         // At equal predictions engine 0, which holds the prompt, keeps it (the tie rule).
-        let crossing = (0..60).find(|&n| behind(n) > cold.seconds).unwrap();
+        let charge = 4000.0 * DEFAULT_ENGINE_TIMING.prefill_s_per_token;
+        let crossing = (0..120)
+            .find(|&n| behind(n) > cold.seconds + charge)
+            .unwrap();
         assert_eq!(first_elsewhere as u64, crossing, "{picks:?}");
         // Once engine 0 has received them, their queue is its true queue's business: with an
         // empty queue reported, engine 0 wins again.

@@ -34,6 +34,12 @@ pub const DEFAULT_MAX_PREFIX_HOMES: u32 = 3;
 /// waiting behind 4 to 6 running ones at 0.77 to 0.94 utilization (docs/routing.md).
 pub const MEMORY_FULL_UTILIZATION: f64 = 0.75;
 
+/// With the cost in seconds, the prefill a choice makes an engine do beyond what the engine
+/// needing the least would do (re-prefilling a prefix another engine still holds) counts this
+/// percent of its time again, unless configured: that work delays the requests that will queue
+/// behind it, not only this one (docs/routing.md, "Extra prefill").
+pub const DEFAULT_EXTRA_PREFILL_PERCENT: u32 = 100;
+
 /// What the prefix policy minimises.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CostModel {
@@ -97,6 +103,10 @@ pub struct RouterConfig {
     /// Most homes a prefix gets because of KV-memory waits (backends holding at least half of
     /// its longest match); beyond it, waits count only among its homes. 0 = no bound.
     pub max_prefix_homes: u32,
+    /// With [`CostModel::Ttft`]: the prefill a backend would do beyond the least any eligible
+    /// backend would (its uncached tokens minus the fewest uncached tokens anywhere) is charged
+    /// this percent of its prefill time on top of the predicted TTFT. 0 = own TTFT only.
+    pub extra_prefill_percent: u32,
 }
 
 impl Default for RouterConfig {
@@ -107,6 +117,7 @@ impl Default for RouterConfig {
             decode_step_tokens: DEFAULT_DECODE_STEP_TOKENS,
             pending_resident_ms: 0,
             max_prefix_homes: DEFAULT_MAX_PREFIX_HOMES,
+            extra_prefill_percent: DEFAULT_EXTRA_PREFILL_PERCENT,
         }
     }
 }
@@ -183,6 +194,11 @@ struct Candidate {
     /// Expected wait for KV memory, in the cost's unit (part of both costs).
     wait_tokens: f64,
     predicted_ttft: TtftPrediction,
+    /// Prompt tokens to prefill there, expected and undiscounted.
+    uncached_tokens: f64,
+    undiscounted_uncached_tokens: f64,
+    /// Seconds per prefilled token there.
+    prefill_s_per_token: f64,
 }
 
 /// Chooses backends. `E` supplies resident probabilities for the `estimate`/`auto` modes.
@@ -349,6 +365,9 @@ impl<E: ResidencyEstimator> Router<E> {
                 undiscounted_cost_tokens,
                 wait_tokens,
                 predicted_ttft,
+                uncached_tokens: prompt - expected_cached,
+                undiscounted_uncached_tokens: prompt - undiscounted_cached,
+                prefill_s_per_token: view.timing.prefill_s_per_token,
             });
         }
         if candidates.is_empty() {
@@ -398,6 +417,9 @@ impl<E: ResidencyEstimator> Router<E> {
                 candidate.cost_tokens -= base;
                 candidate.undiscounted_cost_tokens -= base;
             }
+        }
+        if self.config.cost == CostModel::Ttft && self.config.extra_prefill_percent > 0 {
+            charge_extra_prefill(&mut candidates, self.config.extra_prefill_percent);
         }
         candidates.sort_by_key(|candidate| candidate.id);
         let after = self.last_chosen;
@@ -526,6 +548,28 @@ impl<E: ResidencyEstimator> Router<E> {
         } else {
             expected
         }
+    }
+}
+
+/// Adds to each candidate's costs `percent` of the time it would spend prefilling beyond the
+/// fewest uncached tokens of any candidate (each cost against its own fewest: the expected and
+/// the undiscounted one).
+fn charge_extra_prefill(candidates: &mut [Candidate], percent: u32) {
+    let weight = f64::from(percent) / 100.0;
+    let fewest = |of: fn(&Candidate) -> f64| {
+        candidates
+            .iter()
+            .map(of)
+            .min_by(f64::total_cmp)
+            .unwrap_or(0.0)
+    };
+    let fewest_expected = fewest(|c| c.uncached_tokens);
+    let fewest_undiscounted = fewest(|c| c.undiscounted_uncached_tokens);
+    for candidate in candidates {
+        let rate = weight * candidate.prefill_s_per_token;
+        candidate.cost_tokens += rate * (candidate.uncached_tokens - fewest_expected);
+        candidate.undiscounted_cost_tokens +=
+            rate * (candidate.undiscounted_uncached_tokens - fewest_undiscounted);
     }
 }
 

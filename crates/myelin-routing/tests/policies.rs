@@ -1130,15 +1130,105 @@ fn a_cache_hit_stays_home_while_the_queue_there_costs_less_than_prefilling_elsew
         )
     };
     let idle = up(1, 0);
-    let mut router = ttft_router(ResidencyMode::Off);
+    // The request's own time only (no charge for the extra prefill).
+    let mut own_time = Router::new(
+        Policy::Prefix,
+        ResidencyMode::Off,
+        RouterConfig {
+            extra_prefill_percent: 0,
+            ..RouterConfig::default()
+        },
+    );
     // 2,000 tokens of prefill ahead cost less than prefilling 6,000 on the idle engine.
-    let home = decide(&mut router, &shard, &tokens, &[queued(2000), idle.clone()]);
+    let home = decide(
+        &mut own_time,
+        &shard,
+        &tokens,
+        &[queued(2000), idle.clone()],
+    );
     assert_eq!(home.backend, BackendId(0));
     assert_eq!(home.expected_cached_tokens, 6000.0);
     // 8,000 ahead cost more: the hit moves.
-    let moved = decide(&mut router, &shard, &tokens, &[queued(8000), idle]);
+    let moved = decide(
+        &mut own_time,
+        &shard,
+        &tokens,
+        &[queued(8000), idle.clone()],
+    );
     assert_eq!(moved.backend, BackendId(1));
     assert!(moved.predicted_ttft.seconds < 8000.0 * DEFAULT_ENGINE_TIMING.prefill_s_per_token);
+    // By default the 6,000 tokens prefilled again on the idle engine are charged once more
+    // (the requests queuing behind them pay for them too): 8,000 ahead keep the hit home, and
+    // it moves only past about 12,000, where its own first token comes later than the whole
+    // prompt prefilled twice.
+    let mut router = ttft_router(ResidencyMode::Off);
+    let home = decide(&mut router, &shard, &tokens, &[queued(8000), idle.clone()]);
+    assert_eq!(home.backend, BackendId(0));
+    let home = decide(
+        &mut router,
+        &shard,
+        &tokens,
+        &[queued(11_000), idle.clone()],
+    );
+    assert_eq!(home.backend, BackendId(0));
+    let moved = decide(&mut router, &shard, &tokens, &[queued(13_000), idle]);
+    assert_eq!(moved.backend, BackendId(1));
+    // The charge is the extra prefill only: the cold engine's cost is its own prefill twice.
+    let expected =
+        moved.predicted_ttft.seconds + 6000.0 * DEFAULT_ENGINE_TIMING.prefill_s_per_token;
+    assert!(
+        (moved.expected_cost_tokens - expected).abs() < 1e-9,
+        "{moved:?}"
+    );
+}
+
+#[test]
+fn a_prefix_partly_evicted_at_home_is_not_copied_to_an_idle_engine_for_a_small_saving() {
+    // Engine 0's live mirror holds the first 3,000 tokens of a 6,000-token prompt (the rest was
+    // evicted); engine 1 is idle and holds none. Engine 0 has 3,500 tokens of prefill ahead, so
+    // its own first token would come after 6,500 prefilled tokens against 6,000 on engine 1.
+    // Moving saves 500 tokens of this request's wait and prefills the resident head a second
+    // time (3,000 tokens of work, and memory the other prefixes lose): the request stays.
+    let mut shard = shard();
+    let tokens = prompt(1500, 8);
+    shard.learn(&tokens, BackendId(0), 0);
+    let chain = shard.chain(&tokens);
+    shard.set_mirror_live(BackendId(0), true);
+    for &hash in &chain.hashes()[..750] {
+        shard.apply_block_stored(BackendId(0), hash);
+    }
+    let views = [
+        up(0, 3500).with_ttft(
+            DEFAULT_ENGINE_TIMING,
+            EngineQueue {
+                prefill_tokens_ahead: 3500,
+                requests: 1,
+                mean_remaining_output_tokens: 200.0,
+                ..EngineQueue::default()
+            },
+        ),
+        up(1, 0),
+    ];
+    let decision = decide(
+        &mut ttft_router(ResidencyMode::Auto),
+        &shard,
+        &tokens,
+        &views,
+    );
+    assert_eq!(decision.backend, BackendId(0), "{decision:?}");
+    assert_eq!(decision.expected_cached_tokens, 3000.0);
+    let mut own_time = Router::new(
+        Policy::Prefix,
+        ResidencyMode::Auto,
+        RouterConfig {
+            extra_prefill_percent: 0,
+            ..RouterConfig::default()
+        },
+    );
+    assert_eq!(
+        decide(&mut own_time, &shard, &tokens, &views).backend,
+        BackendId(1)
+    );
 }
 
 #[test]

@@ -381,6 +381,15 @@ pub struct ServeArgs {
     #[arg(long, env = "MYELIN_MAX_PREFIX_HOMES", value_name = "N")]
     pub max_prefix_homes: Option<u32>,
 
+    /// Prefix policy, `--cost ttft`: the prefill an engine would do beyond the least any
+    /// engine would (re-prefilling a prefix another engine still holds) is charged this percent
+    /// of its prefill time again, for the requests that will queue behind that work
+    /// (docs/routing.md, "Extra prefill"); 0 = the request's own predicted TTFT only.
+    /// [default: 100]
+    #[arg(long, env = "MYELIN_EXTRA_PREFILL_PERCENT", value_name = "PERCENT",
+          value_parser = clap::value_parser!(u32).range(0..=1000))]
+    pub extra_prefill_percent: Option<u32>,
+
     /// Prefix policy: what it minimises. `ttft`: the predicted time to first token on each
     /// engine, from the prefill queued there, the prompt's uncached part and the wait for KV
     /// memory, at each engine's rates fitted from its own first tokens (docs/routing.md, "The
@@ -460,6 +469,7 @@ pub struct FileConfig {
     pub engine_metrics_interval_ms: Option<u64>,
     pub pending_resident_ms: Option<u64>,
     pub max_prefix_homes: Option<u32>,
+    pub extra_prefill_percent: Option<u32>,
     pub cost: Option<String>,
     pub engine_step_tokens: Option<u32>,
 }
@@ -542,6 +552,7 @@ pub struct ServeConfig {
     pub engine_metrics_interval: Duration,
     pub pending_resident_ms: u64,
     pub max_prefix_homes: u32,
+    pub extra_prefill_percent: u32,
     pub cost: myelin_routing::CostModel,
     pub engine_step_tokens: u32,
     /// `--fault-drop-control-messages` (tests only; 0 = off).
@@ -573,6 +584,8 @@ pub enum ConfigError {
     Cost(myelin_routing::ParseNameError),
     #[error("config file key engine-step-tokens must be 1 to 1048576")]
     EngineStepTokens,
+    #[error("config file key extra-prefill-percent must be 0 to 1000")]
+    ExtraPrefillPercent,
     #[error("{0} must be at least 1")]
     MustBePositive(&'static str),
     #[error("--sim-speedup must be a positive number")]
@@ -998,6 +1011,11 @@ impl ServeConfig {
                 .max_prefix_homes
                 .or(file.max_prefix_homes)
                 .unwrap_or(Defaults::MAX_PREFIX_HOMES),
+            extra_prefill_percent: match args.extra_prefill_percent.or(file.extra_prefill_percent) {
+                Some(percent) if percent > 1000 => return Err(ConfigError::ExtraPrefillPercent),
+                percent => percent.unwrap_or(myelin_routing::DEFAULT_EXTRA_PREFILL_PERCENT),
+            },
+
             cost: match (args.cost, &file.cost) {
                 (Some(cost), _) => cost,
                 (None, Some(name)) => name.parse().map_err(ConfigError::Cost)?,
@@ -1085,6 +1103,27 @@ mod tests {
             Some("tcp://b:5557")
         );
         assert_eq!(config.layout.shard_count(), 2);
+    }
+
+    #[test]
+    fn extra_prefill_charge_from_defaults_file_and_flags_within_bounds() {
+        let merge = |flags: &[&str], text: &str| {
+            let mut argv = vec!["--backend", "http://a:1"];
+            argv.extend_from_slice(flags);
+            ServeConfig::merge(parse(&argv), file(text), &[0])
+        };
+        assert_eq!(merge(&[], "").unwrap().extra_prefill_percent, 100);
+        let text = "extra-prefill-percent = 250";
+        assert_eq!(merge(&[], text).unwrap().extra_prefill_percent, 250);
+        let config = merge(&["--extra-prefill-percent", "0"], text).unwrap();
+        assert_eq!(config.extra_prefill_percent, 0);
+        assert!(matches!(
+            merge(&[], "extra-prefill-percent = 5000"),
+            Err(ConfigError::ExtraPrefillPercent)
+        ));
+        let mut argv = vec!["myelin", "--extra-prefill-percent", "1001"];
+        argv.extend(["--backend", "http://a:1"]);
+        assert!(TestCli::try_parse_from(argv).is_err());
     }
 
     #[test]

@@ -189,6 +189,7 @@ impl RoutingShard {
                     decode_step_tokens: config.decode_step_tokens,
                     pending_resident_ms: config.pending_resident_ms,
                     max_prefix_homes: config.max_prefix_homes,
+                    extra_prefill_percent: config.extra_prefill_percent,
                 },
             ),
             residency: config.residency,
