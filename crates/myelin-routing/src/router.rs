@@ -275,7 +275,8 @@ impl<E: ResidencyEstimator> Router<E> {
     ///   [`CostModel::Tokens`]; with [`CostModel::Ttft`] (the default) cost(b) is the predicted
     ///   time to first token ([`crate::predict_ttft`] with b's timing and queue and
     ///   prompt_tokens − expected_cached(b) to prefill), waits count in full and the homes
-    ///   bound does not apply.
+    ///   bound does not apply; plus `extra_prefill_percent` of b's prefill time for its
+    ///   uncached tokens beyond the fewest of any eligible backend (the extra prefill).
     ///
     /// `prefix` takes the lowest cost; `least-load` the lowest load; `round-robin` the next id
     /// after the last chosen. Ties go to the first tied id after the last chosen backend,
