@@ -23,7 +23,7 @@ use crate::report::{self, REPORT_SCHEMA_VERSION, Report};
 use crate::router_process::{
     Gossip, RouterError, RouterProcess, RouterTiming, free_udp_ports, node_args, write_cluster_key,
 };
-use crate::stats::{self, EngineCounters, LegRun};
+use crate::stats::{self, EngineCounters, HistoryTokens, LegRun};
 use crate::workload::alphabet::AlphabetError;
 use crate::workload::{
     Arrival, PromptFormat, TokenAlphabet, Workload, WorkloadConfig, WorkloadError,
@@ -34,6 +34,8 @@ use crate::{BenchArgs, blocking_http};
 pub const DOWNGRADES_METRIC: &str = "myelin_router_residency_route_downgrades_total";
 /// The router's count of second homes made for prefixes (KV memory full at the first).
 pub const REPLICATIONS_METRIC: &str = "myelin_router_prefix_replications_total";
+pub const HISTORY_MATCHED_METRIC: &str = "myelin_router_history_matched_tokens_total";
+pub const HISTORY_EVICTED_METRIC: &str = "myelin_router_history_evicted_tokens_total";
 
 /// How often the progress bar refreshes.
 const PROGRESS_TICK: Duration = Duration::from_millis(250);
@@ -531,6 +533,9 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
     };
     let downgrades = counter(DOWNGRADES_METRIC);
     let replications = counter(REPLICATIONS_METRIC);
+    let history_tokens = counter(HISTORY_MATCHED_METRIC)
+        .zip(counter(HISTORY_EVICTED_METRIC))
+        .map(|(matched, evicted)| HistoryTokens { matched, evicted });
     for router in routers {
         router.stop();
     }
@@ -559,6 +564,7 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
         engines_total,
         downgrades,
         replications,
+        history_tokens,
         harness: outcome.harness,
     })
 }

@@ -111,7 +111,33 @@ pub struct LegRun {
     /// Requests sent to a second home of their prefix (KV memory full at the first), from the
     /// router's /metrics (`None`: no myelin router in the leg).
     pub replications: Option<u64>,
+    /// Prompt tokens the router's prefix history matched and those its residency mode found
+    /// evicted, over the whole run, from the router's /metrics (`None`: no myelin router).
+    pub history_tokens: Option<HistoryTokens>,
     pub harness: HarnessCost,
+}
+
+/// `myelin_router_history_matched_tokens_total` and `..._evicted_tokens_total`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct HistoryTokens {
+    pub matched: u64,
+    pub evicted: u64,
+}
+
+impl std::iter::Sum for HistoryTokens {
+    fn sum<I: Iterator<Item = Self>>(iter: I) -> Self {
+        iter.fold(HistoryTokens::default(), |total, one| HistoryTokens {
+            matched: total.matched.saturating_add(one.matched),
+            evicted: total.evicted.saturating_add(one.evicted),
+        })
+    }
+}
+
+impl HistoryTokens {
+    /// Evicted over matched (`None` when nothing matched).
+    pub fn evicted_share(self) -> Option<f64> {
+        (self.matched > 0).then(|| self.evicted as f64 / self.matched as f64)
+    }
 }
 
 impl LegRun {
@@ -141,6 +167,9 @@ pub struct LegSummary {
     pub downgrades: Option<u64>,
     /// Second homes made (`myelin_router_prefix_replications_total`).
     pub replications: Option<u64>,
+    /// Of the prompt tokens the router's history matched, the share its residency mode found
+    /// evicted (see [`HistoryTokens`]; `None`: no myelin router, or nothing matched).
+    pub history_evicted_share: Option<f64>,
     /// Downgrades per request sent.
     pub downgrade_rate: Option<f64>,
     pub ttft_ms: Percentiles,
@@ -188,6 +217,7 @@ pub struct RepeatFigures {
     pub errors: u64,
     pub downgrades: Option<u64>,
     pub replications: Option<u64>,
+    pub history_evicted_share: Option<f64>,
     pub ttft_ms: Percentiles,
     pub e2e_ms: Percentiles,
     pub throughput_rps: f64,
@@ -373,6 +403,7 @@ pub fn summarize(runs: &[&LegRun]) -> LegSummary {
                 errors: alone.errors,
                 downgrades: alone.downgrades,
                 replications: alone.replications,
+                history_evicted_share: alone.history_evicted_share,
                 ttft_ms: alone.ttft_ms,
                 e2e_ms: alone.e2e_ms,
                 throughput_rps: alone.throughput_rps,
@@ -429,6 +460,10 @@ fn pooled(runs: &[&LegRun]) -> LegSummary {
     }
     let downgrades = runs.iter().map(|run| run.downgrades).sum::<Option<u64>>();
     let replications = runs.iter().map(|run| run.replications).sum::<Option<u64>>();
+    let history_tokens = runs
+        .iter()
+        .map(|run| run.history_tokens)
+        .sum::<Option<HistoryTokens>>();
     let cpu_us: u64 = runs.iter().map(|run| run.harness.cpu_us).sum();
     let harness_requests: u64 = runs.iter().map(|run| run.harness.requests).sum();
     let lag = histogram_of(
@@ -470,6 +505,7 @@ fn pooled(runs: &[&LegRun]) -> LegSummary {
         errors,
         downgrades,
         replications,
+        history_evicted_share: history_tokens.and_then(HistoryTokens::evicted_share),
         downgrade_rate: downgrades
             .filter(|_| requests_sent > 0)
             .map(|count| count as f64 / requests_sent as f64),
@@ -644,6 +680,10 @@ pub(crate) mod tests {
             },
             downgrades: kind.uses_myelin_router().then_some(2),
             replications: kind.uses_myelin_router().then_some(1),
+            history_tokens: kind.uses_myelin_router().then_some(HistoryTokens {
+                matched: 1000,
+                evicted: 250,
+            }),
             harness: HarnessCost {
                 cpu_us: 5_000,
                 requests: 2 * ttfts_us.len() as u64,
@@ -725,6 +765,32 @@ pub(crate) mod tests {
         let ratio = summaries[0].p99_ttft_vs_oracle.unwrap();
         assert!((ratio - 4.0).abs() < 0.01, "{ratio}");
         assert_eq!(summaries[1].p99_ttft_vs_oracle, Some(1.0));
+    }
+
+    #[test]
+    fn the_evicted_history_share_pools_tokens_and_each_repeat_keeps_its_own() {
+        let mut first = run("prefix+auto", LegKind::RoundRobin, &[100_000]);
+        first.history_tokens = Some(HistoryTokens {
+            matched: 1_000,
+            evicted: 500,
+        });
+        let mut second = run("prefix+auto", LegKind::RoundRobin, &[100_000]);
+        second.repeat = 1;
+        second.history_tokens = Some(HistoryTokens {
+            matched: 3_000,
+            evicted: 0,
+        });
+        let summary = summarize(&[&first, &second]);
+        // 500 of 4,000 tokens, not the mean of 0.5 and 0.
+        assert_eq!(summary.history_evicted_share, Some(0.125));
+        let shares: Vec<_> = summary
+            .repeats
+            .iter()
+            .map(|figures| figures.history_evicted_share)
+            .collect();
+        assert_eq!(shares, [Some(0.5), Some(0.0)]);
+        second.history_tokens = Some(HistoryTokens::default());
+        assert_eq!(summarize(&[&second]).history_evicted_share, None);
     }
 
     fn close(value: f64, expected: f64) -> bool {

@@ -17,6 +17,15 @@ pub enum BackendState {
 }
 
 impl BackendState {
+    /// Its name in the admin API and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendState::Up => "up",
+            BackendState::Draining => "draining",
+            BackendState::Down => "down",
+        }
+    }
+
     /// Whether a new request may go to a backend in this state.
     pub fn accepts_new_requests(self) -> bool {
         matches!(self, BackendState::Up)

@@ -18,15 +18,20 @@ pub enum Policy {
 
 impl Policy {
     const NAMES: &'static str = "round-robin, least-load, prefix";
+
+    /// The name `myelin serve --routing` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Policy::RoundRobin => "round-robin",
+            Policy::LeastLoad => "least-load",
+            Policy::Prefix => "prefix",
+        }
+    }
 }
 
 impl fmt::Display for Policy {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
-        formatter.write_str(match self {
-            Policy::RoundRobin => "round-robin",
-            Policy::LeastLoad => "least-load",
-            Policy::Prefix => "prefix",
-        })
+        formatter.write_str(self.as_str())
     }
 }
 

@@ -27,16 +27,21 @@ pub enum ResidencyMode {
 
 impl ResidencyMode {
     const NAMES: &'static str = "off, estimate, verified, auto";
-}
 
-impl fmt::Display for ResidencyMode {
-    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
-        formatter.write_str(match self {
+    /// The name `myelin serve --residency` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
             ResidencyMode::Off => "off",
             ResidencyMode::Estimate => "estimate",
             ResidencyMode::Verified => "verified",
             ResidencyMode::Auto => "auto",
-        })
+        }
+    }
+}
+
+impl fmt::Display for ResidencyMode {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter.write_str(self.as_str())
     }
 }
 

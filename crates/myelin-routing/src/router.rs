@@ -40,6 +40,17 @@ pub const MEMORY_FULL_UTILIZATION: f64 = 0.75;
 /// behind it, not only this one (docs/routing.md, "Extra prefill").
 pub const DEFAULT_EXTRA_PREFILL_PERCENT: u32 = 100;
 
+/// The extra-prefill charge applies in full once this percent of the history-matched prompt
+/// tokens of recent decisions were found evicted (by the residency mode), in proportion below
+/// it, unless configured: where every prefix the history knows is still cached, a copy on
+/// another engine evicts nothing anyone asks for, and the charge would only keep a hit waiting
+/// behind its queue (docs/routing.md, "Extra prefill").
+pub const DEFAULT_EXTRA_PREFILL_RAMP_PERCENT: u32 = 25;
+
+/// Per decision, the decayed sums behind the evicted share keep this much of their past: a
+/// memory of about 128 decisions per deciding core.
+const EVICTED_SHARE_DECAY: f64 = 1.0 - 1.0 / 128.0;
+
 /// What the prefix policy minimises.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CostModel {
@@ -107,6 +118,11 @@ pub struct RouterConfig {
     /// backend would (its uncached tokens minus the fewest uncached tokens anywhere) is charged
     /// this percent of its prefill time on top of the predicted TTFT. 0 = own TTFT only.
     pub extra_prefill_percent: u32,
+    /// The extra-prefill charge applies in full once this percent of the history-matched
+    /// prompt tokens of recent decisions were found evicted, scaled down in proportion below it
+    /// (see [`Router::evicted_share`]). 0 = always in full. With residency `off` nothing is
+    /// ever found evicted and the charge applies in full.
+    pub extra_prefill_ramp_percent: u32,
 }
 
 impl Default for RouterConfig {
@@ -118,6 +134,7 @@ impl Default for RouterConfig {
             pending_resident_ms: 0,
             max_prefix_homes: DEFAULT_MAX_PREFIX_HOMES,
             extra_prefill_percent: DEFAULT_EXTRA_PREFILL_PERCENT,
+            extra_prefill_ramp_percent: DEFAULT_EXTRA_PREFILL_RAMP_PERCENT,
         }
     }
 }
@@ -179,6 +196,14 @@ pub struct Decision {
     /// The predicted time to first token on the chosen backend (every policy computes it, so
     /// the predictor's error can be measured whatever routes).
     pub predicted_ttft: TtftPrediction,
+    /// History-matched prompt tokens over every eligible backend of this decision, and those
+    /// of them the residency mode found evicted (0 with residency `off`): what
+    /// [`Router::evicted_share`] is made of, for metrics.
+    pub history_matched_tokens: f64,
+    pub history_evicted_tokens: f64,
+    /// The share of the extra-prefill charge applied (0..=1 times `extra_prefill_percent`; 0
+    /// when no charge applies: the cost in tokens, or `extra_prefill_percent` 0).
+    pub extra_prefill_scale: f64,
 }
 
 /// Per-eligible-backend scores of one decision.
@@ -199,6 +224,8 @@ struct Candidate {
     undiscounted_uncached_tokens: f64,
     /// Seconds per prefilled token there.
     prefill_s_per_token: f64,
+    /// Prompt tokens its historical match covers.
+    history_cached_tokens: f64,
 }
 
 /// Chooses backends. `E` supplies resident probabilities for the `estimate`/`auto` modes.
@@ -211,6 +238,10 @@ pub struct Router<E = PressureEstimator> {
     last_chosen: Option<BackendId>,
     candidates: Vec<Candidate>,
     probabilities: Vec<f64>,
+    /// Decayed sums over recent decisions of the history-matched prompt tokens of every
+    /// eligible backend and of those found evicted (see [`Router::evicted_share`]).
+    history_matched: f64,
+    history_evicted: f64,
 }
 
 impl Router<PressureEstimator> {
@@ -235,6 +266,8 @@ impl<E: ResidencyEstimator> Router<E> {
             last_chosen: None,
             candidates: Vec::new(),
             probabilities: Vec::new(),
+            history_matched: 0.0,
+            history_evicted: 0.0,
         }
     }
 
@@ -252,6 +285,29 @@ impl<E: ResidencyEstimator> Router<E> {
 
     pub fn estimator(&self) -> &E {
         &self.estimator
+    }
+
+    /// Of the prompt tokens the history matched on eligible backends over this router's recent
+    /// decisions (decayed, about the last 128), the share the residency mode found evicted:
+    /// how much of what clients ask for again the caches no longer hold. 0 before any match,
+    /// and always with residency `off`.
+    pub fn evicted_share(&self) -> f64 {
+        if self.history_matched > 0.0 {
+            (self.history_evicted / self.history_matched).clamp(0.0, 1.0)
+        } else {
+            0.0
+        }
+    }
+
+    /// The share of the extra-prefill charge that applies now: 1 at or beyond
+    /// `extra_prefill_ramp_percent` of evicted share (and always with ramp 0 or residency
+    /// `off`), in proportion below.
+    fn extra_prefill_scale(&self) -> f64 {
+        if self.config.extra_prefill_ramp_percent == 0 || self.residency == ResidencyMode::Off {
+            return 1.0;
+        }
+        let ramp = f64::from(self.config.extra_prefill_ramp_percent) / 100.0;
+        (self.evicted_share() / ramp).min(1.0)
     }
 
     /// Picks a backend for a prompt of `prompt_tokens` tokens.
@@ -276,7 +332,8 @@ impl<E: ResidencyEstimator> Router<E> {
     ///   time to first token ([`crate::predict_ttft`] with b's timing and queue and
     ///   prompt_tokens − expected_cached(b) to prefill), waits count in full and the homes
     ///   bound does not apply; plus `extra_prefill_percent` of b's prefill time for its
-    ///   uncached tokens beyond the fewest of any eligible backend (the extra prefill).
+    ///   uncached tokens beyond the fewest of any eligible backend (the extra prefill), scaled
+    ///   by the evicted share up to `extra_prefill_ramp_percent` ([`Router::evicted_share`]).
     ///
     /// `prefix` takes the lowest cost; `least-load` the lowest load; `round-robin` the next id
     /// after the last chosen. Ties go to the first tied id after the last chosen backend,
@@ -369,12 +426,28 @@ impl<E: ResidencyEstimator> Router<E> {
                 uncached_tokens: prompt - expected_cached,
                 undiscounted_uncached_tokens: prompt - undiscounted_cached,
                 prefill_s_per_token: view.timing.prefill_s_per_token,
+                history_cached_tokens: history_cached,
             });
         }
         if candidates.is_empty() {
             self.candidates = candidates;
             return Err(NoBackend { draining, down });
         }
+        // What the history matched and the residency mode found gone (history beyond the
+        // expected cached tokens), over every eligible backend.
+        let history_matched: f64 = candidates.iter().map(|c| c.history_cached_tokens).sum();
+        let history_evicted: f64 = candidates
+            .iter()
+            .map(|c| c.uncached_tokens - c.undiscounted_uncached_tokens)
+            .sum();
+        self.history_matched = self.history_matched * EVICTED_SHARE_DECAY + history_matched;
+        self.history_evicted = self.history_evicted * EVICTED_SHARE_DECAY + history_evicted;
+        let extra_prefill_scale =
+            if self.config.cost == CostModel::Ttft && self.config.extra_prefill_percent > 0 {
+                self.extra_prefill_scale()
+            } else {
+                0.0
+            };
         // Waits count beyond the least one: where every engine waits for memory, waiting is
         // not a reason to leave the cache (and a second home would only fill more memory).
         let least_wait = |candidates: &[Candidate], of: &dyn Fn(&Candidate) -> bool| {
@@ -419,8 +492,11 @@ impl<E: ResidencyEstimator> Router<E> {
                 candidate.undiscounted_cost_tokens -= base;
             }
         }
-        if self.config.cost == CostModel::Ttft && self.config.extra_prefill_percent > 0 {
-            charge_extra_prefill(&mut candidates, self.config.extra_prefill_percent);
+        if extra_prefill_scale > 0.0 {
+            charge_extra_prefill(
+                &mut candidates,
+                f64::from(self.config.extra_prefill_percent) / 100.0 * extra_prefill_scale,
+            );
         }
         candidates.sort_by_key(|candidate| candidate.id);
         let after = self.last_chosen;
@@ -496,6 +572,9 @@ impl<E: ResidencyEstimator> Router<E> {
             historical_best,
             residency_downgrade,
             predicted_ttft: chosen.predicted_ttft,
+            history_matched_tokens: history_matched,
+            history_evicted_tokens: history_evicted,
+            extra_prefill_scale,
         })
     }
 
@@ -552,11 +631,10 @@ impl<E: ResidencyEstimator> Router<E> {
     }
 }
 
-/// Adds to each candidate's costs `percent` of the time it would spend prefilling beyond the
+/// Adds to each candidate's costs `weight` times the time it would spend prefilling beyond the
 /// fewest uncached tokens of any candidate (each cost against its own fewest: the expected and
 /// the undiscounted one).
-fn charge_extra_prefill(candidates: &mut [Candidate], percent: u32) {
-    let weight = f64::from(percent) / 100.0;
+fn charge_extra_prefill(candidates: &mut [Candidate], weight: f64) {
     let fewest = |of: fn(&Candidate) -> f64| {
         candidates
             .iter()

@@ -1232,6 +1232,78 @@ fn a_prefix_partly_evicted_at_home_is_not_copied_to_an_idle_engine_for_a_small_s
 }
 
 #[test]
+fn the_extra_prefill_charge_grows_with_the_share_of_the_history_found_evicted() {
+    // Engine 0 holds a hot 6,000-token prefix (its live mirror has every block) behind 8,000
+    // tokens of prefill; engine 1 is idle. Charged in full, the re-prefill keeps the hit home
+    // (see above); where nothing the history matches is evicted, a copy costs no other prefix
+    // its memory and the hit moves to the idle engine.
+    let mut shard = shard();
+    let hot = prompt(1500, 3);
+    shard.learn(&hot, BackendId(0), 0);
+    shard.set_mirror_live(BackendId(0), true);
+    for &hash in shard.chain(&hot).hashes() {
+        shard.apply_block_stored(BackendId(0), hash);
+    }
+    let views = [
+        up(0, 8000).with_ttft(
+            DEFAULT_ENGINE_TIMING,
+            EngineQueue {
+                prefill_tokens_ahead: 8000,
+                requests: 1,
+                mean_remaining_output_tokens: 200.0,
+                ..EngineQueue::default()
+            },
+        ),
+        up(1, 0),
+    ];
+    let mut router = ttft_router(ResidencyMode::Auto);
+    let roomy = decide(&mut router, &shard, &hot, &views);
+    assert_eq!(roomy.backend, BackendId(1), "{roomy:?}");
+    assert_eq!(roomy.extra_prefill_scale, 0.0);
+    assert_eq!(
+        (roomy.history_matched_tokens, roomy.history_evicted_tokens),
+        (6000.0, 0.0)
+    );
+    assert_eq!(router.evicted_share(), 0.0);
+    // Charged in full whatever was evicted: ramp 0, and residency `off` (which cannot know).
+    for (residency, ramp) in [(ResidencyMode::Auto, 0), (ResidencyMode::Off, 25)] {
+        let mut always = Router::new(
+            Policy::Prefix,
+            residency,
+            RouterConfig {
+                extra_prefill_ramp_percent: ramp,
+                ..RouterConfig::default()
+            },
+        );
+        let decision = decide(&mut always, &shard, &hot, &views);
+        assert_eq!(decision.backend, BackendId(0), "{residency:?} {ramp}");
+        assert_eq!(decision.extra_prefill_scale, 1.0);
+    }
+    // Prompts whose history engine 1 no longer holds (its live mirror has none of them): as
+    // they come, the evicted share passes 25% and the charge returns in full.
+    let mut shard_evicting = shard;
+    shard_evicting.set_mirror_live(BackendId(1), true);
+    let evicted: Vec<_> = (0..20).map(|seed| prompt(1500, 100 + seed)).collect();
+    for tokens in &evicted {
+        shard_evicting.learn(tokens, BackendId(1), 0);
+    }
+    let mut scales = Vec::new();
+    for tokens in &evicted {
+        let decision = decide(&mut router, &shard_evicting, tokens, &[up(0, 0), up(1, 0)]);
+        assert_eq!(decision.history_evicted_tokens, 6000.0);
+        scales.push(decision.extra_prefill_scale);
+    }
+    assert!(
+        scales.windows(2).all(|pair| pair[0] <= pair[1]),
+        "{scales:?}"
+    );
+    assert_eq!(*scales.last().unwrap(), 1.0, "{scales:?}");
+    assert!(router.evicted_share() > 0.25);
+    let pressed = decide(&mut router, &shard_evicting, &hot, &views);
+    assert_eq!(pressed.backend, BackendId(0), "{pressed:?}");
+}
+
+#[test]
 fn equal_costs_go_to_the_engine_holding_the_prompt_not_round_the_engines() {
     // Engine 0 holds the 6,000-token prompt but shows 6,000 tokens of prefill ahead (a
     // finished request still counted in flight: another core's view lags); engine 1 would

@@ -315,7 +315,7 @@ async fn list(control: &Rc<Control>) -> Response<Body> {
     let replicas_agree =
         reference.is_some_and(|first| snapshots.iter().all(|other| other.counts == first.counts));
     let fallback_residency = match control.residency() {
-        crate::config::ResidencyMode::Auto => "estimate",
+        myelin_routing::ResidencyMode::Auto => "estimate",
         mode => mode.as_str(),
     };
     let list: Vec<Value> = control

@@ -5,7 +5,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
 use myelin_routing::PinnedBlocks;
-use serde::Serialize;
 
 use crate::backend_spec::BackendSpec;
 use crate::metrics::BackendMetrics;
@@ -13,27 +12,9 @@ use crate::metrics::BackendMetrics;
 /// Stable id of a backend within one router process (never reused after removal).
 pub type BackendId = u32;
 
-/// Whether a backend takes new requests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum BackendState {
-    /// Takes requests.
-    Up,
-    /// Removed from routing by the operator; in-flight requests finish.
-    Draining,
-    /// Failing health checks or its circuit breaker is open.
-    Down,
-}
-
-impl BackendState {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            BackendState::Up => "up",
-            BackendState::Draining => "draining",
-            BackendState::Down => "down",
-        }
-    }
-}
+/// Whether a backend takes new requests: up, draining (removed by the operator, in-flight
+/// requests finish) or down (failing health checks, or its circuit breaker is open).
+pub use myelin_routing::BackendState;
 
 /// What every core knows about a backend (sent across cores).
 #[derive(Debug, Clone, PartialEq, Eq)]

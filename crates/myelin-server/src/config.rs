@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use myelin_routing::{Policy, ResidencyMode};
 use serde::Deserialize;
 
 use crate::backend_spec::{BackendSpec, BackendSpecError, parse_capacity};
@@ -52,53 +53,6 @@ impl Defaults {
     pub const PENDING_RESIDENT_MS: u64 = 2000;
     pub const MAX_PREFIX_HOMES: u32 = myelin_routing::DEFAULT_MAX_PREFIX_HOMES;
     pub const ENGINE_STEP_TOKENS: u32 = myelin_routing::DEFAULT_ENGINE_TIMING.step_tokens;
-}
-
-/// Routing policy (`--routing`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum RoutingPolicy {
-    /// Each backend in turn.
-    RoundRobin,
-    /// Fewest queued + active tokens.
-    LeastLoad,
-    /// Lowest expected cost: uncached prefill tokens plus queued work.
-    Prefix,
-}
-
-/// How the prefix policy trusts its routing history (`--residency`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum ResidencyMode {
-    /// History only: a prefix routed to a backend counts as cached there.
-    Off,
-    /// Discount history by an estimate of eviction from cache pressure.
-    Estimate,
-    /// Only count blocks confirmed by the backend's KV-event stream.
-    Verified,
-    /// Verified where a KV-event stream is live, estimate elsewhere.
-    Auto,
-}
-
-impl RoutingPolicy {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RoutingPolicy::RoundRobin => "round-robin",
-            RoutingPolicy::LeastLoad => "least-load",
-            RoutingPolicy::Prefix => "prefix",
-        }
-    }
-}
-
-impl ResidencyMode {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ResidencyMode::Off => "off",
-            ResidencyMode::Estimate => "estimate",
-            ResidencyMode::Verified => "verified",
-            ResidencyMode::Auto => "auto",
-        }
-    }
 }
 
 /// Flags of `myelin serve`. Each may also come from a `MYELIN_*` variable or the `--config` file.
@@ -164,12 +118,20 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub gossip: crate::cluster::GossipArgs,
 
-    /// Routing policy. [default: prefix]
-    #[arg(long, env = "MYELIN_ROUTING", value_enum)]
-    pub routing: Option<RoutingPolicy>,
+    /// Routing policy: `round-robin` (each backend in turn), `least-load` (fewest queued and
+    /// active tokens) or `prefix` (lowest cost: the predicted time to first token, see --cost).
+    /// [default: prefix]
+    #[arg(long, env = "MYELIN_ROUTING", value_name = "POLICY",
+          value_parser = |name: &str| name.parse::<Policy>())]
+    pub routing: Option<Policy>,
 
-    /// How much the prefix policy trusts its routing history. [default: auto]
-    #[arg(long, env = "MYELIN_RESIDENCY", value_enum)]
+    /// How much the prefix policy trusts its routing history: `off` (history only: a prefix
+    /// routed to a backend counts as cached there), `estimate` (history discounted by an
+    /// estimate of eviction from cache pressure), `verified` (only blocks the backend's
+    /// KV-event stream confirms) or `auto` (verified where a KV-event stream is live, estimate
+    /// elsewhere). [default: auto]
+    #[arg(long, env = "MYELIN_RESIDENCY", value_name = "MODE",
+          value_parser = |name: &str| name.parse::<ResidencyMode>())]
     pub residency: Option<ResidencyMode>,
 
     /// tokenizer.json of the served model. [default: the bundled deepseek-v3 tokenizer]
@@ -390,6 +352,16 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u32).range(0..=1000))]
     pub extra_prefill_percent: Option<u32>,
 
+    /// Prefix policy: the extra-prefill charge applies in full once this percent of the
+    /// prompt tokens the history matched (over recent decisions) were found evicted by the
+    /// residency mode, in proportion below it, so that where the caches hold everything asked
+    /// for again a hot prefix may spread to idle engines (docs/routing.md, "Extra prefill");
+    /// 0 = always in full. With `--residency off` the charge is always in full.
+    /// [default: 25]
+    #[arg(long, env = "MYELIN_EXTRA_PREFILL_RAMP_PERCENT", value_name = "PERCENT",
+          value_parser = clap::value_parser!(u32).range(0..=100))]
+    pub extra_prefill_ramp_percent: Option<u32>,
+
     /// Prefix policy: what it minimises. `ttft`: the predicted time to first token on each
     /// engine, from the prefill queued there, the prompt's uncached part and the wait for KV
     /// memory, at each engine's rates fitted from its own first tokens (docs/routing.md, "The
@@ -428,8 +400,8 @@ pub struct FileConfig {
     pub cluster_key_file: Option<PathBuf>,
     pub gossip_probe_interval_ms: Option<u64>,
     pub gossip_max_members: Option<usize>,
-    pub routing: Option<RoutingPolicy>,
-    pub residency: Option<ResidencyMode>,
+    pub routing: Option<String>,
+    pub residency: Option<String>,
     pub tokenizer: Option<PathBuf>,
     pub chat_template: Option<PathBuf>,
     pub block_size: Option<usize>,
@@ -470,6 +442,7 @@ pub struct FileConfig {
     pub pending_resident_ms: Option<u64>,
     pub max_prefix_homes: Option<u32>,
     pub extra_prefill_percent: Option<u32>,
+    pub extra_prefill_ramp_percent: Option<u32>,
     pub cost: Option<String>,
     pub engine_step_tokens: Option<u32>,
 }
@@ -518,7 +491,7 @@ pub struct ServeConfig {
     pub sim_speedup: f64,
     /// The peer cluster (`None`: gossip off, a single router).
     pub gossip: Option<crate::cluster::GossipSettings>,
-    pub routing: RoutingPolicy,
+    pub routing: Policy,
     pub residency: ResidencyMode,
     pub tokenizer: Option<PathBuf>,
     pub chat_template: Option<PathBuf>,
@@ -553,6 +526,7 @@ pub struct ServeConfig {
     pub pending_resident_ms: u64,
     pub max_prefix_homes: u32,
     pub extra_prefill_percent: u32,
+    pub extra_prefill_ramp_percent: u32,
     pub cost: myelin_routing::CostModel,
     pub engine_step_tokens: u32,
     /// `--fault-drop-control-messages` (tests only; 0 = off).
@@ -582,10 +556,16 @@ pub enum ConfigError {
     Gossip(String),
     #[error("config file key cost: {0}")]
     Cost(myelin_routing::ParseNameError),
+    #[error("config file key routing: {0}")]
+    Routing(myelin_routing::ParseNameError),
+    #[error("config file key residency: {0}")]
+    Residency(myelin_routing::ParseNameError),
     #[error("config file key engine-step-tokens must be 1 to 1048576")]
     EngineStepTokens,
     #[error("config file key extra-prefill-percent must be 0 to 1000")]
     ExtraPrefillPercent,
+    #[error("config file key extra-prefill-ramp-percent must be 0 to 100")]
+    ExtraPrefillRampPercent,
     #[error("{0} must be at least 1")]
     MustBePositive(&'static str),
     #[error("--sim-speedup must be a positive number")]
@@ -834,14 +814,16 @@ impl ServeConfig {
             sim,
             sim_speedup,
             gossip,
-            routing: args
-                .routing
-                .or(file.routing)
-                .unwrap_or(RoutingPolicy::Prefix),
-            residency: args
-                .residency
-                .or(file.residency)
-                .unwrap_or(ResidencyMode::Auto),
+            routing: match (args.routing, &file.routing) {
+                (Some(policy), _) => policy,
+                (None, Some(name)) => name.parse().map_err(ConfigError::Routing)?,
+                (None, None) => Policy::Prefix,
+            },
+            residency: match (args.residency, &file.residency) {
+                (Some(mode), _) => mode,
+                (None, Some(name)) => name.parse().map_err(ConfigError::Residency)?,
+                (None, None) => ResidencyMode::Auto,
+            },
             tokenizer: args.tokenizer.or(file.tokenizer),
             chat_template: args.chat_template.or(file.chat_template),
             block_size: positive_usize(
@@ -1015,6 +997,13 @@ impl ServeConfig {
                 Some(percent) if percent > 1000 => return Err(ConfigError::ExtraPrefillPercent),
                 percent => percent.unwrap_or(myelin_routing::DEFAULT_EXTRA_PREFILL_PERCENT),
             },
+            extra_prefill_ramp_percent: match args
+                .extra_prefill_ramp_percent
+                .or(file.extra_prefill_ramp_percent)
+            {
+                Some(percent) if percent > 100 => return Err(ConfigError::ExtraPrefillRampPercent),
+                percent => percent.unwrap_or(myelin_routing::DEFAULT_EXTRA_PREFILL_RAMP_PERCENT),
+            },
 
             cost: match (args.cost, &file.cost) {
                 (Some(cost), _) => cost,
@@ -1064,7 +1053,7 @@ mod tests {
         assert_eq!(config.listen.to_string(), Defaults::LISTEN);
         assert_eq!(config.admin_listen.to_string(), Defaults::ADMIN_LISTEN);
         assert_eq!(config.admin_token, None);
-        assert_eq!(config.routing, RoutingPolicy::Prefix);
+        assert_eq!(config.routing, Policy::Prefix);
         assert_eq!(config.residency, ResidencyMode::Auto);
         assert_eq!(config.block_size, 16);
         assert_eq!(config.layout.data_cpus, vec![Some(1), Some(2)]);
@@ -1093,7 +1082,7 @@ mod tests {
             &[0],
         )
         .unwrap();
-        assert_eq!(config.routing, RoutingPolicy::LeastLoad);
+        assert_eq!(config.routing, Policy::LeastLoad);
         assert_eq!(config.residency, ResidencyMode::Verified);
         assert_eq!(config.listen.to_string(), "127.0.0.1:9000");
         assert_eq!(config.max_body_bytes, 1000);
@@ -1122,6 +1111,19 @@ mod tests {
             Err(ConfigError::ExtraPrefillPercent)
         ));
         let mut argv = vec!["myelin", "--extra-prefill-percent", "1001"];
+        argv.extend(["--backend", "http://a:1"]);
+        assert!(TestCli::try_parse_from(argv).is_err());
+
+        assert_eq!(merge(&[], "").unwrap().extra_prefill_ramp_percent, 25);
+        let text = "extra-prefill-ramp-percent = 40";
+        assert_eq!(merge(&[], text).unwrap().extra_prefill_ramp_percent, 40);
+        let config = merge(&["--extra-prefill-ramp-percent", "0"], text).unwrap();
+        assert_eq!(config.extra_prefill_ramp_percent, 0);
+        assert!(matches!(
+            merge(&[], "extra-prefill-ramp-percent = 101"),
+            Err(ConfigError::ExtraPrefillRampPercent)
+        ));
+        let mut argv = vec!["myelin", "--extra-prefill-ramp-percent", "101"];
         argv.extend(["--backend", "http://a:1"]);
         assert!(TestCli::try_parse_from(argv).is_err());
     }

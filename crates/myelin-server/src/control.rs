@@ -18,11 +18,11 @@ use hyper::body::Incoming;
 use metrics_exporter_prometheus::PrometheusHandle;
 use myelin_http::body::{Body, empty};
 use myelin_http::client::{Pool, PoolConfig};
-use myelin_routing::{MirrorTrust, WriteOp};
+use myelin_routing::{MirrorTrust, ResidencyMode, WriteOp};
 
 use crate::backend_spec::BackendSpec;
 use crate::backends::{BackendId, BackendInfo, BackendState};
-use crate::config::{AdminListen, AdminToken, HealthConfig, ResidencyMode, ServeConfig};
+use crate::config::{AdminListen, AdminToken, HealthConfig, ServeConfig};
 use crate::health::{BackendHealth, HealthEvent};
 use crate::kv_feed::{KvFeed, MirrorChange};
 use crate::kv_subscriber::{FeedEvent, KvEndpoints, MirrorStatus, Subscriber};

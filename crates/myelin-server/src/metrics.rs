@@ -65,6 +65,12 @@ pub const RESIDENCY_DOWNGRADES_TOTAL: &str = "myelin_router_residency_route_down
 /// Requests sent to a second home of their prefix because the engine holding it had its KV
 /// memory full (the expected wait for memory cost more than prefilling the prefix elsewhere).
 pub const PREFIX_REPLICATIONS_TOTAL: &str = "myelin_router_prefix_replications_total";
+/// Prompt tokens the prefix history matched, summed over every eligible backend of each
+/// routed request.
+pub const HISTORY_MATCHED_TOKENS_TOTAL: &str = "myelin_router_history_matched_tokens_total";
+/// Of those, the tokens the residency mode found evicted: their ratio is the share of what
+/// clients ask for again that the caches no longer hold (it scales the extra-prefill charge).
+pub const HISTORY_EVICTED_TOKENS_TOTAL: &str = "myelin_router_history_evicted_tokens_total";
 /// Attempts sent to another backend before the first response byte, by `reason`.
 pub const RETRIES_TOTAL: &str = "myelin_retries_total";
 /// Circuit-breaker transitions, by `backend`, `from` and `to` (closed, open, half_open).
@@ -188,6 +194,8 @@ pub struct CoreMetrics {
     pub prefix_match_blocks: Histogram,
     pub residency_downgrades: Counter,
     pub prefix_replications: Counter,
+    pub history_matched_tokens: Counter,
+    pub history_evicted_tokens: Counter,
     pub upstream_stream_errors: Counter,
     pub load_view_staleness: Histogram,
     pub residency_predicted_vs_reported: Histogram,
@@ -236,6 +244,8 @@ impl CoreMetrics {
             prefix_match_blocks: metrics::histogram!(PREFIX_MATCH_BLOCKS),
             residency_downgrades: metrics::counter!(RESIDENCY_DOWNGRADES_TOTAL),
             prefix_replications: metrics::counter!(PREFIX_REPLICATIONS_TOTAL),
+            history_matched_tokens: metrics::counter!(HISTORY_MATCHED_TOKENS_TOTAL),
+            history_evicted_tokens: metrics::counter!(HISTORY_EVICTED_TOKENS_TOTAL),
             upstream_stream_errors: metrics::counter!(UPSTREAM_STREAM_ERRORS_TOTAL),
             load_view_staleness: metrics::histogram!(LOAD_VIEW_STALENESS_SECONDS),
             residency_predicted_vs_reported: metrics::histogram!(
@@ -404,6 +414,8 @@ pub fn install() -> PrometheusHandle {
     for counter in [
         RESIDENCY_DOWNGRADES_TOTAL,
         PREFIX_REPLICATIONS_TOTAL,
+        HISTORY_MATCHED_TOKENS_TOTAL,
+        HISTORY_EVICTED_TOKENS_TOTAL,
         OVERLOAD_REJECTIONS_TOTAL,
         UPSTREAM_STREAM_ERRORS_TOTAL,
         CLIENT_DISCONNECTS_TOTAL,
@@ -569,6 +581,14 @@ fn describe() {
     describe_counter!(
         PREFIX_REPLICATIONS_TOTAL,
         "Requests sent to a second home of their prefix because the engine holding it had its KV memory full."
+    );
+    describe_counter!(
+        HISTORY_MATCHED_TOKENS_TOTAL,
+        "Prompt tokens the prefix history matched, over every eligible backend of each routed request."
+    );
+    describe_counter!(
+        HISTORY_EVICTED_TOKENS_TOTAL,
+        "Prompt tokens the prefix history matched that the residency mode found evicted."
     );
     describe_counter!(
         RETRIES_TOTAL,

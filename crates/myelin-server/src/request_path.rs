@@ -442,6 +442,12 @@ async fn generate(
                 if chosen.residency_downgrade {
                     meters.residency_downgrades.increment(1);
                 }
+                meters
+                    .history_matched_tokens
+                    .increment(chosen.history_matched_tokens);
+                meters
+                    .history_evicted_tokens
+                    .increment(chosen.history_evicted_tokens);
                 if chosen.prefix_replication {
                     meters.prefix_replications.increment(1);
                     core.note_prefix_replication(chosen.backend);

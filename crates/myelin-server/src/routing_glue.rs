@@ -7,13 +7,13 @@ use std::time::{Duration, Instant};
 
 pub use myelin_routing::BlockCounts;
 use myelin_routing::{
-    BackendView, BlockChain, EngineQueue, EngineTiming, KvMemory, MemoryPressure, Policy,
-    PredictionError, PrefixMatch, ReuseObservation, ReuseProbe, RoomCalibration, Router,
+    BackendView, BlockChain, EngineQueue, EngineTiming, KvMemory, MemoryPressure, PredictionError,
+    PrefixMatch, ResidencyMode, ReuseObservation, ReuseProbe, RoomCalibration, Router,
     RouterConfig, Shard, ShardConfig, TimingFit, TtftPrediction, WriteOp,
 };
 
 use crate::backends::{BackendId, BackendInfo, BackendState, Load};
-use crate::config::{ResidencyMode, RoutingPolicy, ServeConfig};
+use crate::config::ServeConfig;
 use crate::engine_metrics::ScrapedMemory;
 
 /// A prompt's block chain, hashed once per request (shared with the learn broadcast).
@@ -51,6 +51,10 @@ pub struct RouteChoice {
     pub prefix_replication: bool,
     /// The predicted time to first token there, as the cost priced it.
     pub predicted_ttft: TtftPrediction,
+    /// Prompt tokens the history matched over every eligible backend, and those of them the
+    /// residency mode found evicted (whole tokens; see `Router::evicted_share`).
+    pub history_matched_tokens: u64,
+    pub history_evicted_tokens: u64,
 }
 
 /// A backend's predicted-TTFT figures on one core (admin API).
@@ -137,31 +141,6 @@ pub struct RoutingShard {
     pooled_timing: TimingFit,
 }
 
-fn policy_of(policy: RoutingPolicy) -> Policy {
-    match policy {
-        RoutingPolicy::RoundRobin => Policy::RoundRobin,
-        RoutingPolicy::LeastLoad => Policy::LeastLoad,
-        RoutingPolicy::Prefix => Policy::Prefix,
-    }
-}
-
-fn residency_of(mode: ResidencyMode) -> myelin_routing::ResidencyMode {
-    match mode {
-        ResidencyMode::Off => myelin_routing::ResidencyMode::Off,
-        ResidencyMode::Estimate => myelin_routing::ResidencyMode::Estimate,
-        ResidencyMode::Verified => myelin_routing::ResidencyMode::Verified,
-        ResidencyMode::Auto => myelin_routing::ResidencyMode::Auto,
-    }
-}
-
-fn state_of(state: BackendState) -> myelin_routing::BackendState {
-    match state {
-        BackendState::Up => myelin_routing::BackendState::Up,
-        BackendState::Draining => myelin_routing::BackendState::Draining,
-        BackendState::Down => myelin_routing::BackendState::Down,
-    }
-}
-
 impl RoutingShard {
     /// `clock_origin` is shared by every core: learned routes carry times on that clock.
     pub fn new(
@@ -181,8 +160,8 @@ impl RoutingShard {
             shards,
             shard,
             router: Router::new(
-                policy_of(config.routing),
-                residency_of(config.residency),
+                config.routing,
+                config.residency,
                 RouterConfig {
                     cost: config.cost,
                     load_bound_tokens: config.load_bound_tokens,
@@ -190,6 +169,7 @@ impl RoutingShard {
                     pending_resident_ms: config.pending_resident_ms,
                     max_prefix_homes: config.max_prefix_homes,
                     extra_prefill_percent: config.extra_prefill_percent,
+                    extra_prefill_ramp_percent: config.extra_prefill_ramp_percent,
                 },
             ),
             residency: config.residency,
@@ -514,7 +494,7 @@ impl RoutingShard {
             let memory = memory_pressure(backend, &total, scrape);
             let queue = engine_queue(backend, &total, scrape.is_some(), shared_tokens);
             let id = myelin_routing::BackendId(id);
-            BackendView::new(id, state_of(state), total.tokens)
+            BackendView::new(id, state, total.tokens)
                 .with_cache(
                     backend.calibration.effective_capacity(),
                     total.admitted_tokens,
@@ -534,6 +514,8 @@ impl RoutingShard {
             residency_downgrade: decision.residency_downgrade,
             prefix_replication: decision.prefix_replication,
             predicted_ttft: decision.predicted_ttft,
+            history_matched_tokens: decision.history_matched_tokens.max(0.0).round() as u64,
+            history_evicted_tokens: decision.history_evicted_tokens.max(0.0).round() as u64,
         })
     }
 
@@ -687,13 +669,14 @@ pub(crate) mod tests {
     use super::*;
     use crate::backend_spec::BackendSpec;
     use crate::config::{FileConfig, ServeArgs};
+    use myelin_routing::Policy;
 
-    fn shard(routing: RoutingPolicy, shards: usize) -> RoutingShard {
+    fn shard(routing: Policy, shards: usize) -> RoutingShard {
         shard_over(routing, shards, 3)
     }
 
     /// A data core's routing state (one of `shards` cores) over backends `0..backends`, all up.
-    pub(crate) fn shard_over(routing: RoutingPolicy, shards: usize, backends: u32) -> RoutingShard {
+    pub(crate) fn shard_over(routing: Policy, shards: usize, backends: u32) -> RoutingShard {
         let args = ServeArgs {
             routing: Some(routing),
             shards: Some(shards),
@@ -725,7 +708,7 @@ pub(crate) mod tests {
 
     #[test]
     fn learned_prefix_wins_and_excluded_backends_are_skipped() {
-        let mut shard = shard(RoutingPolicy::Prefix, 1);
+        let mut shard = shard(Policy::Prefix, 1);
         let prompt: Vec<u32> = (0..160).collect();
         let query = shard.query(&prompt);
         let first = shard
@@ -750,7 +733,7 @@ pub(crate) mod tests {
     /// tests below check.
     fn tokens_shard(spec_options: &str) -> RoutingShard {
         let args = ServeArgs {
-            routing: Some(RoutingPolicy::Prefix),
+            routing: Some(Policy::Prefix),
             shards: Some(1),
             cost: Some(myelin_routing::CostModel::Tokens),
             ..ServeArgs::default()
@@ -813,7 +796,7 @@ pub(crate) mod tests {
         // pinned, 600 of output so far) leave no room for a 9,000-token prompt among 32,768;
         // backend 1 runs five short ones. Scored in tokens both loads are within the bound.
         let args = ServeArgs {
-            routing: Some(RoutingPolicy::Prefix),
+            routing: Some(Policy::Prefix),
             shards: Some(1),
             ..ServeArgs::default()
         };
@@ -849,7 +832,7 @@ pub(crate) mod tests {
     #[test]
     fn a_scrape_taken_while_the_engine_was_full_does_not_outlive_the_requests_that_filled_it() {
         let args = ServeArgs {
-            routing: Some(RoutingPolicy::Prefix),
+            routing: Some(Policy::Prefix),
             shards: Some(1),
             ..ServeArgs::default()
         };
@@ -910,7 +893,7 @@ pub(crate) mod tests {
 
     #[test]
     fn first_tokens_fit_the_engine_s_timing_and_the_pool_moves_the_others() {
-        let mut shard = shard(RoutingPolicy::Prefix, 1);
+        let mut shard = shard(Policy::Prefix, 1);
         let prompt: Vec<u32> = (0..4000).collect();
         let query = shard.query(&prompt);
         let before: Vec<EngineTiming> = (0..3)
@@ -1027,7 +1010,7 @@ pub(crate) mod tests {
             .unwrap();
         assert!(choice.prefix_replication && choice.backend != home);
         // The same load with no capacity known: no memory view, the request stays home.
-        let mut blind = shard_over(RoutingPolicy::Prefix, 1, 3);
+        let mut blind = shard_over(Policy::Prefix, 1, 3);
         blind.learn(&query, home);
         blind.set_load(home, 0, busy);
         let choice = blind
@@ -1111,7 +1094,7 @@ pub(crate) mod tests {
 
     #[test]
     fn down_and_draining_backends_are_not_chosen() {
-        let mut shard = shard(RoutingPolicy::RoundRobin, 1);
+        let mut shard = shard(Policy::RoundRobin, 1);
         shard.set_state(0, BackendState::Down);
         shard.set_state(1, BackendState::Draining);
         for _ in 0..5 {
@@ -1124,7 +1107,7 @@ pub(crate) mod tests {
 
     #[test]
     fn least_load_reads_every_cores_load() {
-        let mut shard = shard(RoutingPolicy::LeastLoad, 2);
+        let mut shard = shard(Policy::LeastLoad, 2);
         shard.set_load(
             0,
             0,

@@ -712,17 +712,17 @@ pub(crate) fn cluster_admin(control: &Control, method: &Method) -> Response<Body
 #[cfg(test)]
 mod tests {
     use crate::backends::Load;
-    use crate::config::RoutingPolicy;
     use crate::routing_glue::RoutingShard;
+    use myelin_routing::Policy;
 
     /// A data core's routing state (one data core) over backends 0 and 1.
-    fn shard(routing: RoutingPolicy) -> RoutingShard {
+    fn shard(routing: Policy) -> RoutingShard {
         crate::routing_glue::tests::shard_over(routing, 1, 2)
     }
 
     #[test]
     fn peer_load_is_scored_like_the_cores_own() {
-        let mut shard = shard(RoutingPolicy::LeastLoad);
+        let mut shard = shard(Policy::LeastLoad);
         let nothing = crate::routing_glue::LookupAnswer::default();
         assert_eq!(shard.decide(&nothing, 10, &[], &[]).unwrap().backend, 0);
         // The slot after the data cores' (here: 1) is the other nodes' load.
@@ -740,7 +740,7 @@ mod tests {
 
     #[test]
     fn a_peer_route_is_history_like_an_own_one() {
-        let mut shard = shard(RoutingPolicy::Prefix);
+        let mut shard = shard(Policy::Prefix);
         let prompt: Vec<u32> = (0..320).collect();
         let query = shard.query(&prompt);
         let before = shard
