@@ -1095,6 +1095,37 @@ mod tests {
     }
 
     #[test]
+    fn routing_and_residency_parse_from_flags_and_file_and_bad_names_name_their_key() {
+        let merge = |flags: &[&str], text: &str| {
+            let mut argv = vec!["--backend", "http://a:1"];
+            argv.extend_from_slice(flags);
+            ServeConfig::merge(parse(&argv), file(text), &[0])
+        };
+        let text = "routing = \"least-load\"\nresidency = \"verified\"";
+        let config = merge(&[], text).unwrap();
+        assert_eq!(
+            (config.routing, config.residency),
+            (Policy::LeastLoad, ResidencyMode::Verified)
+        );
+        let config = merge(&["--routing", "round-robin", "--residency", "off"], text).unwrap();
+        assert_eq!(
+            (config.routing, config.residency),
+            (Policy::RoundRobin, ResidencyMode::Off)
+        );
+        let error = merge(&[], "routing = \"fastest\"").unwrap_err();
+        assert!(matches!(error, ConfigError::Routing(_)), "{error}");
+        assert!(error.to_string().contains("routing") && error.to_string().contains("fastest"));
+        let error = merge(&[], "residency = \"maybe\"").unwrap_err();
+        assert!(matches!(error, ConfigError::Residency(_)), "{error}");
+        let argv = ["myelin", "--routing", "fastest", "--backend", "http://a:1"];
+        let Err(error) = TestCli::try_parse_from(argv) else {
+            panic!("--routing fastest parsed");
+        };
+        let error = error.to_string();
+        assert!(error.contains("least-load"), "{error}");
+    }
+
+    #[test]
     fn extra_prefill_charge_from_defaults_file_and_flags_within_bounds() {
         let merge = |flags: &[&str], text: &str| {
             let mut argv = vec!["--backend", "http://a:1"];
