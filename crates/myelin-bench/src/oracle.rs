@@ -69,12 +69,17 @@ impl Oracle {
     /// the predicted time to first token at the default timing, which is the simulated
     /// profile's), reading residency from a mirror that is always exact and the queues and KV
     /// memory from the engines themselves. `block_size`: the engines' KV block size in tokens.
+    /// One difference: the extra-prefill charge is always in full (ramp 0), because the oracle
+    /// has no routing history whose evictions could scale it (its matches are the truth).
     pub fn new(block_size: u32) -> Self {
         Self {
             router: Router::new(
                 Policy::Prefix,
                 ResidencyMode::Verified,
-                RouterConfig::default(),
+                RouterConfig {
+                    extra_prefill_ramp_percent: 0,
+                    ..RouterConfig::default()
+                },
             ),
             block_size: block_size.max(1),
             sent: Vec::new(),
