@@ -299,10 +299,14 @@ impl<E: ResidencyEstimator> Router<E> {
         }
     }
 
-    /// The share of the extra-prefill charge that applies now: 1 at or beyond
+    /// The share of the extra-prefill charge that applies now: 0 where no charge applies (the
+    /// cost in tokens, `extra_prefill_percent` 0); else 1 at or beyond
     /// `extra_prefill_ramp_percent` of evicted share (and always with ramp 0 or residency
     /// `off`), in proportion below.
     fn extra_prefill_scale(&self) -> f64 {
+        if self.config.cost != CostModel::Ttft || self.config.extra_prefill_percent == 0 {
+            return 0.0;
+        }
         if self.config.extra_prefill_ramp_percent == 0 || self.residency == ResidencyMode::Off {
             return 1.0;
         }
@@ -442,12 +446,7 @@ impl<E: ResidencyEstimator> Router<E> {
             .sum();
         self.history_matched = self.history_matched * EVICTED_SHARE_DECAY + history_matched;
         self.history_evicted = self.history_evicted * EVICTED_SHARE_DECAY + history_evicted;
-        let extra_prefill_scale =
-            if self.config.cost == CostModel::Ttft && self.config.extra_prefill_percent > 0 {
-                self.extra_prefill_scale()
-            } else {
-                0.0
-            };
+        let extra_prefill_scale = self.extra_prefill_scale();
         // Waits count beyond the least one: where every engine waits for memory, waiting is
         // not a reason to leave the cache (and a second home would only fill more memory).
         let least_wait = |candidates: &[Candidate], of: &dyn Fn(&Candidate) -> bool| {

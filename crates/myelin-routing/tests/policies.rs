@@ -1087,6 +1087,20 @@ fn ttft_router(residency: ResidencyMode) -> Router {
     Router::new(Policy::Prefix, residency, RouterConfig::default())
 }
 
+/// Backend `id` at the default timing with `ahead` tokens of prefill queued in front of a new
+/// request, behind one running request of 200 output tokens to go.
+fn queued(id: u32, ahead: u64) -> BackendView {
+    up(id, ahead).with_ttft(
+        DEFAULT_ENGINE_TIMING,
+        EngineQueue {
+            prefill_tokens_ahead: ahead,
+            requests: 1,
+            mean_remaining_output_tokens: 200.0,
+            ..EngineQueue::default()
+        },
+    )
+}
+
 #[test]
 fn a_cold_prompt_goes_where_it_fits_not_where_it_would_wait_for_memory() {
     // Issue 26's overflow regime: engine 0 runs three 8k-token requests (26,000 tokens of its
@@ -1118,17 +1132,7 @@ fn a_cache_hit_stays_home_while_the_queue_there_costs_less_than_prefilling_elsew
     let mut shard = shard();
     let tokens = prompt(1500, 2); // 6,000 tokens
     shard.learn(&tokens, BackendId(0), 0);
-    let queued = |ahead: u64| {
-        up(0, ahead).with_ttft(
-            DEFAULT_ENGINE_TIMING,
-            EngineQueue {
-                prefill_tokens_ahead: ahead,
-                requests: 1,
-                mean_remaining_output_tokens: 200.0,
-                ..EngineQueue::default()
-            },
-        )
-    };
+    let queued = |ahead: u64| queued(0, ahead);
     let idle = up(1, 0);
     // The request's own time only (no charge for the extra prefill).
     let mut own_time = Router::new(
@@ -1197,18 +1201,7 @@ fn a_prefix_partly_evicted_at_home_is_not_copied_to_an_idle_engine_for_a_small_s
     for &hash in &chain.hashes()[..750] {
         shard.apply_block_stored(BackendId(0), hash);
     }
-    let views = [
-        up(0, 3500).with_ttft(
-            DEFAULT_ENGINE_TIMING,
-            EngineQueue {
-                prefill_tokens_ahead: 3500,
-                requests: 1,
-                mean_remaining_output_tokens: 200.0,
-                ..EngineQueue::default()
-            },
-        ),
-        up(1, 0),
-    ];
+    let views = [queued(0, 3500), up(1, 0)];
     let decision = decide(
         &mut ttft_router(ResidencyMode::Auto),
         &shard,
@@ -1244,18 +1237,7 @@ fn the_extra_prefill_charge_grows_with_the_share_of_the_history_found_evicted() 
     for &hash in shard.chain(&hot).hashes() {
         shard.apply_block_stored(BackendId(0), hash);
     }
-    let views = [
-        up(0, 8000).with_ttft(
-            DEFAULT_ENGINE_TIMING,
-            EngineQueue {
-                prefill_tokens_ahead: 8000,
-                requests: 1,
-                mean_remaining_output_tokens: 200.0,
-                ..EngineQueue::default()
-            },
-        ),
-        up(1, 0),
-    ];
+    let views = [queued(0, 8000), up(1, 0)];
     let mut router = ttft_router(ResidencyMode::Auto);
     let roomy = decide(&mut router, &shard, &hot, &views);
     assert_eq!(roomy.backend, BackendId(1), "{roomy:?}");
@@ -1312,16 +1294,7 @@ fn equal_costs_go_to_the_engine_holding_the_prompt_not_round_the_engines() {
     let mut shard = shard();
     let tokens = prompt(1500, 6);
     shard.learn(&tokens, BackendId(0), 0);
-    let queue = |ahead: u64| EngineQueue {
-        prefill_tokens_ahead: ahead,
-        requests: 1,
-        mean_remaining_output_tokens: 200.0,
-        ..EngineQueue::default()
-    };
-    let views = [
-        up(0, 6000).with_ttft(DEFAULT_ENGINE_TIMING, queue(6000)),
-        up(1, 0).with_ttft(DEFAULT_ENGINE_TIMING, queue(0)),
-    ];
+    let views = [queued(0, 6000), queued(1, 0)];
     let mut router = ttft_router(ResidencyMode::Off);
     for _ in 0..4 {
         let decision = decide(&mut router, &shard, &tokens, &views);
@@ -1331,18 +1304,7 @@ fn equal_costs_go_to_the_engine_holding_the_prompt_not_round_the_engines() {
     // Without the prompt anywhere, equal engines still take turns.
     let cold = prompt(1500, 7);
     let spread: Vec<BackendId> = (0..2)
-        .map(|_| {
-            decide(
-                &mut router,
-                &shard,
-                &cold,
-                &[
-                    up(0, 0).with_ttft(DEFAULT_ENGINE_TIMING, queue(0)),
-                    up(1, 0).with_ttft(DEFAULT_ENGINE_TIMING, queue(0)),
-                ],
-            )
-            .backend
-        })
+        .map(|_| decide(&mut router, &shard, &cold, &[queued(0, 0), queued(1, 0)]).backend)
         .collect();
     assert_ne!(spread[0], spread[1], "{spread:?}");
 }

@@ -993,31 +993,46 @@ impl ServeConfig {
                 .max_prefix_homes
                 .or(file.max_prefix_homes)
                 .unwrap_or(Defaults::MAX_PREFIX_HOMES),
-            extra_prefill_percent: match args.extra_prefill_percent.or(file.extra_prefill_percent) {
-                Some(percent) if percent > 1000 => return Err(ConfigError::ExtraPrefillPercent),
-                percent => percent.unwrap_or(myelin_routing::DEFAULT_EXTRA_PREFILL_PERCENT),
-            },
-            extra_prefill_ramp_percent: match args
-                .extra_prefill_ramp_percent
-                .or(file.extra_prefill_ramp_percent)
-            {
-                Some(percent) if percent > 100 => return Err(ConfigError::ExtraPrefillRampPercent),
-                percent => percent.unwrap_or(myelin_routing::DEFAULT_EXTRA_PREFILL_RAMP_PERCENT),
-            },
+            extra_prefill_percent: within(
+                args.extra_prefill_percent.or(file.extra_prefill_percent),
+                0..=1000,
+                myelin_routing::DEFAULT_EXTRA_PREFILL_PERCENT,
+                ConfigError::ExtraPrefillPercent,
+            )?,
+            extra_prefill_ramp_percent: within(
+                args.extra_prefill_ramp_percent
+                    .or(file.extra_prefill_ramp_percent),
+                0..=100,
+                myelin_routing::DEFAULT_EXTRA_PREFILL_RAMP_PERCENT,
+                ConfigError::ExtraPrefillRampPercent,
+            )?,
 
             cost: match (args.cost, &file.cost) {
                 (Some(cost), _) => cost,
                 (None, Some(name)) => name.parse().map_err(ConfigError::Cost)?,
                 (None, None) => myelin_routing::CostModel::default(),
             },
-            engine_step_tokens: match args.engine_step_tokens.or(file.engine_step_tokens) {
-                Some(tokens) if !(1..=1_048_576).contains(&tokens) => {
-                    return Err(ConfigError::EngineStepTokens);
-                }
-                tokens => tokens.unwrap_or(Defaults::ENGINE_STEP_TOKENS),
-            },
+            engine_step_tokens: within(
+                args.engine_step_tokens.or(file.engine_step_tokens),
+                1..=1_048_576,
+                Defaults::ENGINE_STEP_TOKENS,
+                ConfigError::EngineStepTokens,
+            )?,
             fault_drop_control_messages: args.fault_drop_control_messages.unwrap_or(0),
         })
+    }
+}
+
+/// `value` (flag or file key), or `default` when neither gave one; `error` when out of `range`.
+fn within(
+    value: Option<u32>,
+    range: std::ops::RangeInclusive<u32>,
+    default: u32,
+    error: ConfigError,
+) -> Result<u32, ConfigError> {
+    match value {
+        Some(value) if !range.contains(&value) => Err(error),
+        value => Ok(value.unwrap_or(default)),
     }
 }
 
@@ -1040,6 +1055,13 @@ mod tests {
 
     fn file(text: &str) -> FileConfig {
         toml::from_str(text).unwrap()
+    }
+
+    /// One backend, then `flags`, over the config file `text`.
+    fn merge(flags: &[&str], text: &str) -> Result<ServeConfig, ConfigError> {
+        let mut argv = vec!["--backend", "http://a:1"];
+        argv.extend_from_slice(flags);
+        ServeConfig::merge(parse(&argv), file(text), &[0])
     }
 
     #[test]
@@ -1096,11 +1118,6 @@ mod tests {
 
     #[test]
     fn routing_and_residency_parse_from_flags_and_file_and_bad_names_name_their_key() {
-        let merge = |flags: &[&str], text: &str| {
-            let mut argv = vec!["--backend", "http://a:1"];
-            argv.extend_from_slice(flags);
-            ServeConfig::merge(parse(&argv), file(text), &[0])
-        };
         let text = "routing = \"least-load\"\nresidency = \"verified\"";
         let config = merge(&[], text).unwrap();
         assert_eq!(
@@ -1127,11 +1144,6 @@ mod tests {
 
     #[test]
     fn extra_prefill_charge_from_defaults_file_and_flags_within_bounds() {
-        let merge = |flags: &[&str], text: &str| {
-            let mut argv = vec!["--backend", "http://a:1"];
-            argv.extend_from_slice(flags);
-            ServeConfig::merge(parse(&argv), file(text), &[0])
-        };
         assert_eq!(merge(&[], "").unwrap().extra_prefill_percent, 100);
         let text = "extra-prefill-percent = 250";
         assert_eq!(merge(&[], text).unwrap().extra_prefill_percent, 250);
