@@ -1,19 +1,27 @@
-//! A minimal blocking HTTP/1.1 GET for the control side of the harness (health polls and
-//! /metrics scrapes from the main thread), where an executor would be overkill. Not used on
-//! the measured request path.
+//! A minimal blocking HTTP/1.1 client for the control side of the harness (health polls,
+//! /metrics scrapes and external engines' cache resets, from the main thread), where an
+//! executor would be overkill. Not used on the measured request path.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
-/// Why a control-side GET failed.
+/// Why a control-side request failed.
 #[derive(Debug, thiserror::Error)]
 pub enum GetError {
-    #[error("GET {url}: {source}")]
-    Io { url: String, source: std::io::Error },
-    #[error("GET {url}: malformed response: {problem}")]
-    Malformed { url: String, problem: String },
-    #[error("GET {url}: only http://host:port/path URLs are supported")]
+    #[error("{method} {url}: {source}")]
+    Io {
+        method: &'static str,
+        url: String,
+        source: std::io::Error,
+    },
+    #[error("{method} {url}: malformed response: {problem}")]
+    Malformed {
+        method: &'static str,
+        url: String,
+        problem: String,
+    },
+    #[error("{url}: only http://host:port/path URLs are supported")]
     BadUrl { url: String },
 }
 
@@ -35,8 +43,19 @@ fn split_url(url: &str) -> Option<(&str, &str)> {
 
 /// GETs `url` with `Connection: close`, waiting at most `timeout` for each step.
 pub fn get(url: &str, timeout: Duration) -> Result<GetResponse, GetError> {
+    request("GET", url, timeout)
+}
+
+/// POSTs an empty body to `url` with `Connection: close`, waiting at most `timeout` for each
+/// step.
+pub fn post_empty(url: &str, timeout: Duration) -> Result<GetResponse, GetError> {
+    request("POST", url, timeout)
+}
+
+fn request(method: &'static str, url: &str, timeout: Duration) -> Result<GetResponse, GetError> {
     let (authority, path) = split_url(url).ok_or_else(|| GetError::BadUrl { url: url.into() })?;
     let io_error = |source| GetError::Io {
+        method,
         url: url.into(),
         source,
     };
@@ -49,13 +68,19 @@ pub fn get(url: &str, timeout: Duration) -> Result<GetResponse, GetError> {
     stream.set_read_timeout(Some(timeout)).map_err(io_error)?;
     stream.set_write_timeout(Some(timeout)).map_err(io_error)?;
     // One write of the whole request: a peer reading the head in one go sees all of it.
+    let length = if method == "POST" {
+        "Content-Length: 0\r\n"
+    } else {
+        ""
+    };
     let request = format!(
-        "GET {path} HTTP/1.1\r\nHost: {authority}\r\nAccept: */*\r\nConnection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: {authority}\r\nAccept: */*\r\n{length}Connection: close\r\n\r\n"
     );
     stream.write_all(request.as_bytes()).map_err(io_error)?;
     let mut raw = Vec::new();
     stream.read_to_end(&mut raw).map_err(io_error)?;
     parse_response(&raw).map_err(|problem| GetError::Malformed {
+        method,
         url: url.into(),
         problem,
     })

@@ -183,6 +183,22 @@ pub fn measure_over(
     })
 }
 
+/// Whether [`resolve_rate`] would measure the capacity on the engine model (an open-loop or
+/// trace workload given neither a rate nor a capacity).
+pub fn needs_measurement(config: &WorkloadConfig) -> bool {
+    if config.kind == WorkloadKind::Trace {
+        return config
+            .trace
+            .as_ref()
+            .is_some_and(|trace| trace.capacity_rps.is_none());
+    }
+    config.kind.is_poisson()
+        && config
+            .open_loop
+            .as_ref()
+            .is_some_and(|open| open.rate_rps.is_none() && open.capacity_rps.is_none())
+}
+
 /// For a Poisson workload (churn-open, shared-prefix-open, multi-turn) without a `rate_rps`:
 /// measures the capacity (unless the file gives `capacity_rps`) and sets `rate_rps =
 /// rate_fraction x capacity_rps`. For a trace without `capacity_rps`: measures it (the offered

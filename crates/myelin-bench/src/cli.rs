@@ -47,6 +47,17 @@ pub struct BenchArgs {
     #[arg(long)]
     pub engines: Option<u32>,
 
+    /// An engine you started, instead of the simulated ones (repeatable, one per engine):
+    /// http://HOST:PORT[,kv-events=tcp://HOST:PORT][,kv-replay=tcp://HOST:PORT]
+    /// [,capacity-tokens=N]. Every leg runs on these engines, their prefix caches emptied
+    /// before each leg where they allow it (vLLM: VLLM_SERVER_DEV_MODE=1); times are wall time
+    /// unless --speedup; no oracle leg, calibration or resident-prefix probe; evictions are
+    /// unmeasured; open-loop workloads need --rate. See docs/reference/benchmark.md,
+    /// "External engines".
+    #[arg(long = "engine", value_name = "SPEC",
+          conflicts_with_all = ["engines", "profile", "kv_blocks", "no_engine_metrics"])]
+    pub engine: Vec<crate::engines::EngineSpec>,
+
     /// Closed-loop users [workload default: 60 for churn].
     #[arg(long)]
     pub users: Option<u32>,
@@ -221,6 +232,11 @@ impl BenchArgs {
         if let Some(warmup) = self.warmup {
             config.warmup_s = warmup;
         }
+        if !self.engine.is_empty() {
+            config.cluster.engines = u32::try_from(self.engine.len()).unwrap_or(u32::MAX);
+            // Real engines run in wall time.
+            config.cluster.speedup = 1.0;
+        }
         if let Some(speedup) = self.speedup {
             config.cluster.speedup = speedup;
         }
@@ -359,6 +375,31 @@ mod tests {
         // The quick warm-up (30 s) would swallow a 20 s leg: it shrinks to a tenth.
         assert_eq!(config.warmup_s, 2.0);
         assert_eq!(config.cluster.speedup, 5.0);
+    }
+
+    #[test]
+    fn external_engines_set_the_count_and_wall_time() {
+        let config = parse(&[
+            "--engine",
+            "http://a:1",
+            "--engine",
+            "http://b:2,capacity-tokens=64",
+        ])
+        .workload_config()
+        .unwrap();
+        assert_eq!((config.cluster.engines, config.cluster.speedup), (2, 1.0));
+        let sped = parse(&["--engine", "http://a:1", "--speedup", "10"])
+            .workload_config()
+            .unwrap();
+        assert_eq!(sped.cluster.speedup, 10.0);
+        let bad = Harness::try_parse_from(["bench", "--engine", "a:1"])
+            .err()
+            .unwrap();
+        assert!(bad.to_string().contains("http://"), "{bad}");
+        assert!(
+            Harness::try_parse_from(["bench", "--engine", "http://a:1", "--engines", "3"]).is_err(),
+            "simulated and external engines do not mix"
+        );
     }
 
     #[test]

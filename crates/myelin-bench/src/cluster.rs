@@ -91,15 +91,16 @@ impl EmbeddedCluster {
 
     /// Counters summed over the engines since they started.
     pub fn counters(&self) -> EngineCounters {
-        self.sim
-            .counters()
-            .iter()
-            .fold(EngineCounters::default(), |sum, engine| EngineCounters {
-                prefix_cache_queries: sum.prefix_cache_queries + engine.prefix_cache_queries,
-                prefix_cache_hits: sum.prefix_cache_hits + engine.prefix_cache_hits,
-                evictions: sum.evictions + engine.evictions,
-                preemptions: sum.preemptions + engine.preemptions,
-            })
+        let mut sum = EngineCounters::default();
+        for engine in self.sim.counters() {
+            sum.add(&EngineCounters {
+                prefix_cache_queries: engine.prefix_cache_queries,
+                prefix_cache_hits: engine.prefix_cache_hits,
+                evictions: Some(engine.evictions),
+                preemptions: engine.preemptions,
+            });
+        }
+        sum
     }
 
     /// Tokens per KV block of the engines.

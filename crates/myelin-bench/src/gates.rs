@@ -184,7 +184,13 @@ pub fn evaluate(legs: &[LegSummary], residency_legs: &[&str]) -> Vec<Gate> {
         .collect();
     let without_evictions: Vec<String> = legs
         .iter()
-        .filter(|leg| leg.evictions == 0)
+        .filter(|leg| leg.evictions == Some(0))
+        .map(|leg| leg.name.clone())
+        .collect();
+    // External engines: vLLM exports no eviction counter.
+    let unmeasured: Vec<String> = legs
+        .iter()
+        .filter(|leg| leg.evictions.is_none())
         .map(|leg| leg.name.clone())
         .collect();
     let weighting: Vec<&LegSummary> = legs
@@ -222,8 +228,18 @@ pub fn evaluate(legs: &[LegSummary], residency_legs: &[&str]) -> Vec<Gate> {
             name: "cache pressure",
             kind: GateKind::Validity,
             passed: without_evictions.is_empty(),
-            detail: if without_evictions.is_empty() {
+            detail: if without_evictions.is_empty() && unmeasured.is_empty() {
                 "engines evicted on every leg".into()
+            } else if without_evictions.is_empty() && unmeasured.len() == legs.len() {
+                "not checked: evictions unmeasured on every leg (the engines export no eviction \
+                 counter)"
+                    .into()
+            } else if without_evictions.is_empty() {
+                format!(
+                    "engines evicted on every leg that measured it; unmeasured on {} (the \
+                     engines export no eviction counter)",
+                    list(unmeasured)
+                )
             } else {
                 format!(
                     "no evictions on {} (raise the load or lower kv_blocks)",
@@ -277,7 +293,7 @@ mod tests {
     fn errors_missing_evictions_and_missing_downgrades_fail() {
         let mut broken = summary("prefix+auto", LegKind::Prefix(crate::legs::Residency::Auto));
         broken.errors = 3;
-        broken.evictions = 0;
+        broken.evictions = Some(0);
         broken.downgrades = Some(0);
         let fine = summary("round-robin", LegKind::RoundRobin);
         let gates = evaluate(&[fine, broken], &["prefix+auto"]);
@@ -292,6 +308,34 @@ mod tests {
             ["no errors", "cache pressure", "residency downgrades"]
         );
         assert!(gates[0].detail.contains("prefix+auto (3 errors)"));
+    }
+
+    #[test]
+    fn unmeasured_evictions_are_named_but_do_not_fail_the_run() {
+        let mut external = summary("least-load", LegKind::LeastLoad);
+        external.evictions = None;
+        let mirrored = summary("prefix+auto", LegKind::Prefix(crate::legs::Residency::Auto));
+        let gates = evaluate(&[external.clone(), mirrored], &[]);
+        let pressure = gates
+            .iter()
+            .find(|gate| gate.name == "cache pressure")
+            .unwrap();
+        assert!(pressure.passed, "{pressure:?}");
+        assert!(
+            pressure.detail.contains("unmeasured on least-load"),
+            "{pressure:?}"
+        );
+        // A measured leg that did not evict still fails it.
+        let mut idle = summary("prefix+auto", LegKind::Prefix(crate::legs::Residency::Auto));
+        idle.evictions = Some(0);
+        let gates = evaluate(&[external, idle], &[]);
+        assert!(
+            !gates
+                .iter()
+                .find(|gate| gate.name == "cache pressure")
+                .unwrap()
+                .passed
+        );
     }
 
     /// A leg whose measured requests all have TTFT `ttft_us` (wall, speedup 10) and whose

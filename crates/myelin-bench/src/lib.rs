@@ -12,6 +12,7 @@ pub mod capacity;
 pub mod cli;
 pub mod cluster;
 pub mod engine_tokens;
+pub mod engines;
 pub mod gates;
 pub mod legs;
 pub mod loadgen;

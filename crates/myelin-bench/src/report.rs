@@ -20,7 +20,8 @@ pub struct Report<'a> {
     pub generated_at: String,
     /// The command line that produced the run.
     pub command: String,
-    /// Latencies and rates are in simulated time: wall time x speedup.
+    /// `simulated`: latencies and rates are in simulated time (wall time x speedup);
+    /// `wall`: external engines at speedup 1.
     pub time_unit: &'static str,
     pub speedup: f64,
     pub repeat: u32,
@@ -33,6 +34,8 @@ pub struct Report<'a> {
     pub skipped_over_context: Option<SkippedOverContext>,
     /// `myelin serve` nodes per myelin router leg (`--router-nodes`; 1 = a single router).
     pub router_nodes: u32,
+    /// The URLs of the engines of `--engine` (empty: simulated engines).
+    pub external_engines: Vec<String>,
     /// Whether those nodes formed a peer cluster over gossip (false with one node).
     pub gossip: bool,
     /// The regime the run measured: working set / KV capacity, offered load / capacity, the
@@ -210,7 +213,7 @@ fn comparison_table(a: &LegSummary, b: &LegSummary) -> Table {
         ),
         ("Errors", |leg| Some(leg.errors)),
         ("Downgrades", |leg| leg.downgrades),
-        ("Evictions (blocks)", |leg| Some(leg.evictions)),
+        ("Evictions (blocks)", |leg| leg.evictions),
         ("Preemptions", |leg| Some(leg.preemptions)),
     ] {
         rows.push(vec![
@@ -271,7 +274,7 @@ fn legs_table(legs: &[LegSummary]) -> Table {
                     spread_cell(leg.spread.throughput_rps, runs, two_decimals),
                     spread_cell(leg.spread.output_tokens_per_s, runs, ms),
                     rate_cell(leg.spread.cache_hit_rate, runs),
-                    leg.evictions.to_string(),
+                    optional_count(leg.evictions),
                     leg.preemptions.to_string(),
                     leg.slow_ttft_requests.to_string(),
                     optional_count(leg.downgrades),
@@ -551,16 +554,32 @@ pub fn router_nodes_words(report: &Report<'_>) -> String {
     }
 }
 
+/// The engines in words: simulated with their profile, or the URLs of `--engine`.
+fn engines_words(report: &Report<'_>) -> String {
+    if report.external_engines.is_empty() {
+        format!(
+            "{} simulated engines, profile `{}`",
+            report.workload.cluster.engines, report.workload.cluster.profile
+        )
+    } else {
+        format!(
+            "{} external engines ({})",
+            report.external_engines.len(),
+            report.external_engines.join(", ")
+        )
+    }
+}
+
 pub fn render_text(report: &Report<'_>) -> String {
     let mut out = String::new();
     out.push_str(&format!(
-        "\nworkload {} | {} | {} engines | {} | {} | speedup {} | times in simulated ms\n\n",
+        "\nworkload {} | {} | {} | {} | speedup {} | times in {} ms\n\n",
         report.workload.name,
         report.traffic,
-        report.workload.cluster.engines,
-        report.workload.cluster.profile,
+        engines_words(report),
         router_nodes_words(report),
-        report.speedup
+        report.speedup,
+        report.time_unit,
     ));
     if let Some(regime) = &report.regime {
         out.push_str(&regime.line(report.legs));
@@ -586,9 +605,10 @@ pub fn render_text(report: &Report<'_>) -> String {
     }
     out.push('\n');
     if let Some(table) = prediction_table(report.legs) {
-        out.push_str(
-            "predicted TTFT against observed (simulated ms; error = predicted - observed)\n",
-        );
+        out.push_str(&format!(
+            "predicted TTFT against observed ({} ms; error = predicted - observed)\n",
+            report.time_unit
+        ));
         out.push_str(&table.plain());
         out.push('\n');
     }
@@ -608,17 +628,16 @@ pub fn render_text(report: &Report<'_>) -> String {
 pub fn render_markdown(report: &Report<'_>, plots: &[(&str, &str)]) -> String {
     let workload = report.workload;
     let mut out = format!(
-        "# myelin bench: {}\n\n{}\n\n- command: `{}`\n- generated: {} (myelin {})\n- cluster: {} simulated engines, \
-         profile `{}`, {} KV blocks of {} tokens each, speedup {}\n- routers: {}\n- traffic: {}; duration {} s, warm-up {} s \
-         (simulated), repeats: {}\n- latencies in simulated milliseconds (wall time x speedup); rates per simulated \
+        "# myelin bench: {}\n\n{}\n\n- command: `{}`\n- generated: {} (myelin {})\n- cluster: {}, \
+         {} KV blocks of {} tokens each, speedup {}\n- routers: {}\n- traffic: {}; duration {} s, warm-up {} s \
+         ({}), repeats: {}\n- latencies in {} milliseconds{}; rates per {} \
          second\n\n",
         workload.name,
         workload.description,
         report.command,
         report.generated_at,
         report.myelin_version,
-        workload.cluster.engines,
-        workload.cluster.profile,
+        engines_words(report),
         workload.cluster.kv_blocks,
         workload.cluster.block_size,
         report.speedup,
@@ -626,7 +645,15 @@ pub fn render_markdown(report: &Report<'_>, plots: &[(&str, &str)]) -> String {
         report.traffic,
         workload.duration_s,
         workload.warmup_s,
+        report.time_unit,
         report.repeat,
+        report.time_unit,
+        if report.time_unit == "simulated" {
+            " (wall time x speedup)"
+        } else {
+            ""
+        },
+        report.time_unit,
     );
     if let Some(regime) = &report.regime {
         out.push_str(&format!("{}\n\n", regime.line(report.legs)));
@@ -756,6 +783,7 @@ mod tests {
             workload: &workload,
             traffic: "60 closed-loop users".into(),
             router_nodes: 1,
+            external_engines: Vec::new(),
             gossip: false,
             skipped_over_context: None,
             regime: None,
@@ -828,6 +856,7 @@ mod tests {
             workload: &workload,
             traffic: "60 closed-loop users".into(),
             router_nodes: 1,
+            external_engines: Vec::new(),
             gossip: false,
             skipped_over_context: None,
             regime: None,

@@ -1,6 +1,7 @@
-//! Running a benchmark: for every repeat and every leg, a fresh simulated cluster, the leg's
-//! router, the load generator and a progress bar; then the summaries, gates, report files and
-//! plots. The only module that sequences processes and threads.
+//! Running a benchmark: for every repeat and every leg, a fresh simulated cluster (or the
+//! external engines of `--engine`, their caches emptied), the leg's router, the load generator
+//! and a progress bar; then the summaries, gates, report files and plots. The only module that
+//! sequences processes and threads.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -11,11 +12,13 @@ use std::time::{Duration, Instant};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::calibration::{self, CalibrationMode, CalibrationSetup, LegCalibration};
-use crate::cluster::{ClusterError, start_cluster};
+use crate::cluster::{ClusterError, EmbeddedCluster, start_cluster};
 use crate::engine_tokens::EngineTokenizer;
+use crate::engines::{ENGINE_IDLE_TIMEOUT, EngineError, ExternalEngines};
 use crate::gates;
-use crate::legs::{LegError, LegKind, LegSpec, all_legs, leg_order};
+use crate::legs::{DEFAULT_LEGS, LegError, LegKind, LegSpec, all_legs, leg_order};
 use crate::loadgen::{self, LoadPlan, LoadProgress, ResidentProbe, Target};
+use crate::oracle::CacheOracle;
 use crate::plot::{self, LegSeries, PlotError};
 use crate::prometheus;
 use crate::record::{LegRecords, write_csv};
@@ -56,6 +59,8 @@ pub enum BenchError {
     EngineText(#[from] myelin_sim::text::TextError),
     #[error(transparent)]
     Cluster(#[from] ClusterError),
+    #[error(transparent)]
+    Engines(#[from] EngineError),
     #[error(transparent)]
     Router(#[from] RouterError),
     #[error(transparent)]
@@ -150,6 +155,51 @@ struct RunContext {
     resident_share: bool,
     /// Text prompts: how the engines tokenize them.
     engine_tokenizer: Option<Arc<EngineTokenizer>>,
+    /// `--engine`: the engines every leg runs on, instead of a simulated cluster.
+    external: Option<ExternalEngines>,
+}
+
+/// The engines one leg runs on.
+enum LegEngines<'a> {
+    Simulated(EmbeddedCluster),
+    External(&'a ExternalEngines),
+}
+
+impl LegEngines<'_> {
+    fn backends(&self) -> Vec<crate::router_process::BackendEndpoint> {
+        match self {
+            LegEngines::Simulated(cluster) => cluster.backends(),
+            LegEngines::External(engines) => engines.backends(),
+        }
+    }
+
+    fn counters(&self) -> Result<EngineCounters, BenchError> {
+        Ok(match self {
+            LegEngines::Simulated(cluster) => cluster.counters(),
+            LegEngines::External(engines) => engines.counters()?,
+        })
+    }
+
+    fn block_size(&self) -> u32 {
+        match self {
+            LegEngines::Simulated(cluster) => cluster.block_size(),
+            LegEngines::External(engines) => engines.block_size,
+        }
+    }
+
+    /// The engines' true state, where the harness can read it (the simulator only).
+    fn oracle(&self) -> Option<Arc<dyn CacheOracle>> {
+        match self {
+            LegEngines::Simulated(cluster) => Some(cluster.oracle()),
+            LegEngines::External(_) => None,
+        }
+    }
+
+    fn stop(self) {
+        if let LegEngines::Simulated(cluster) = self {
+            cluster.stop();
+        }
+    }
 }
 
 /// `myelin bench`.
@@ -168,6 +218,35 @@ pub fn run_config(args: &BenchArgs, config: WorkloadConfig) -> Result<ExitCode, 
 }
 
 fn prepare(args: &BenchArgs, mut config: WorkloadConfig) -> Result<RunContext, BenchError> {
+    let external = if args.engine.is_empty() {
+        None
+    } else {
+        let engines = ExternalEngines::discover(args.engine.clone(), config.cluster.block_size)?;
+        config.cluster.block_size = engines.block_size;
+        if let Some(blocks) = engines.kv_blocks {
+            config.cluster.kv_blocks = blocks;
+        }
+        if crate::capacity::needs_measurement(&config) {
+            return Err(EngineError::Unsupported(
+                "an open-loop or trace workload on external engines needs its rate (--rate, or \
+                 capacity_rps in the workload file): the capacity is measured on the simulator's \
+                 engine model, not on your engines"
+                    .into(),
+            )
+            .into());
+        }
+        eprintln!(
+            "myelin bench: {} external engine(s), block size {}, {}",
+            engines.engines.len(),
+            engines.block_size,
+            engines
+                .kv_blocks
+                .map_or("KV capacity unknown".into(), |blocks| format!(
+                    "{blocks} KV blocks per engine (the smallest stated)"
+                ))
+        );
+        Some(engines)
+    };
     // Open-loop churn: the rate is a fraction of the cluster's capacity, measured once here so
     // every leg gets the same schedule.
     let started = Instant::now();
@@ -186,7 +265,31 @@ fn prepare(args: &BenchArgs, mut config: WorkloadConfig) -> Result<RunContext, B
             }
         );
     }
-    let legs = all_legs(&args.legs, &args.external)?;
+    let mut legs = all_legs(&args.legs, &args.external)?;
+    if external.is_some() && legs.iter().any(|leg| leg.kind == LegKind::Oracle) {
+        if args.legs != DEFAULT_LEGS {
+            return Err(EngineError::Unsupported(
+                "the oracle leg routes with the simulator's true cache contents and queues: it \
+                 cannot run on external engines (leave it out of --legs)"
+                    .into(),
+            )
+            .into());
+        }
+        eprintln!(
+            "myelin bench: external engines: the default legs run without the oracle (it needs \
+             the simulator's truth)"
+        );
+        legs.retain(|leg| leg.kind != LegKind::Oracle);
+    }
+    // The routers key the prefix tree by the engines' block size.
+    let mut router_args = args.router_args.clone();
+    if external.is_some()
+        && !router_args
+            .iter()
+            .any(|arg| arg == "--block-size" || arg.starts_with("--block-size="))
+    {
+        router_args.insert(0, format!("--block-size={}", config.cluster.block_size));
+    }
     // Text prompts use single-token words of the bundled tokenizer, the one the simulated
     // engines and the router tokenize with, so a prompt planned as N tokens is N tokens there.
     let alphabet = match config.prompt {
@@ -235,7 +338,7 @@ fn prepare(args: &BenchArgs, mut config: WorkloadConfig) -> Result<RunContext, B
         quick: args.quick,
         out_dir,
         router_exe,
-        router_args: args.router_args.clone(),
+        router_args,
         router_nodes,
         gossip_key,
         request_timeout: Duration::from_secs(args.request_timeout.max(1)),
@@ -245,16 +348,18 @@ fn prepare(args: &BenchArgs, mut config: WorkloadConfig) -> Result<RunContext, B
         workload: Arc::new(workload),
         alphabet: Arc::new(alphabet),
         interrupted,
-        calibration: if config.prompt == PromptFormat::TokenIds {
+        // The calibration and the resident-prefix probe read the simulator's truth.
+        calibration: if config.prompt == PromptFormat::TokenIds && external.is_none() {
             args.calibration
         } else {
             CalibrationMode::Off
         },
         calibrations: Default::default(),
         calibration_every: args.calibration_every,
-        resident_share: !args.no_resident_share,
+        resident_share: !args.no_resident_share && external.is_none(),
         engine_tokenizer,
         config,
+        external,
     })
 }
 
@@ -306,7 +411,9 @@ fn run_all_legs(context: &RunContext) -> Result<Vec<LegRun>, BenchError> {
                 summary
                     .cache_hit_rate
                     .map_or("-".into(), |rate| format!("{:.1}%", rate * 100.0)),
-                summary.evictions,
+                summary
+                    .evictions
+                    .map_or("unmeasured".into(), |count| count.to_string()),
                 summary
                     .downgrades
                     .map_or(String::new(), |count| format!(", {count} downgrades")),
@@ -355,7 +462,13 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
     let config = &context.config;
     let speedup = config.cluster.speedup;
     let kv_events = context.legs.iter().any(|spec| spec.kind.wants_kv_events());
-    let cluster = start_cluster(&config.cluster, kv_events)?;
+    let cluster = match &context.external {
+        Some(engines) => {
+            engines.prepare_leg(ENGINE_IDLE_TIMEOUT)?;
+            LegEngines::External(engines)
+        }
+        None => LegEngines::Simulated(start_cluster(&config.cluster, kv_events)?),
+    };
     let backends = cluster.backends();
     let model = match &config.model {
         Some(model) => model.clone(),
@@ -427,7 +540,10 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
     let target = match routers.as_slice() {
         [] => Target::Oracle {
             engine_urls: backends.iter().map(|backend| backend.url.clone()).collect(),
-            oracle: cluster.oracle(),
+            // Refused with external engines when the legs were read.
+            oracle: cluster.oracle().ok_or_else(|| {
+                EngineError::Unsupported("the oracle leg needs the simulator".into())
+            })?,
             block_size: cluster.block_size(),
             engine_tokenizer: context.engine_tokenizer.clone(),
         },
@@ -454,18 +570,21 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
         request_timeout: context.request_timeout,
         progress: progress.clone(),
     };
-    let calibration = context
-        .calibration
-        .applies_to(leg.kind)
-        .then(|| CalibrationSetup {
+    let calibration = cluster
+        .oracle()
+        .filter(|_| context.calibration.applies_to(leg.kind))
+        .map(|oracle| CalibrationSetup {
             sample_every: context.calibration_every,
-            ..CalibrationSetup::new(cluster.oracle(), &config.cluster, config.seed)
+            ..CalibrationSetup::new(oracle, &config.cluster, config.seed)
         });
-    let resident = context.resident_share.then(|| ResidentProbe {
-        oracle: cluster.oracle(),
-        block_size: cluster.block_size(),
-        engine_tokenizer: context.engine_tokenizer.clone(),
-    });
+    let resident = cluster
+        .oracle()
+        .filter(|_| context.resident_share)
+        .map(|oracle| ResidentProbe {
+            oracle,
+            block_size: cluster.block_size(),
+            engine_tokenizer: context.engine_tokenizer.clone(),
+        });
     let handle = loadgen::start_probed(plan, target, calibration, resident)
         .map_err(io_error("starting", Path::new("the load generator")))?;
 
@@ -483,7 +602,7 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
         std::thread::sleep(PROGRESS_TICK);
         let elapsed = started.elapsed();
         if at_warmup.is_none() && elapsed >= warmup_wall {
-            at_warmup = Some(cluster.counters());
+            at_warmup = Some(cluster.counters()?);
         }
         bar.set_position(elapsed.as_millis() as u64);
         bar.set_message(format!(
@@ -511,7 +630,7 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
     }
     bar.finish_and_clear();
 
-    let engines_total = cluster.counters();
+    let engines_total = cluster.counters()?;
     let engines_measured = engines_total.since(&at_warmup.unwrap_or_default());
     // Every node's /metrics (the nodes that answered): counters are summed over them.
     let router_metrics: Vec<String> = if leg.kind.uses_myelin_router() {
@@ -614,7 +733,11 @@ fn finish(context: &RunContext, runs: &[LegRun]) -> Result<ExitCode, BenchError>
         myelin_version: env!("CARGO_PKG_VERSION"),
         generated_at: report::utc_now().0,
         command: context.command_line.clone(),
-        time_unit: "simulated",
+        time_unit: if context.external.is_some() && config.cluster.speedup == 1.0 {
+            "wall"
+        } else {
+            "simulated"
+        },
         speedup: config.cluster.speedup,
         repeat: context.repeat,
         quick: context.quick,
@@ -622,6 +745,10 @@ fn finish(context: &RunContext, runs: &[LegRun]) -> Result<ExitCode, BenchError>
         traffic: context.workload.describe(),
         skipped_over_context: context.workload.skipped_over_context().cloned(),
         router_nodes: context.router_nodes,
+        external_engines: context
+            .external
+            .as_ref()
+            .map_or_else(Vec::new, |engines| engines.urls()),
         gossip: context.gossip_key.is_some(),
         regime,
         legs: &summaries,

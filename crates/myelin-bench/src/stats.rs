@@ -21,17 +21,30 @@ pub struct Percentiles {
     pub mean: f64,
 }
 
-/// Engine counters summed over a leg's engines.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+/// Engine counters summed over a leg's engines. The default is nothing counted yet (evictions
+/// measured, 0).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct EngineCounters {
     /// Prompt tokens looked up in the prefix caches (`vllm:prefix_cache_queries_total`).
     pub prefix_cache_queries: u64,
     /// Of those, tokens found cached (`vllm:prefix_cache_hits_total`).
     pub prefix_cache_hits: u64,
-    /// Cached blocks dropped to make room.
-    pub evictions: u64,
+    /// Cached blocks dropped to make room (`None`: not measured; vLLM exports no eviction
+    /// counter, see [`crate::engines`]).
+    pub evictions: Option<u64>,
     /// Running requests preempted for lack of blocks (`vllm:num_preemptions_total`).
     pub preemptions: u64,
+}
+
+impl Default for EngineCounters {
+    fn default() -> Self {
+        EngineCounters {
+            prefix_cache_queries: 0,
+            prefix_cache_hits: 0,
+            evictions: Some(0),
+            preemptions: 0,
+        }
+    }
 }
 
 impl EngineCounters {
@@ -44,15 +57,22 @@ impl EngineCounters {
             prefix_cache_hits: self
                 .prefix_cache_hits
                 .saturating_sub(earlier.prefix_cache_hits),
-            evictions: self.evictions.saturating_sub(earlier.evictions),
+            evictions: match (self.evictions, earlier.evictions) {
+                (Some(now), before) => Some(now.saturating_sub(before.unwrap_or(0))),
+                (None, _) => None,
+            },
             preemptions: self.preemptions.saturating_sub(earlier.preemptions),
         }
     }
 
-    fn add(&mut self, other: &EngineCounters) {
+    /// Adds `other`'s counts (evictions stay measured only where both sides measured them).
+    pub(crate) fn add(&mut self, other: &EngineCounters) {
         self.prefix_cache_queries += other.prefix_cache_queries;
         self.prefix_cache_hits += other.prefix_cache_hits;
-        self.evictions += other.evictions;
+        self.evictions = match (self.evictions, other.evictions) {
+            (Some(mine), Some(theirs)) => Some(mine + theirs),
+            _ => None,
+        };
         self.preemptions += other.preemptions;
     }
 }
@@ -182,8 +202,8 @@ pub struct LegSummary {
     pub cache_hit_rate: Option<f64>,
     /// Sum of engine-reported cached tokens over sum of prompt tokens, measured requests.
     pub cached_token_ratio: Option<f64>,
-    /// Over the whole run(s), warm-up included.
-    pub evictions: u64,
+    /// Over the whole run(s), warm-up included (`None`: not measured, external engines).
+    pub evictions: Option<u64>,
     pub preemptions: u64,
     /// Measured requests whose first token took more than [`SLOW_TTFT_MS`] (simulated): the
     /// tail episodes (KV memory full, a herd on one engine) stay visible as a count.
@@ -223,7 +243,7 @@ pub struct RepeatFigures {
     pub throughput_rps: f64,
     pub output_tokens_per_s: f64,
     pub cache_hit_rate: Option<f64>,
-    pub evictions: u64,
+    pub evictions: Option<u64>,
     pub preemptions: u64,
     /// Measured requests with a TTFT over [`SLOW_TTFT_MS`].
     pub slow_ttft_requests: u64,
@@ -669,13 +689,13 @@ pub(crate) mod tests {
             engines_measured: EngineCounters {
                 prefix_cache_queries: 1000,
                 prefix_cache_hits: 250,
-                evictions: 5,
+                evictions: Some(5),
                 preemptions: 0,
             },
             engines_total: EngineCounters {
                 prefix_cache_queries: 2000,
                 prefix_cache_hits: 300,
-                evictions: 7,
+                evictions: Some(7),
                 preemptions: 1,
             },
             downgrades: kind.uses_myelin_router().then_some(2),
@@ -736,7 +756,7 @@ pub(crate) mod tests {
         assert!((summary.output_tokens_per_s - 3.0).abs() < 1e-9);
         assert_eq!(summary.cache_hit_rate, Some(0.25));
         assert_eq!(summary.cached_token_ratio, Some(0.5));
-        assert_eq!((summary.evictions, summary.preemptions), (7, 1));
+        assert_eq!((summary.evictions, summary.preemptions), (Some(7), 1));
         assert_eq!(summary.downgrades, Some(2));
         // Measured TTFTs of 1, 2 and 3 simulated s: only the last is over 2 s.
         assert_eq!(summary.slow_ttft_requests, 1);
