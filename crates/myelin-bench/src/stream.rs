@@ -94,14 +94,17 @@ impl StreamReader {
         if let Some(error) = chunk.error {
             return Err(format!("error in stream: {}", truncate(&error.to_string())));
         }
-        let has_content = chunk.choices.iter().any(|choice| {
-            let text = choice.text.as_deref().or_else(|| {
-                choice
-                    .delta
-                    .as_ref()
-                    .and_then(|delta| delta.content.as_deref())
-            });
-            text.is_some_and(|text| !text.is_empty())
+        // A completions chunk is sent for generated tokens, so its `text` marks one even when
+        // empty (a token whose text the engine withholds: a special token, or part of a
+        // multi-byte character). A chat delta must carry text: the first chunk is the role's,
+        // with empty content and no token.
+        let has_content = chunk.choices.iter().any(|choice| match &choice.text {
+            Some(_) => true,
+            None => choice
+                .delta
+                .as_ref()
+                .and_then(|delta| delta.content.as_deref())
+                .is_some_and(|text| !text.is_empty()),
         });
         if has_content {
             self.summary.content_chunks += 1;
@@ -185,6 +188,39 @@ mod tests {
                 summary.cached_tokens
             ),
             (Some(10), Some(2), Some(8))
+        );
+    }
+
+    #[test]
+    fn an_empty_completions_text_is_a_token_an_empty_chat_delta_is_not() {
+        let start = Instant::now();
+        let later = start + std::time::Duration::from_millis(5);
+        let mut reader = StreamReader::new();
+        // vLLM withholds the text of a token that ends inside a multi-byte character.
+        reader
+            .on_event(&data(r#"{"choices":[{"text":"","index":0}]}"#), start)
+            .unwrap();
+        reader
+            .on_event(&data(r#"{"choices":[{"text":"é","index":0}]}"#), later)
+            .unwrap();
+        reader.on_event(&data("[DONE]"), later).unwrap();
+        let summary = reader.finish().unwrap();
+        assert_eq!(
+            (summary.first_token_at, summary.content_chunks),
+            (Some(start), 2)
+        );
+
+        let mut reader = StreamReader::new();
+        reader
+            .on_event(
+                &data(r#"{"choices":[{"index":0,"delta":{"content":""}}]}"#),
+                start,
+            )
+            .unwrap();
+        reader.on_event(&data("[DONE]"), later).unwrap();
+        assert_eq!(
+            reader.finish().unwrap_err().0,
+            "stream carried no content token"
         );
     }
 
