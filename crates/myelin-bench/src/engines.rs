@@ -365,10 +365,7 @@ impl ExternalEngines {
                         break;
                     }
                     // Refused while requests still hold blocks: retried until the deadline.
-                    status if Instant::now() < deadline => {
-                        let _ = status;
-                        std::thread::sleep(IDLE_POLL);
-                    }
+                    _ if Instant::now() < deadline => std::thread::sleep(IDLE_POLL),
                     status => {
                         return Err(timed_out(&format!(
                             "refused POST /reset_prefix_cache (last answer {status})"
