@@ -51,20 +51,10 @@ pub enum EngineError {
     Unsupported(String),
 }
 
-/// One `--engine` flag.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EngineSpec {
-    /// `http://host:port`, without a trailing slash.
-    pub url: String,
-    /// The engine's KV-event publisher, for the routers of the legs that follow KV events.
-    pub kv_events: Option<String>,
-    /// Its replay socket.
-    pub kv_replay: Option<String>,
-    /// Its KV capacity in tokens, for engines without `vllm:cache_config_info`.
-    pub capacity_tokens: Option<u64>,
-}
+/// One `--engine` flag: the engine as the routers' backend, `capacity-tokens=` included.
+pub type EngineSpec = BackendEndpoint;
 
-impl FromStr for EngineSpec {
+impl FromStr for BackendEndpoint {
     type Err = EngineError;
 
     fn from_str(text: &str) -> Result<Self, Self::Err> {
@@ -299,15 +289,13 @@ impl ExternalEngines {
         self.engines
             .iter()
             .map(|engine| BackendEndpoint {
-                url: engine.spec.url.clone(),
-                kv_events: engine.spec.kv_events.clone(),
-                kv_replay: engine.spec.kv_replay.clone(),
                 // A router reads the capacity off the engine's metrics where they state it.
                 capacity_tokens: engine
                     .geometry
                     .is_none()
                     .then_some(engine.spec.capacity_tokens)
                     .flatten(),
+                ..engine.spec.clone()
             })
             .collect()
     }

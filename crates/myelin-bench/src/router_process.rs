@@ -52,7 +52,7 @@ pub enum RouterError {
 /// One engine as a router backend.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BackendEndpoint {
-    /// `http://127.0.0.1:PORT`.
+    /// `http://HOST:PORT` (loopback for simulated engines).
     pub url: String,
     /// The engine's KV-event publisher, when it has one.
     pub kv_events: Option<String>,

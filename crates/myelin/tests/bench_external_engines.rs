@@ -7,6 +7,7 @@
 
 #[path = "support/bench.rs"]
 mod bench;
+mod support;
 
 use std::process::Command;
 
@@ -31,20 +32,7 @@ fn engines() -> SimCluster {
 
 /// One `--engine` value per engine, with its KV-event endpoints.
 fn engine_args(cluster: &SimCluster) -> Vec<String> {
-    let mut args = Vec::new();
-    for (url, endpoints) in cluster
-        .engine_urls()
-        .iter()
-        .zip(cluster.kv_event_endpoints())
-    {
-        let endpoints = endpoints.as_ref().expect("events enabled");
-        args.push("--engine".to_string());
-        args.push(format!(
-            "{url},kv-events={},kv-replay={}",
-            endpoints.publish, endpoints.replay
-        ));
-    }
-    args
+    support::engine_flags(cluster, "--engine")
 }
 
 fn requests_received(cluster: &SimCluster) -> u64 {

@@ -566,19 +566,7 @@ fn a_kv_event_gap_without_replay_leaves_a_partial_mirror_until_it_is_exact_again
 #[test]
 fn dropped_control_messages_are_healed() {
     let cluster = sim_cluster(2, myelin_sim::FaultConfig::default());
-    let mut args = Vec::new();
-    for (url, endpoints) in cluster
-        .engine_urls()
-        .iter()
-        .zip(cluster.kv_event_endpoints())
-    {
-        let endpoints = endpoints.as_ref().expect("events");
-        args.push("--backend".to_string());
-        args.push(format!(
-            "{url},kv-events={},kv-replay={}",
-            endpoints.publish, endpoints.replay
-        ));
-    }
+    let mut args = support::engine_flags(&cluster, "--backend");
     args.extend(
         [
             "--fault-drop-control-messages",

@@ -24,17 +24,7 @@ fn cluster(wire: WireVersion) -> SimCluster {
 }
 
 fn backend_args(cluster: &SimCluster) -> Vec<String> {
-    let urls = cluster.engine_urls();
-    let mut args = Vec::new();
-    for (url, endpoints) in urls.iter().zip(cluster.kv_event_endpoints()) {
-        let endpoints = endpoints.as_ref().expect("events enabled");
-        args.push("--backend".to_string());
-        args.push(format!(
-            "{url},kv-events={},kv-replay={}",
-            endpoints.publish, endpoints.replay
-        ));
-    }
-    args
+    support::engine_flags(cluster, "--backend")
 }
 
 fn chat(words: usize, seed: usize) -> Value {

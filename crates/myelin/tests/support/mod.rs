@@ -415,3 +415,22 @@ pub fn metric_value(metrics: &str, parts: &[&str]) -> f64 {
         .and_then(|value| value.parse().ok())
         .unwrap_or(0.0)
 }
+
+/// `FLAG URL,kv-events=..,kv-replay=..` for every engine of `cluster`, whose KV events must be
+/// on: `--backend` for `myelin serve`, `--engine` for `myelin bench`.
+pub fn engine_flags(cluster: &myelin_sim::SimCluster, flag: &str) -> Vec<String> {
+    let mut args = Vec::new();
+    for (url, endpoints) in cluster
+        .engine_urls()
+        .iter()
+        .zip(cluster.kv_event_endpoints())
+    {
+        let endpoints = endpoints.as_ref().expect("KV events enabled");
+        args.push(flag.to_string());
+        args.push(format!(
+            "{url},kv-events={},kv-replay={}",
+            endpoints.publish, endpoints.replay
+        ));
+    }
+    args
+}
