@@ -415,6 +415,7 @@ def checks(args, model, engines, mirrors, router, logs) -> None:
     # The multi-line template renders like vLLM's: the engines count the router's tokens.
     check("tokenization parity: every engine's prompt_tokens equals the router's count",
           metrics["myelin_tokenization_mismatch_total"] == 0)
+    token_ids_match(args, model, engines[0])
 
     # 5. The option that made vLLM re-announce reused blocks is refused.
     body = {**chat(20, 5), "vllm_xargs": {"kv_cache_report_mode": "full"}}
@@ -502,6 +503,40 @@ def checks(args, model, engines, mirrors, router, logs) -> None:
               router.metric("myelin_kv_events_restarts_total") >= 1)
     except TimeoutError as error:
         check("the restarted engine is followed again", False, str(error))
+
+
+def token_ids_match(args, model: Path, engine: Engine) -> None:
+    """Tokenization parity in ids: `myelin tokenize` (the router's own rendering and
+    tokenization) against vLLM's `POST /tokenize`, for chats (single and multi-turn, short and
+    long) and a completion prompt."""
+    multi_turn = chat(80, 8)
+    multi_turn["messages"] += [
+        {"role": "assistant", "content": "An earlier answer,\nover two lines."},
+        {"role": "user", "content": "A follow-up question with   spaces and a tab\there."},
+    ]
+    bodies = [chat(50, 1), chat(900, 3), multi_turn,
+              {"model": "tiny", "prompt": "hello " * 40 + "\nworld", "max_tokens": 4}]
+    mismatched = []
+    for body in bodies:
+        ours = subprocess.run(
+            [args.myelin, "tokenize", "--tokenizer", str(model / "tokenizer.json"),
+             "--chat-template", str(model / "tokenizer_config.json")],
+            input=json.dumps(body).encode(), capture_output=True, timeout=60)
+        ids = json.loads(ours.stdout).get("ids") if ours.returncode == 0 else None
+        if "messages" in body:
+            ask = {"model": "tiny", "messages": body["messages"], "add_generation_prompt": True}
+        else:
+            ask = {"model": "tiny", "prompt": body["prompt"], "add_special_tokens": True}
+        status, _, theirs = http("POST", engine.url + "/tokenize", ask)
+        engine_ids = theirs.get("tokens") if status == 200 else None
+        if ids is None or ids != engine_ids:
+            first = next((i for i, (a, b) in enumerate(zip(ids or [], engine_ids or []))
+                          if a != b), min(len(ids or []), len(engine_ids or [])))
+            mismatched.append(f"{'chat' if 'messages' in body else 'completion'}: router "
+                              f"{len(ids or [])} ids, vLLM {status} {len(engine_ids or [])}, "
+                              f"first difference at {first}")
+    check("tokenization parity in ids: `myelin tokenize` equals vLLM's POST /tokenize",
+          not mismatched, "; ".join(mismatched) or f"{len(bodies)} prompts, every id equal")
 
 
 def main() -> int:

@@ -31,6 +31,7 @@ pub mod route_tokens;
 mod routing_glue;
 mod sim;
 mod token_parity;
+pub mod tokenize_cmd;
 mod watchdog;
 
 use std::net::SocketAddr;
@@ -129,17 +130,21 @@ impl Server {
 }
 
 /// The exact fast tokenizer path for `source`, when it reproduces this tokenizer and agrees
-/// with HuggingFace `tokenizers` on the self-check corpus; says on stdout which path is used.
-fn fast_tokenizer(source: &TokenizerSource, tokenizer: &Tokenizer) -> Option<FastBpe> {
+/// with HuggingFace `tokenizers` on the self-check corpus; says through `note` which path is used.
+fn fast_tokenizer(
+    source: &TokenizerSource,
+    tokenizer: &Tokenizer,
+    note: &impl Fn(&str),
+) -> Option<FastBpe> {
     match FastBpe::verified_source(source, tokenizer) {
         Ok(fast) => {
-            println!(
-                "myelin: tokenizer fast path on (matches tokenizers on the self-check corpus)"
-            );
+            note("myelin: tokenizer fast path on (matches tokenizers on the self-check corpus)");
             Some(fast)
         }
         Err(reason) => {
-            println!("myelin: tokenizer fast path off ({reason}); using tokenizers");
+            note(&format!(
+                "myelin: tokenizer fast path off ({reason}); using tokenizers"
+            ));
             None
         }
     }
@@ -155,22 +160,60 @@ fn added_tokens(source: &TokenizerSource) -> Option<AddedTokens> {
     }
 }
 
+/// What tokenizes prompts for routing, loaded once and shared by every data core (and by
+/// `myelin tokenize`).
+pub(crate) struct TokenizerParts {
+    pub tokenizer: Tokenizer,
+    pub template: Arc<ChatTemplate>,
+    pub added_tokens: Option<Arc<AddedTokens>>,
+    pub fast: Option<FastBpe>,
+}
+
+impl TokenizerParts {
+    /// Loads `--tokenizer` (the bundled one by default) and `--chat-template` (ChatML by
+    /// default), with the fast path when `fast` and it verifies; says what it chose through
+    /// `note`.
+    pub(crate) fn load(
+        tokenizer: Option<&std::path::Path>,
+        chat_template: Option<&std::path::Path>,
+        fast: bool,
+        note: impl Fn(&str),
+    ) -> Result<TokenizerParts, ServeError> {
+        let source = TokenizerSource::from_option(tokenizer);
+        let loaded = Tokenizer::load(&source)?;
+        note(&format!("myelin: tokenizer {source}"));
+        let template = Arc::new(match chat_template {
+            Some(path) => ChatTemplate::from_path(path)?,
+            None => ChatTemplate::chatml(),
+        });
+        let fast = if fast {
+            fast_tokenizer(&source, &loaded, &note)
+        } else {
+            note("myelin: tokenizer fast path off (--no-fast-tokenizer)");
+            None
+        };
+        Ok(TokenizerParts {
+            added_tokens: added_tokens(&source).map(Arc::new),
+            tokenizer: loaded,
+            template,
+            fast,
+        })
+    }
+}
+
 /// Starts the router. Setting `stop` (or calling [`Server::stop`]) begins a graceful drain.
 pub fn start(config: ServeConfig, stop: Arc<AtomicBool>) -> Result<Server, ServeError> {
-    let tokenizer_source = TokenizerSource::from_option(config.tokenizer.as_deref());
-    let tokenizer = Tokenizer::load(&tokenizer_source)?;
-    println!("myelin: tokenizer {tokenizer_source}");
-    let template = Arc::new(match &config.chat_template {
-        Some(path) => ChatTemplate::from_path(path)?,
-        None => ChatTemplate::chatml(),
-    });
-    let added_tokens = added_tokens(&tokenizer_source).map(Arc::new);
-    let fast_tokenizer = if config.fast_tokenizer {
-        fast_tokenizer(&tokenizer_source, &tokenizer)
-    } else {
-        println!("myelin: tokenizer fast path off (--no-fast-tokenizer)");
-        None
-    };
+    let TokenizerParts {
+        tokenizer,
+        template,
+        added_tokens,
+        fast: fast_tokenizer,
+    } = TokenizerParts::load(
+        config.tokenizer.as_deref(),
+        config.chat_template.as_deref(),
+        config.fast_tokenizer,
+        |note| println!("{note}"),
+    )?;
 
     let mut config = config;
     let sim = if config.sim > 0 {

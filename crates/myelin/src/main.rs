@@ -57,6 +57,9 @@ enum Command {
     Sim(myelin_sim::SimArgs),
     /// Run the churn harness: identical traffic through several router configurations.
     Bench(myelin_bench::BenchArgs),
+    /// Print the token ids the router routes a request body by (compare them with an
+    /// engine's POST /tokenize).
+    Tokenize(myelin_server::tokenize_cmd::TokenizeArgs),
 }
 
 fn main() -> ExitCode {
@@ -65,6 +68,7 @@ fn main() -> ExitCode {
         Some(Command::Serve(args)) => myelin_server::run(args),
         Some(Command::Sim(args)) => myelin_sim::run(args),
         Some(Command::Bench(args)) => myelin_bench::run(args),
+        Some(Command::Tokenize(args)) => myelin_server::tokenize_cmd::run(args),
         None if cli.licenses => {
             println!("{}", licenses());
             return ExitCode::SUCCESS;

@@ -222,3 +222,101 @@ fn a_different_chat_template_is_counted_shown_and_logged_once() {
     assert!(warnings[0].contains("chat template"), "{}", warnings[0]);
     let _ = std::fs::remove_dir_all(directory);
 }
+
+/// Runs `myelin tokenize ARGS` with `body` on stdin: (exit success, stdout as JSON).
+fn tokenize(args: &[&str], body: &Value) -> (bool, Value) {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_myelin"))
+        .arg("tokenize")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn myelin tokenize");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(body.to_string().as_bytes())
+        .unwrap();
+    let output = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    let json =
+        serde_json::from_str(stdout.trim()).unwrap_or_else(|error| panic!("{error}: {stdout:?}"));
+    (output.status.success(), json)
+}
+
+#[test]
+fn myelin_tokenize_prints_the_ids_the_engine_counts() {
+    let directory = std::env::temp_dir().join(format!("myelin-tokenize-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).unwrap();
+    let template = directory.join("other.jinja");
+    std::fs::write(&template, OTHER_TEMPLATE).unwrap();
+    let template_arg = template.to_str().unwrap();
+    let mut body = chat("Which engine holds my prefix?", false);
+    body["messages"].as_array_mut().unwrap().extend([
+        json!({"role": "assistant", "content": "The one that saw it last."}),
+        json!({"role": "user", "content": "And after an eviction?"}),
+    ]);
+
+    let (ok, printed) = tokenize(&["--chat-template", template_arg], &body);
+    assert!(ok, "{printed}");
+    let expected_text = "### system:\nYou answer briefly.\n\n\
+        ### user:\nWhich engine holds my prefix?\n\n\
+        ### assistant:\nThe one that saw it last.\n\n\
+        ### user:\nAnd after an eviction?\n\n### assistant:\n";
+    assert_eq!(printed["api"], "chat");
+    assert_eq!(printed["text"], expected_text);
+    // The ids are HuggingFace tokenizers' for the rendered text, whichever path made them.
+    let reference = myelin_tokenize::Tokenizer::bundled()
+        .unwrap()
+        .encode(expected_text, false)
+        .unwrap();
+    let ids: Vec<u32> = serde_json::from_value(printed["ids"].clone()).unwrap();
+    assert_eq!(ids, reference);
+    assert_eq!(printed["count"], reference.len());
+    assert_eq!(printed["complete"], true);
+    let (_, slow) = tokenize(
+        &["--chat-template", template_arg, "--no-fast-tokenizer"],
+        &body,
+    );
+    assert_eq!(slow["ids"], printed["ids"]);
+
+    // An engine with the same template counts as many prompt tokens.
+    let engine = engines(Some(template.clone()));
+    let answer = request(
+        engine.engine_urls()[0]
+            .trim_start_matches("http://")
+            .parse()
+            .unwrap(),
+        "POST",
+        "/v1/chat/completions",
+        &[("content-type", "application/json")],
+        Some(body.to_string().as_bytes()),
+    );
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.json()["usage"]["prompt_tokens"], printed["count"]);
+
+    // A completion body: its prompt, special tokens added as the engine adds them.
+    let (ok, completion) = tokenize(&[], &json!({"model": "m", "prompt": "hello world"}));
+    assert!(ok);
+    assert_eq!(completion["api"], "completions");
+    assert_eq!(
+        completion["ids"],
+        json!(
+            myelin_tokenize::Tokenizer::bundled()
+                .unwrap()
+                .encode("hello world", true)
+                .unwrap()
+        )
+    );
+    // A body the router refuses is refused the same way.
+    let (ok, refused) = tokenize(&["--api", "chat"], &json!({"model": "m"}));
+    assert!(!ok);
+    assert_eq!(
+        refused["error"]["type"], "invalid_request_error",
+        "{refused}"
+    );
+    let _ = std::fs::remove_dir_all(directory);
+}
