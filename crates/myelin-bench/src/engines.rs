@@ -8,16 +8,17 @@
 //! (`POST /reset_prefix_cache`; vLLM serves it only with `VLLM_SERVER_DEV_MODE=1`), so that
 //! each leg starts cold as it does on simulated engines; an engine without the endpoint is
 //! named once and its cache carries over between legs. Counters come from each engine's
-//! `/metrics`. vLLM exports no eviction counter, so evictions are "unmeasured" here (the
-//! regime line's working set against the engines' stated KV capacity says whether the caches
-//! overflow; a router's KV-event mirror cannot stand in: at its start it replays what the
-//! engine still buffers, earlier legs' removals included). What needs the simulator's truth (the oracle leg, the residency calibration, the
-//! resident-prefix probe, the open-loop capacity measurement) is not available here.
+//! `/metrics`; evictions, which vLLM does not count, from its KV-event stream where the spec
+//! names one (`kv-events=`; [`crate::eviction_watch`]), else they are "unmeasured" (the regime
+//! line's working set against the engines' stated KV capacity says whether the caches
+//! overflow). What needs the simulator's truth (the oracle leg, the residency calibration, the
+//! //! resident-prefix probe, the open-loop capacity measurement) is not available here.
 
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use crate::blocking_http::{self, GetResponse};
+use crate::eviction_watch::EvictionWatch;
 use crate::prometheus;
 use crate::router_process::BackendEndpoint;
 use crate::stats::EngineCounters;
@@ -156,7 +157,7 @@ pub fn cache_geometry(metrics: &str) -> Option<CacheGeometry> {
 }
 
 /// The counters a leg reads off an engine's `/metrics` (vLLM's names). Evictions are not among
-/// them: vLLM exports none.
+/// them: vLLM exports none (they come from the KV-event stream, [`EvictionWatch`]).
 pub fn engine_counters(metrics: &str) -> EngineCounters {
     let count = |name| prometheus::sum_count(metrics, name).unwrap_or(0);
     EngineCounters {
@@ -197,6 +198,8 @@ pub struct ExternalEngines {
     pub kv_blocks: Option<u32>,
     /// Engines that refused `POST /reset_prefix_cache` as unknown (named once).
     pub reset_unsupported: std::cell::RefCell<Vec<String>>,
+    /// Evictions counted from the engines' KV-event streams, when every engine names one.
+    pub evictions: Option<std::sync::Arc<EvictionWatch>>,
 }
 
 fn get(url: &str) -> Result<GetResponse, EngineError> {
@@ -276,11 +279,28 @@ impl ExternalEngines {
             })
             .min()
             .and_then(|blocks| u32::try_from(blocks).ok());
+        let streams: Option<Vec<String>> = engines
+            .iter()
+            .map(|engine| engine.spec.kv_events.clone())
+            .collect();
+        let evictions = match streams {
+            Some(streams) => Some(std::sync::Arc::new(
+                EvictionWatch::start(&streams).map_err(EngineError::Unsupported)?,
+            )),
+            None => {
+                eprintln!(
+                    "myelin bench: evictions are not measured: vLLM counts none, and not every \
+                     --engine names its kv-events= stream to count them from"
+                );
+                None
+            }
+        };
         Ok(ExternalEngines {
             engines,
             block_size,
             kv_blocks,
             reset_unsupported: Default::default(),
+            evictions,
         })
     }
 
@@ -380,6 +400,7 @@ impl ExternalEngines {
             }
             sum.add(&engine_counters(&metrics.body));
         }
+        sum.evictions = self.evictions.as_ref().map(|watch| watch.evictions());
         Ok(sum)
     }
 }

@@ -13,6 +13,7 @@ pub mod cli;
 pub mod cluster;
 pub mod engine_tokens;
 pub mod engines;
+pub mod eviction_watch;
 pub mod gates;
 pub mod legs;
 pub mod loadgen;

@@ -585,6 +585,8 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
             block_size: cluster.block_size(),
             engine_tokenizer: context.engine_tokenizer.clone(),
         });
+    // External engines count from their own start: a leg's figures are what moved during it.
+    let at_start = cluster.counters()?;
     let handle = loadgen::start_probed(plan, target, calibration, resident)
         .map_err(io_error("starting", Path::new("the load generator")))?;
 
@@ -630,8 +632,9 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
     }
     bar.finish_and_clear();
 
-    let engines_total = cluster.counters()?;
-    let engines_measured = engines_total.since(&at_warmup.unwrap_or_default());
+    let at_end = cluster.counters()?;
+    let engines_measured = at_end.since(at_warmup.as_ref().unwrap_or(&at_start));
+    let engines_total = at_end.since(&at_start);
     // Every node's /metrics (the nodes that answered): counters are summed over them.
     let router_metrics: Vec<String> = if leg.kind.uses_myelin_router() {
         routers

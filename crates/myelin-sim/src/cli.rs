@@ -46,7 +46,8 @@ pub struct SimArgs {
     /// Divide every simulated duration by X (X > 1 runs faster than real hardware).
     #[arg(long, default_value_t = 1.0, value_name = "X")]
     pub speedup: f64,
-    /// Performance profile: a100-40gb-llama-3.1-8b or dynamo-mocker-h100.
+    /// Performance profile: a100-40gb-llama-3.1-8b, dynamo-mocker-h100 or vllm-cpu-tiny-llama
+    /// (vLLM's CPU build serving the test model of scripts/test-vllm).
     #[arg(long, default_value = A100_LLAMA_8B_PROFILE)]
     pub profile: String,
     /// KV cache capacity per engine, in blocks.

@@ -65,7 +65,11 @@ pub const VLLM_SERVER_LIMITS_LARGE_GPU: (usize, usize) = (8192, 1024);
 pub const LLAMA_3_1_CONTEXT: usize = 131_072;
 
 /// Names of the built-in profiles.
-pub const PROFILE_NAMES: [&str; 2] = [A100_LLAMA_8B_PROFILE, DYNAMO_MOCKER_H100_PROFILE];
+pub const PROFILE_NAMES: [&str; 3] = [
+    A100_LLAMA_8B_PROFILE,
+    DYNAMO_MOCKER_H100_PROFILE,
+    VLLM_CPU_TINY_LLAMA_PROFILE,
+];
 
 /// The default profile name.
 pub const A100_LLAMA_8B_PROFILE: &str = "a100-40gb-llama-3.1-8b";
@@ -73,11 +77,16 @@ pub const A100_LLAMA_8B_PROFILE: &str = "a100-40gb-llama-3.1-8b";
 /// NVIDIA Dynamo mocker's published polynomial (H100-class).
 pub const DYNAMO_MOCKER_H100_PROFILE: &str = "dynamo-mocker-h100";
 
+/// vLLM's CPU build serving the test model of `scripts/test-vllm`, fitted to its measured
+/// step times.
+pub const VLLM_CPU_TINY_LLAMA_PROFILE: &str = "vllm-cpu-tiny-llama";
+
 /// The built-in profile called `name`.
 pub fn profile_by_name(name: &str) -> Option<Arc<dyn PerformanceModel>> {
     match name {
         A100_LLAMA_8B_PROFILE => Some(Arc::new(A100Llama8B)),
         DYNAMO_MOCKER_H100_PROFILE => Some(Arc::new(DynamoMockerH100)),
+        VLLM_CPU_TINY_LLAMA_PROFILE => Some(Arc::new(VllmCpuTinyLlama)),
         _ => None,
     }
 }
@@ -200,6 +209,61 @@ impl PerformanceModel for DynamoMockerH100 {
     }
 }
 
+/// vLLM 0.32's CPU build (one OpenMP thread, float32) serving the random-weight two-layer
+/// Llama of `scripts/test-vllm`, as `scripts/bench-vllm` starts it: a least-squares fit of 16
+/// step times measured from the client by `scripts/vllm/steps.py` (fresh prefills of 16 to
+/// 3,072 tokens, 1 to 8 streams decoding at 150 and 790 tokens of context; docs/simulator.md
+/// has the points and the fit's error, within 15% on 14 of them):
+/// `14.31 ms + 0.0526 ms per token + 2.28e-5 ms per (query, key) pair + 6.04 ms per prefill
+/// chunk`. Decode steps of 1 to 8 streams took the same 12-17 ms, so no term per sequence.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct VllmCpuTinyLlama;
+
+/// Fixed cost of one step of the CPU engine (a decode step is about this).
+const CPU_STEP_OVERHEAD_MS: f64 = 14.31;
+/// Cost per token computed in a step.
+const CPU_MS_PER_TOKEN: f64 = 0.05256;
+/// Cost per (query, key) pair of causal attention.
+const CPU_MS_PER_TOKEN_PAIR: f64 = 2.277e-5;
+/// Cost per prefill chunk (a request computing more than one token in the step).
+const CPU_MS_PER_PREFILL_CHUNK: f64 = 6.04;
+/// vLLM's OpenAI-server defaults on CPU (`EngineArgs`: 2,048 batched tokens, 128 sequences).
+const VLLM_SERVER_LIMITS_CPU: (usize, usize) = (2048, 128);
+/// `--max-model-len` of the test engines.
+const TEST_MODEL_CONTEXT: usize = 4096;
+
+impl PerformanceModel for VllmCpuTinyLlama {
+    fn name(&self) -> &str {
+        VLLM_CPU_TINY_LLAMA_PROFILE
+    }
+
+    fn scheduler_limits(&self) -> SchedulerLimits {
+        let (max_num_batched_tokens, max_num_seqs) = VLLM_SERVER_LIMITS_CPU;
+        SchedulerLimits {
+            max_num_batched_tokens,
+            max_num_seqs,
+            max_model_len: TEST_MODEL_CONTEXT,
+        }
+    }
+
+    fn step_time(&self, shape: &StepShape<'_>) -> Duration {
+        if shape.chunks.is_empty() {
+            return Duration::ZERO;
+        }
+        let mut milliseconds = CPU_STEP_OVERHEAD_MS;
+        for chunk in shape.chunks {
+            let new = chunk.new_tokens as f64;
+            let context = chunk.context_tokens as f64;
+            milliseconds +=
+                CPU_MS_PER_TOKEN * new + CPU_MS_PER_TOKEN_PAIR * new * (context + new / 2.0);
+            if chunk.new_tokens > 1 {
+                milliseconds += CPU_MS_PER_PREFILL_CHUNK;
+            }
+        }
+        Duration::from_secs_f64(milliseconds / 1000.0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -286,6 +350,41 @@ mod tests {
             }],
         );
         assert!(cached * 10.0 < recompute);
+    }
+
+    #[test]
+    fn the_cpu_profile_reproduces_its_measured_points() {
+        // Medians measured by scripts/vllm/steps.py (2026-12-04): fresh prefills, and a step of
+        // 1 and 8 decodes at 148 tokens of context.
+        for (tokens, measured_ms) in [(256usize, 31.5), (1024, 87.4), (2048, 171.5)] {
+            let modelled = ms(&VllmCpuTinyLlama, &[fresh(tokens)]);
+            assert!(
+                (modelled / measured_ms - 1.0).abs() < 0.12,
+                "{tokens}: {modelled} ms against {measured_ms}"
+            );
+        }
+        let decode = ScheduledChunk {
+            new_tokens: 1,
+            context_tokens: 148,
+        };
+        let one = ms(&VllmCpuTinyLlama, &[decode]);
+        let eight = ms(&VllmCpuTinyLlama, &[decode; 8]);
+        assert!((12.0..17.0).contains(&one) && (12.0..17.5).contains(&eight));
+        // A 3,072-token prompt is two steps (the 2,048-token budget): the second attends to
+        // the first's 2,048 tokens.
+        let second = ms(
+            &VllmCpuTinyLlama,
+            &[ScheduledChunk {
+                new_tokens: 1024,
+                context_tokens: 2048,
+            }],
+        );
+        let both = ms(&VllmCpuTinyLlama, &[fresh(2048)]) + second;
+        assert!((both / 310.1 - 1.0).abs() < 0.1, "{both}");
+        assert_eq!(
+            VllmCpuTinyLlama.scheduler_limits().max_num_batched_tokens,
+            2048
+        );
     }
 
     #[test]

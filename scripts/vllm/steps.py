@@ -1,0 +1,168 @@
+"""Step times of one real vLLM engine (vLLM's CPU build, the test model of scripts/test-vllm),
+measured from the client, for fitting the simulator's `vllm-cpu-tiny-llama` profile
+(docs/simulator.md, "Checked against vLLM on CPU"). Run it in the environment of
+`scripts/vllm/setup-venv`, with the model scripts/test-vllm builds:
+
+    $(scripts/vllm/setup-venv)/bin/python scripts/vllm/steps.py --model ~/.cache/myelin/tiny-llama-deepseek-v3
+
+- Prefill: the time to the first token of one fresh prompt of N tokens (random ids, so nothing
+  is cached) on an idle engine: one scheduler step of N new tokens (two when N exceeds the
+  2,048-token step budget), plus the server's own overhead per request.
+- Decode: B streams decoding together (fresh prompts of C tokens, `ignore_eos`): the median
+  interval between a stream's tokens, once every stream is decoding, is one step of B decodes
+  at context about C.
+
+Prints one JSON document: the points and a least-squares fit of
+`step_ms = overhead + per_token * new_tokens + per_pair * pairs + per_prefill_chunk * chunks`
+(pairs: sum over the step's requests of new tokens x (context + new / 2); chunks: the step's
+prefill chunks, requests computing more than one token). A term per sequence came out
+negative (decode steps of 1 to 8 streams take the same 12-17 ms here), so it is left out.
+
+Options: --out FILE (the JSON also written there), --keep-logs DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import suite  # noqa: E402 (the engine, started and stopped as the suite does)
+
+PREFILL_TOKENS = [16, 64, 256, 512, 1024, 1536, 2048, 3072]
+DECODE_BATCHES = [1, 2, 4, 8]
+DECODE_CONTEXTS = [128, 768]  # 8 x 808 tokens fit the 256 blocks of 32
+REPEATS = 3
+DECODE_TOKENS = 40
+BUDGET = 2048
+
+
+def stream_times(url: str, ids: list[int], max_tokens: int, timeout: float = 120.0):
+    """Seconds from sending to each streamed token of a completion."""
+    body = {"model": "tiny", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     method="POST")
+    request.add_header("content-type", "application/json")
+    started = time.monotonic()
+    times = []
+    with urllib.request.urlopen(request, timeout=timeout) as answer:
+        for line in answer:
+            line = line.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("choices"):
+                times.append(time.monotonic() - started)
+    return times
+
+
+def fresh(rng: random.Random, tokens: int) -> list[int]:
+    return [rng.randrange(1000, 60000) for _ in range(tokens)]
+
+
+def measure(url: str) -> dict:
+    rng = random.Random(7)
+    for _ in range(3):  # warm-up: first requests pay one-time costs
+        stream_times(url, fresh(rng, 512), 4)
+    prefill = []
+    for tokens in PREFILL_TOKENS:
+        ttfts = [stream_times(url, fresh(rng, tokens), 1)[0] * 1000 for _ in range(REPEATS)]
+        prefill.append({"tokens": tokens, "ttft_ms": ttfts, "median_ms": statistics.median(ttfts)})
+        print(f"prefill {tokens:5}: {statistics.median(ttfts):7.1f} ms", file=sys.stderr)
+    decode = []
+    for context in DECODE_CONTEXTS:
+        for batch in DECODE_BATCHES:
+            intervals: list[float] = []
+            for _ in range(REPEATS):
+                results: list[list[float]] = [[] for _ in range(batch)]
+
+                def one(slot: int, ids: list[int]) -> None:
+                    results[slot] = stream_times(url, ids, DECODE_TOKENS)
+
+                prompts = [fresh(rng, context) for _ in range(batch)]
+                threads = [threading.Thread(target=one, args=(slot, prompts[slot]))
+                           for slot in range(batch)]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+                for times in results:
+                    steady = times[10:DECODE_TOKENS - 5]
+                    intervals += [(b - a) * 1000 for a, b in zip(steady, steady[1:])]
+            median = statistics.median(intervals)
+            decode.append({"batch": batch, "context": context, "median_ms": median,
+                           "p90_ms": statistics.quantiles(intervals, n=10)[-1]})
+            print(f"decode batch {batch} context {context:5}: {median:6.2f} ms", file=sys.stderr)
+    return {"prefill": prefill, "decode": decode}
+
+
+def fit(points: dict) -> dict:
+    """Least squares over both kinds of points (numpy, from vLLM's environment)."""
+    import numpy as np
+
+    rows, targets = [], []
+    for point in points["prefill"]:
+        tokens, steps, pairs, left = point["tokens"], 0, 0.0, point["tokens"]
+        while left > 0:  # chunked prefill: one step per budget's worth
+            chunk = min(left, BUDGET)
+            done = point["tokens"] - left
+            pairs += chunk * (done + chunk / 2)
+            left -= chunk
+            steps += 1
+        rows.append([steps, tokens, pairs, steps])
+        targets.append(point["median_ms"])
+    for point in points["decode"]:
+        batch, context = point["batch"], point["context"] + DECODE_TOKENS / 2
+        rows.append([1, batch, batch * (context + 0.5), 0])
+        targets.append(point["median_ms"])
+    coefficients, *_ = np.linalg.lstsq(np.array(rows, float), np.array(targets, float),
+                                       rcond=None)
+    overhead, per_token, per_pair, per_prefill_chunk = (float(c) for c in coefficients)
+    predicted = np.array(rows, float) @ coefficients
+    errors = [float(p / t - 1) for p, t in zip(predicted, targets)]
+    return {"overhead_ms": overhead, "per_token_ms": per_token, "per_pair_ms": per_pair,
+            "per_prefill_chunk_ms": per_prefill_chunk, "relative_errors": errors}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out")
+    parser.add_argument("--keep-logs")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="myelin-vllm-steps-"))
+    logs = Path(args.keep_logs).resolve() if args.keep_logs else work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    sockets = work / "sockets"
+    sockets.mkdir()
+    engine = suite.Engine(0, Path(args.model).resolve(), sockets, logs, sys.executable, 10_000)
+    try:
+        engine.start()
+        engine.wait_healthy()
+        points = measure(engine.url)
+        document = {"engine": "vLLM CPU build, the test model, block size 32, 1 OMP thread",
+                    "points": points, "fit": fit(points)}
+        text = json.dumps(document, indent=1)
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        return 0
+    finally:
+        for process in suite.PROCESSES:
+            suite.stop(process)
+        if not args.keep_logs:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
