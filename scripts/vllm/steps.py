@@ -5,8 +5,11 @@ measured from the client, for fitting the simulator's `vllm-cpu-tiny-llama` prof
 
     $(scripts/vllm/setup-venv)/bin/python scripts/vllm/steps.py --model ~/.cache/myelin/tiny-llama-deepseek-v3
 
+Every engine (`--engines`, 2 by default, as `scripts/bench-vllm` runs them) is measured at the
+same time, so the step times include what the engines cost each other on one host.
+
 - Prefill: the time to the first token of one fresh prompt of N tokens (random ids, so nothing
-  is cached) on an idle engine: one scheduler step of N new tokens (two when N exceeds the
+  is cached) on an otherwise idle engine: one scheduler step of N new tokens (two when N exceeds the
   2,048-token step budget), plus the server's own overhead per request.
 - Decode: B streams decoding together (fresh prompts of C tokens, `ignore_eos`): the median
   interval between a stream's tokens, once every stream is decoding, is one step of B decodes
@@ -70,15 +73,15 @@ def fresh(rng: random.Random, tokens: int) -> list[int]:
     return [rng.randrange(1000, 60000) for _ in range(tokens)]
 
 
-def measure(url: str) -> dict:
-    rng = random.Random(7)
+def measure(url: str, seed: int) -> dict:
+    rng = random.Random(seed)
     for _ in range(3):  # warm-up: first requests pay one-time costs
         stream_times(url, fresh(rng, 512), 4)
     prefill = []
     for tokens in PREFILL_TOKENS:
         ttfts = [stream_times(url, fresh(rng, tokens), 1)[0] * 1000 for _ in range(REPEATS)]
         prefill.append({"tokens": tokens, "ttft_ms": ttfts, "median_ms": statistics.median(ttfts)})
-        print(f"prefill {tokens:5}: {statistics.median(ttfts):7.1f} ms", file=sys.stderr)
+        print(f"{url} prefill {tokens:5}: {statistics.median(ttfts):7.1f} ms", file=sys.stderr)
     decode = []
     for context in DECODE_CONTEXTS:
         for batch in DECODE_BATCHES:
@@ -102,7 +105,8 @@ def measure(url: str) -> dict:
             median = statistics.median(intervals)
             decode.append({"batch": batch, "context": context, "median_ms": median,
                            "p90_ms": statistics.quantiles(intervals, n=10)[-1]})
-            print(f"decode batch {batch} context {context:5}: {median:6.2f} ms", file=sys.stderr)
+            print(f"{url} decode batch {batch} context {context:5}: {median:6.2f} ms",
+                  file=sys.stderr)
     return {"prefill": prefill, "decode": decode}
 
 
@@ -134,9 +138,26 @@ def fit(points: dict) -> dict:
             "per_prefill_chunk_ms": per_prefill_chunk, "relative_errors": errors}
 
 
+def pooled(per_engine: list[dict]) -> dict:
+    """The engines' points pooled: the median over every engine's repeats."""
+    prefill = []
+    for index, point in enumerate(per_engine[0]["prefill"]):
+        ttfts = [ms for points in per_engine for ms in points["prefill"][index]["ttft_ms"]]
+        prefill.append({"tokens": point["tokens"], "ttft_ms": ttfts,
+                        "median_ms": statistics.median(ttfts)})
+    decode = []
+    for index, point in enumerate(per_engine[0]["decode"]):
+        medians = [points["decode"][index]["median_ms"] for points in per_engine]
+        decode.append({"batch": point["batch"], "context": point["context"],
+                       "median_ms": statistics.median(medians), "per_engine_ms": medians})
+    return {"prefill": prefill, "decode": decode}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
+    parser.add_argument("--engines", type=int, default=2,
+                        help="engines measured at once, as scripts/bench-vllm runs them")
     parser.add_argument("--out")
     parser.add_argument("--keep-logs")
     args = parser.parse_args()
@@ -145,13 +166,31 @@ def main() -> int:
     logs.mkdir(parents=True, exist_ok=True)
     sockets = work / "sockets"
     sockets.mkdir()
-    engine = suite.Engine(0, Path(args.model).resolve(), sockets, logs, sys.executable, 10_000)
+    engines = [suite.Engine(i, Path(args.model).resolve(), sockets, logs, sys.executable, 10_000)
+               for i in range(args.engines)]
     try:
-        engine.start()
-        engine.wait_healthy()
-        points = measure(engine.url)
+        for engine in engines:
+            engine.start()
+        for engine in engines:
+            engine.wait_healthy()
+        # Every engine measured at the same time: the step times include what the engines
+        # cost each other on a shared host, as in a benchmark on them.
+        per_engine: list[dict] = [{} for _ in engines]
+
+        def run(index: int) -> None:
+            per_engine[index] = measure(engines[index].url, seed=7 + index)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(engines))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if any(not points for points in per_engine):
+            raise RuntimeError("an engine's measurement failed (see above)")
+        points = pooled(per_engine)
         document = {"engine": "vLLM CPU build, the test model, block size 32, 1 OMP thread",
-                    "points": points, "fit": fit(points)}
+                    "engines_measured_at_once": len(engines),
+                    "points": points, "per_engine": per_engine, "fit": fit(points)}
         text = json.dumps(document, indent=1)
         print(text)
         if args.out:

@@ -9,16 +9,20 @@
 //! each leg starts cold as it does on simulated engines; an engine without the endpoint is
 //! named once and its cache carries over between legs. Counters come from each engine's
 //! `/metrics`; evictions, which vLLM does not count, from its KV-event stream where the spec
-//! names one (`kv-events=`; [`crate::eviction_watch`]), else they are "unmeasured" (the regime
+//! names one (`kv-events=`; [`crate::kv_watch`]), else they are "unmeasured" (the regime
 //! line's working set against the engines' stated KV capacity says whether the caches
-//! overflow). What needs the simulator's truth (the oracle leg, the residency calibration, the
-//! //! resident-prefix probe, the open-loop capacity measurement) is not available here.
+//! overflow). The same streams give the residency calibration and the resident-prefix probe
+//! their truth (what each engine holds). What needs the simulator's whole state (the oracle
+//! leg reads the engines' queues too; the open-loop capacity measurement) is not available here.
 
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
+use myelin_http::backend_spec::{BackendSpec, BackendSpecError};
+
 use crate::blocking_http::{self, GetResponse};
-use crate::eviction_watch::EvictionWatch;
+use crate::kv_watch::KvWatch;
+use crate::oracle::CacheOracle;
 use crate::prometheus;
 use crate::router_process::BackendEndpoint;
 use crate::stats::EngineCounters;
@@ -30,17 +34,12 @@ const ENGINE_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 pub const ENGINE_IDLE_TIMEOUT: Duration = Duration::from_secs(120);
 /// Between two polls of an engine that is not idle yet.
 const IDLE_POLL: Duration = Duration::from_millis(250);
-/// The largest `capacity-tokens=` accepted (a KV cache of 2^40 tokens is beyond any engine).
-const MAX_CAPACITY_TOKENS: u64 = 1 << 40;
 
 /// Why the external engines cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    #[error(
-        "--engine {spec:?}: {problem} (expected http://HOST:PORT[,kv-events=tcp://HOST:PORT]\
-         [,kv-replay=tcp://HOST:PORT][,capacity-tokens=N])"
-    )]
-    Spec { spec: String, problem: String },
+    #[error("--engine: {0}")]
+    Spec(BackendSpecError),
     #[error("engine {url}: {problem}")]
     Engine { url: String, problem: String },
     #[error(
@@ -58,75 +57,15 @@ pub type EngineSpec = BackendEndpoint;
 impl FromStr for BackendEndpoint {
     type Err = EngineError;
 
+    /// The router's own grammar and checks (`myelin serve --backend`).
     fn from_str(text: &str) -> Result<Self, Self::Err> {
-        let problem = |problem: String| EngineError::Spec {
-            spec: text.to_string(),
-            problem,
-        };
-        let mut parts = text.split(',');
-        let authority = parts
-            .next()
-            .unwrap_or_default()
-            .trim()
-            .strip_prefix("http://")
-            .ok_or_else(|| problem("the engine URL must start with http://".into()))?
-            .trim_end_matches('/');
-        if authority.is_empty() || authority.contains('/') {
-            return Err(problem(
-                "the engine URL is http://HOST:PORT, without a path".into(),
-            ));
-        }
-        let mut spec = EngineSpec {
-            url: format!("http://{authority}"),
-            kv_events: None,
-            kv_replay: None,
-            capacity_tokens: None,
-        };
-        for part in parts {
-            let (key, value) = part
-                .split_once('=')
-                .ok_or_else(|| problem(format!("`{part}` is not KEY=VALUE")))?;
-            let endpoint = |value: &str| {
-                if value.starts_with("tcp://") || value.starts_with("ipc://") {
-                    Ok(value.to_string())
-                } else {
-                    Err(problem(format!(
-                        "{key} must be a ZMQ endpoint (tcp://HOST:PORT or ipc://PATH), not `{value}`"
-                    )))
-                }
-            };
-            let slot = match key.trim() {
-                "kv-events" => &mut spec.kv_events,
-                "kv-replay" => &mut spec.kv_replay,
-                "capacity-tokens" => {
-                    let tokens = value
-                        .parse::<u64>()
-                        .ok()
-                        .filter(|tokens| (1..=MAX_CAPACITY_TOKENS).contains(tokens))
-                        .ok_or_else(|| {
-                            problem(format!(
-                                "capacity-tokens must be a whole number from 1 to \
-                                 {MAX_CAPACITY_TOKENS}, not `{value}`"
-                            ))
-                        })?;
-                    spec.capacity_tokens = Some(tokens);
-                    continue;
-                }
-                other => {
-                    return Err(problem(format!(
-                        "unknown key `{other}` (known: kv-events, kv-replay, capacity-tokens)"
-                    )));
-                }
-            };
-            if slot.is_some() {
-                return Err(problem(format!("{key} is given twice")));
-            }
-            *slot = Some(endpoint(value.trim())?);
-        }
-        if spec.kv_replay.is_some() && spec.kv_events.is_none() {
-            return Err(problem("kv-replay needs kv-events".into()));
-        }
-        Ok(spec)
+        let spec = BackendSpec::parse(text).map_err(EngineError::Spec)?;
+        Ok(BackendEndpoint {
+            url: spec.url,
+            kv_events: spec.kv_events,
+            kv_replay: spec.kv_replay,
+            capacity_tokens: spec.capacity_tokens,
+        })
     }
 }
 
@@ -157,7 +96,7 @@ pub fn cache_geometry(metrics: &str) -> Option<CacheGeometry> {
 }
 
 /// The counters a leg reads off an engine's `/metrics` (vLLM's names). Evictions are not among
-/// them: vLLM exports none (they come from the KV-event stream, [`EvictionWatch`]).
+/// them: vLLM exports none (they come from the KV-event stream, [`KvWatch`]).
 pub fn engine_counters(metrics: &str) -> EngineCounters {
     let count = |name| prometheus::sum_count(metrics, name).unwrap_or(0);
     EngineCounters {
@@ -165,6 +104,35 @@ pub fn engine_counters(metrics: &str) -> EngineCounters {
         prefix_cache_hits: count("vllm:prefix_cache_hits_total"),
         evictions: None,
         preemptions: count("vllm:num_preemptions_total"),
+    }
+}
+
+/// Reads of an engine's `/metrics` for one set of counters, at most: a busy engine may miss one
+/// deadline, and a leg should not be lost for it.
+const METRICS_ATTEMPTS: u32 = 3;
+/// Between two reads of `/metrics` that failed.
+const METRICS_RETRY_PAUSE: Duration = Duration::from_millis(500);
+
+/// An engine's `/metrics` text, read again (up to [`METRICS_ATTEMPTS`] times) when a read fails
+/// or answers other than 200; the last failure is the error.
+fn read_metrics(engine: &ExternalEngine) -> Result<String, EngineError> {
+    let url = format!("{}/metrics", engine.spec.url);
+    let mut attempt = 1;
+    loop {
+        let failure = match get(&url) {
+            Ok(metrics) if metrics.status == 200 => return Ok(metrics.body),
+            Ok(metrics) => EngineError::Engine {
+                url: engine.spec.url.clone(),
+                problem: format!("GET /metrics answered {}", metrics.status),
+            },
+            Err(error) => error,
+        };
+        if attempt == METRICS_ATTEMPTS {
+            return Err(failure);
+        }
+        eprintln!("myelin bench: {failure}; reading it again");
+        attempt += 1;
+        std::thread::sleep(METRICS_RETRY_PAUSE);
     }
 }
 
@@ -198,8 +166,9 @@ pub struct ExternalEngines {
     pub kv_blocks: Option<u32>,
     /// Engines that refused `POST /reset_prefix_cache` as unknown (named once).
     pub reset_unsupported: std::cell::RefCell<Vec<String>>,
-    /// Evictions counted from the engines' KV-event streams, when every engine names one.
-    pub evictions: Option<std::sync::Arc<EvictionWatch>>,
+    /// The engines' KV-event streams (evictions, and the calibration's truth), when every
+    /// engine names one.
+    pub kv_watch: Option<std::sync::Arc<KvWatch>>,
 }
 
 fn get(url: &str) -> Result<GetResponse, EngineError> {
@@ -283,14 +252,15 @@ impl ExternalEngines {
             .iter()
             .map(|engine| engine.spec.kv_events.clone())
             .collect();
-        let evictions = match streams {
+        let kv_watch = match streams {
             Some(streams) => Some(std::sync::Arc::new(
-                EvictionWatch::start(&streams).map_err(EngineError::Unsupported)?,
+                KvWatch::start(&streams, block_size).map_err(EngineError::Unsupported)?,
             )),
             None => {
                 eprintln!(
-                    "myelin bench: evictions are not measured: vLLM counts none, and not every \
-                     --engine names its kv-events= stream to count them from"
+                    "myelin bench: evictions and the residency calibration are not measured: \
+                     vLLM counts no evictions, and not every --engine names the kv-events= \
+                     stream to read them from"
                 );
                 None
             }
@@ -300,7 +270,7 @@ impl ExternalEngines {
             block_size,
             kv_blocks,
             reset_unsupported: Default::default(),
-            evictions,
+            kv_watch,
         })
     }
 
@@ -333,7 +303,7 @@ impl ExternalEngines {
     /// 405: vLLM without `VLLM_SERVER_DEV_MODE=1`) is named once and keeps its cache.
     pub fn prepare_leg(&self, timeout: Duration) -> Result<(), EngineError> {
         let deadline = Instant::now() + timeout;
-        for engine in &self.engines {
+        for (index, engine) in self.engines.iter().enumerate() {
             let url = &engine.spec.url;
             let timed_out = |what: &str| EngineError::Engine {
                 url: url.clone(),
@@ -362,7 +332,12 @@ impl ExternalEngines {
                         problem: error.to_string(),
                     })?;
                 match answer.status {
-                    200..=299 => break,
+                    200..=299 => {
+                        if let Some(watch) = &self.kv_watch {
+                            watch.cleared(index);
+                        }
+                        break;
+                    }
                     404 | 405 => {
                         eprintln!(
                             "myelin bench: engine {url} has no POST /reset_prefix_cache (vLLM \
@@ -385,22 +360,22 @@ impl ExternalEngines {
         Ok(())
     }
 
+    /// What the engines hold, from their KV-event streams, for the residency calibration and
+    /// the resident-prefix probe (`None` without the streams).
+    pub fn truth(&self) -> Option<std::sync::Arc<dyn CacheOracle>> {
+        self.kv_watch
+            .clone()
+            .map(|watch| watch as std::sync::Arc<dyn CacheOracle>)
+    }
+
     /// The engines' counters, summed (engines without metrics count nothing). An engine whose
     /// metrics cannot be read is an error: a leg's figures would silently drop it.
     pub fn counters(&self) -> Result<EngineCounters, EngineError> {
         let mut sum = EngineCounters::default();
         for engine in self.engines.iter().filter(|engine| engine.metrics) {
-            let url = format!("{}/metrics", engine.spec.url);
-            let metrics = get(&url)?;
-            if metrics.status != 200 {
-                return Err(EngineError::Engine {
-                    url: engine.spec.url.clone(),
-                    problem: format!("GET /metrics answered {}", metrics.status),
-                });
-            }
-            sum.add(&engine_counters(&metrics.body));
+            sum.add(&engine_counters(&read_metrics(engine)?));
         }
-        sum.evictions = self.evictions.as_ref().map(|watch| watch.evictions());
+        sum.evictions = self.kv_watch.as_ref().map(|watch| watch.evictions());
         Ok(sum)
     }
 }
@@ -421,17 +396,15 @@ mod tests {
         assert_eq!(spec.capacity_tokens, None);
         let plain: EngineSpec = "http://h:1,capacity-tokens=32768".parse().unwrap();
         assert_eq!(plain.capacity_tokens, Some(32768));
+        // The router's errors (myelin_http::backend_spec has the full set of cases).
         for (bad, says) in [
             ("https://h:1", "http://"),
             ("h:1", "http://"),
-            ("http://h:1/v1", "without a path"),
-            ("http://", "without a path"),
-            ("http://h:1,kv-events=h:5557", "ZMQ endpoint"),
+            ("http://h:1/v1", "path"),
+            ("http://h:1,kv-events=h:5557", "must start with tcp://"),
             ("http://h:1,kv-replay=tcp://h:2", "needs kv-events"),
             ("http://h:1,capacity-tokens=0", "whole number"),
-            ("http://h:1,capacity-tokens=lots", "whole number"),
-            ("http://h:1,colour=red", "unknown key"),
-            ("http://h:1,kv-events", "KEY=VALUE"),
+            ("http://h:1,colour=red", "unknown option"),
             (
                 "http://h:1,kv-events=tcp://a:1,kv-events=tcp://b:1",
                 "given twice",
@@ -549,6 +522,27 @@ vllm:num_requests_waiting{engine=\"0\"} 1.0
                 "POST /reset_prefix_cache HTTP/1.1"
             ]
         );
+    }
+
+    #[test]
+    fn a_failed_metrics_read_is_tried_again_before_the_leg_is_lost() {
+        let unavailable = || answer("503 Service Unavailable", "busy");
+        let (url, server) = engine(vec![
+            ok(),
+            metrics_of(32),
+            unavailable(),
+            metrics_of(32),
+            unavailable(),
+            unavailable(),
+            unavailable(),
+        ]);
+        let engines = ExternalEngines::discover(vec![url.parse().unwrap()], 16).unwrap();
+        // Once refused, then read: the counters come back.
+        engines.counters().unwrap();
+        // Refused on every attempt: the error names the engine and the answer.
+        let error = engines.counters().unwrap_err().to_string();
+        assert!(error.contains(&url) && error.contains("503"), "{error}");
+        assert_eq!(server.join().unwrap().len(), 7);
     }
 
     #[test]

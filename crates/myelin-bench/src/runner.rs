@@ -195,6 +195,15 @@ impl LegEngines<'_> {
         }
     }
 
+    /// What the engines hold, for the calibration and the resident-prefix probe: the
+    /// simulator's truth, or the external engines' KV-event streams.
+    fn residency_truth(&self) -> Option<Arc<dyn CacheOracle>> {
+        match self {
+            LegEngines::Simulated(cluster) => Some(cluster.oracle()),
+            LegEngines::External(engines) => engines.truth(),
+        }
+    }
+
     fn stop(self) {
         if let LegEngines::Simulated(cluster) = self {
             cluster.stop();
@@ -223,6 +232,7 @@ fn prepare(args: &BenchArgs, mut config: WorkloadConfig) -> Result<RunContext, B
     } else {
         let engines = ExternalEngines::discover(args.engine.clone(), config.cluster.block_size)?;
         config.cluster.block_size = engines.block_size;
+        config.cluster.engines = engines.engines.len() as _;
         if let Some(blocks) = engines.kv_blocks {
             config.cluster.kv_blocks = blocks;
         }
@@ -332,6 +342,9 @@ fn prepare(args: &BenchArgs, mut config: WorkloadConfig) -> Result<RunContext, B
     } else {
         None
     };
+    let truth_known = external
+        .as_ref()
+        .is_none_or(|engines| engines.kv_watch.is_some());
     Ok(RunContext {
         legs,
         repeat: args.repeat.max(1),
@@ -348,15 +361,16 @@ fn prepare(args: &BenchArgs, mut config: WorkloadConfig) -> Result<RunContext, B
         workload: Arc::new(workload),
         alphabet: Arc::new(alphabet),
         interrupted,
-        // The calibration and the resident-prefix probe read the simulator's truth.
-        calibration: if config.prompt == PromptFormat::TokenIds && external.is_none() {
+        // The calibration and the resident-prefix probe read the engines' truth: the
+        // simulator's, or the external engines' KV-event streams.
+        calibration: if config.prompt == PromptFormat::TokenIds && truth_known {
             args.calibration
         } else {
             CalibrationMode::Off
         },
         calibrations: Default::default(),
         calibration_every: args.calibration_every,
-        resident_share: !args.no_resident_share && external.is_none(),
+        resident_share: !args.no_resident_share && truth_known,
         engine_tokenizer,
         config,
         external,
@@ -571,14 +585,14 @@ fn run_leg(context: &RunContext, leg: &LegSpec, repeat: u32) -> Result<LegRun, B
         progress: progress.clone(),
     };
     let calibration = cluster
-        .oracle()
+        .residency_truth()
         .filter(|_| context.calibration.applies_to(leg.kind))
         .map(|oracle| CalibrationSetup {
             sample_every: context.calibration_every,
             ..CalibrationSetup::new(oracle, &config.cluster, config.seed)
         });
     let resident = cluster
-        .oracle()
+        .residency_truth()
         .filter(|_| context.resident_share)
         .map(|oracle| ResidentProbe {
             oracle,

@@ -5,6 +5,7 @@
 //! Everything here is `!Send` by design: each glommio executor owns its listeners, connections
 //! and pools, and nothing crosses threads.
 
+pub mod backend_spec;
 pub mod body;
 pub mod client;
 pub mod executor;

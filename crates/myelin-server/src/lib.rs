@@ -6,7 +6,8 @@
 //! [`start`] does the same without signals or printing, for embedding and tests.
 
 mod admin;
-pub mod backend_spec;
+/// Engine specs (`--backend`), shared with `myelin bench --engine`.
+pub use myelin_http::backend_spec;
 mod backends;
 mod body_budget;
 pub mod cluster;

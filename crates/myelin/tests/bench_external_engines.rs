@@ -2,7 +2,7 @@
 //! started (here two simulated vLLM engines in this process, with KV events on real ZMQ
 //! sockets), not the bench's own. Asserts that every leg ran on them (their request counters
 //! moved), that the report names them and their measured figures (hit rate from their
-//! /metrics, evictions from their KV-event streams), and that what cannot run on external engines (the oracle
+//! /metrics, evictions and the calibration's truth from their KV-event streams), and that what cannot run on external engines (the oracle
 //! leg, an engine that is down) is refused with a clear error. No timing assertions.
 
 #[path = "support/bench.rs"]
@@ -95,8 +95,26 @@ fn every_leg_runs_on_the_engines_given() {
     assert!(requests_received(&cluster) >= served);
     // The legs' windows evicted some of what the engines evicted in all (warm-up included),
     // never more: each removal counted once.
-    let engine_total: u64 = cluster.counters().iter().map(|counters| counters.evictions).sum();
-    assert!(evicted > 0 && evicted <= engine_total, "{evicted} of {engine_total}");
+    let engine_total: u64 = cluster
+        .counters()
+        .iter()
+        .map(|counters| counters.evictions)
+        .sum();
+    assert!(
+        evicted > 0 && evicted <= engine_total,
+        "{evicted} of {engine_total}"
+    );
+    // The residency calibration ran on the engines' own KV events as its truth.
+    let calibration = report["calibration"].as_array().expect("calibration[]");
+    assert_eq!(calibration.len(), 1, "{calibration:#?}");
+    assert_eq!(calibration[0]["leg"], "prefix+auto");
+    assert!(calibration[0]["sampled_pairs"].as_u64().unwrap() > 0, "{calibration:#?}");
+    // And the regime line's resident-prefix probe.
+    assert!(
+        report["regime"]["prefix_resident_share"].is_number(),
+        "{:#}",
+        report["regime"]
+    );
     let text = std::fs::read_to_string(directory.join("out/report.md")).unwrap();
     assert!(text.contains("2 external engines"), "{text}");
     let _ = std::fs::remove_dir_all(directory);

@@ -1,5 +1,6 @@
-//! Parsing of backend specifications: `URL[,kv-events=ENDPOINT][,kv-replay=ENDPOINT]` from
-//! flags, env and config file.
+//! Parsing of backend specifications: `URL[,kv-events=ENDPOINT][,kv-replay=ENDPOINT]
+//! [,capacity-tokens=N]`, the way an engine is named to `myelin serve` (`--backend`, env and
+//! config file) and to `myelin bench --engine`: one grammar and one set of errors for both.
 
 use std::fmt;
 
@@ -51,15 +52,25 @@ pub enum BackendSpecError {
     BadKvReplayEndpoint { spec: String },
     #[error("backend `{spec}`: kv-replay needs kv-events")]
     ReplayWithoutEvents { spec: String },
-    #[error("backend `{spec}`: capacity-tokens must be a positive whole number of tokens")]
+    #[error("backend `{spec}`: capacity-tokens must be a whole number of tokens from 1 to 2^40")]
     BadCapacity { spec: String },
+    #[error("backend `{spec}`: `{option}` is given twice")]
+    Repeated { spec: String, option: String },
 }
 
-/// A `capacity-tokens` value: a positive whole number.
+/// The largest `capacity-tokens` accepted (a KV cache of 2^40 tokens is beyond any engine).
+pub const MAX_CAPACITY_TOKENS: u64 = 1 << 40;
+
+/// A `capacity-tokens` value: a whole number from 1 to [`MAX_CAPACITY_TOKENS`].
 pub fn parse_capacity(spec: &str, tokens: &str) -> Result<u64, BackendSpecError> {
     let tokens = tokens.trim();
     match tokens.parse::<u64>() {
-        Ok(value) if value > 0 && tokens.bytes().all(|byte| byte.is_ascii_digit()) => Ok(value),
+        Ok(value)
+            if (1..=MAX_CAPACITY_TOKENS).contains(&value)
+                && tokens.bytes().all(|byte| byte.is_ascii_digit()) =>
+        {
+            Ok(value)
+        }
         _ => Err(BackendSpecError::BadCapacity {
             spec: redact_credentials(spec),
         }),
@@ -72,8 +83,17 @@ impl BackendSpec {
         let mut parts = spec.split(',').map(str::trim);
         let url = parts.next().unwrap_or_default();
         let (mut kv_events, mut kv_replay, mut capacity) = (None, None, None);
+        let repeated = |option: &str| BackendSpecError::Repeated {
+            spec: redact_credentials(spec),
+            option: option.split('=').next().unwrap_or_default().to_string(),
+        };
         for option in parts.filter(|option| !option.is_empty()) {
             match option.split_once('=') {
+                Some(("kv-events", _)) if kv_events.is_some() => return Err(repeated(option)),
+                Some(("kv-replay", _)) if kv_replay.is_some() => return Err(repeated(option)),
+                Some(("capacity-tokens", _)) if capacity.is_some() => {
+                    return Err(repeated(option));
+                }
                 Some(("kv-events", endpoint)) => kv_events = Some(endpoint.trim().to_string()),
                 Some(("kv-replay", endpoint)) => kv_replay = Some(endpoint.trim().to_string()),
                 Some(("capacity-tokens", tokens)) => {
@@ -260,7 +280,7 @@ mod tests {
             BackendSpec::parse("http://h:1").unwrap().capacity_tokens,
             None
         );
-        for bad in ["0", "-5", "1e6", "+3", ""] {
+        for bad in ["0", "-5", "1e6", "+3", "", "1099511627777"] {
             assert!(matches!(
                 BackendSpec::parse(&format!("http://h:1,capacity-tokens={bad}")),
                 Err(BackendSpecError::BadCapacity { .. })
@@ -329,6 +349,18 @@ mod tests {
             BackendSpec::parse("http:///x"),
             Err(BackendSpecError::MissingHost { .. })
         ));
+        for twice in [
+            "http://h:8000,kv-events=tcp://h:1,kv-events=tcp://h:2",
+            "http://h:8000,kv-events=tcp://h:1,kv-replay=tcp://h:2,kv-replay=tcp://h:3",
+            "http://h:8000,capacity-tokens=1,capacity-tokens=2",
+        ] {
+            let error = BackendSpec::parse(twice).unwrap_err();
+            assert!(
+                matches!(error, BackendSpecError::Repeated { .. }),
+                "{twice}: {error}"
+            );
+            assert!(error.to_string().contains("given twice"), "{error}");
+        }
     }
 
     #[test]
