@@ -198,7 +198,7 @@ pub enum BenchCommand {
     /// The regime grid: working set / KV capacity x offered load x prompt shape, every cell
     /// with the legs least-load, prefix+off and the default (prefix+auto), a verdict per cell
     /// and overall, heatmaps, report.json/md (docs/reference/benchmark.md, "Regime grid").
-    Regimes(crate::regimes::RegimeArgs),
+    Regimes(RegimeArgs),
 }
 
 impl BenchArgs {
@@ -303,6 +303,132 @@ impl BenchArgs {
         config.validate()?;
         Ok(config)
     }
+}
+
+/// The legs every cell runs by default.
+pub const DEFAULT_REGIME_LEGS: &str = "least-load,prefix+off,prefix+auto";
+
+/// `myelin bench regimes` (run by `crate::regimes`; defined here with the other commands, so
+/// the command line does not depend on the grid's runner).
+/// The regime grid (docs/reference/benchmark.md, "Regime grid").
+#[derive(Debug, Clone, clap::Args)]
+pub struct RegimeArgs {
+    /// The short grid: working sets 0.5, 1.5 and 3x at 60% load on rotating, all-active and
+    /// shared-system (9 cells, under 30 minutes on a 2-core machine with the default legs and 3
+    /// repeats). Without it: the full grid (5 shapes x working sets 0.3, 0.7, 1, 1.5, 3 x loads
+    /// 0.3, 0.6, 0.9: 75 cells, about 4 hours).
+    #[arg(long)]
+    pub quick: bool,
+
+    /// Shapes, comma-separated: rotating, all-active, shared-system, multi-turn, trace
+    /// [quick: the first three; full: all].
+    #[arg(long)]
+    pub shapes: Option<String>,
+
+    /// Working set / KV capacity ratios, comma-separated [quick: 0.5,1.5,3; full:
+    /// 0.3,0.7,1,1.5,3].
+    #[arg(long, value_name = "RATIOS")]
+    pub working_sets: Option<String>,
+
+    /// Offered loads as fractions of the cluster's capacity, comma-separated [quick: 0.6;
+    /// full: 0.3,0.6,0.9].
+    #[arg(long, value_name = "FRACTIONS")]
+    pub loads: Option<String>,
+
+    /// Only the cells whose name matches one of these patterns (comma-separated, `*` matches
+    /// anything), e.g. `rotating-*,*-ws3-load60`. Cell names: SHAPE-wsRATIO-loadPERCENT.
+    #[arg(long, value_name = "PATTERNS")]
+    pub cells: Option<String>,
+
+    /// Legs every cell runs (the verdict needs least-load, prefix+off and prefix+auto).
+    #[arg(long, default_value = DEFAULT_REGIME_LEGS)]
+    pub legs: String,
+
+    /// An external router leg for every cell, NAME='COMMAND {port} {backends}' (repeatable; as
+    /// `myelin bench --external`). The SGLang gateway needs text prompts: add `--prompt text`.
+    #[arg(long = "external", value_name = "NAME=COMMAND")]
+    pub external: Vec<String>,
+
+    /// Run every leg of every cell this many times (the verdict reads medians).
+    #[arg(long, default_value_t = 3)]
+    pub repeat: u32,
+
+    /// Simulated seconds of traffic for every cell [default: per cell, the warm-up plus
+    /// --requests-per-leg at the cell's rate, within 60 and 120 s]; trace cells replay the
+    /// whole slice whatever this is.
+    #[arg(long, value_name = "SECONDS")]
+    pub duration: Option<f64>,
+
+    /// Simulated seconds at the start of each leg left out of the statistics (at most a fifth
+    /// of the duration; trace cells: a tenth of the replay).
+    #[arg(long, value_name = "SECONDS", default_value_t = crate::regimes::grid::WARMUP_S)]
+    pub warmup: f64,
+
+    /// Measured requests per leg run a cell's duration aims at.
+    #[arg(long, value_name = "N", default_value_t = crate::regimes::grid::TARGET_REQUESTS)]
+    pub requests_per_leg: f64,
+
+    /// One speedup for every cell [default: per cell, the highest up to --max-speedup at which
+    /// the cell offers at most --max-wall-rps requests per wall second].
+    #[arg(long)]
+    pub speedup: Option<f64>,
+
+    /// Most requests per wall second a cell may offer when its speedup is chosen.
+    #[arg(long, default_value_t = 50.0, value_name = "RPS")]
+    pub max_wall_rps: f64,
+
+    /// Highest speedup a cell is given.
+    #[arg(long, default_value_t = 10.0)]
+    pub max_speedup: f64,
+
+    /// Simulated engines per cell.
+    #[arg(long, default_value_t = 8)]
+    pub engines: u32,
+
+    /// Seed of every workload draw [the shapes' default: 42].
+    #[arg(long)]
+    pub seed: Option<u64>,
+
+    /// Prompt format for every cell: token-ids or text (text for external legs such as the
+    /// SGLang gateway, which take text only).
+    #[arg(long, value_parser = ["token-ids", "text"])]
+    pub prompt: Option<String>,
+
+    /// Also rerun the cells matching these patterns (comma-separated, `*` wildcard; `all` for
+    /// every selected cell) at twice their duration, and compare their verdicts (trace cells
+    /// replay the slice once and are left out).
+    #[arg(long, value_name = "PATTERNS")]
+    pub duration_check: Option<String>,
+
+    /// Print each cell's plan (KV blocks, capacity, rate, speedup, the time it will take) and
+    /// the total, and exit without running anything.
+    #[arg(long)]
+    pub plan: bool,
+
+    /// Keep the cells whose report.json is already in --out and whose workload.json is the one
+    /// this grid plans (an interrupted grid resumes; a cell planned differently reruns).
+    #[arg(long)]
+    pub resume: bool,
+
+    /// Output directory [default: results/regimes-<UTC timestamp>].
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+
+    /// The myelin binary to run router legs with [default: this executable].
+    #[arg(long, value_name = "PATH")]
+    pub router_bin: Option<PathBuf>,
+
+    /// An extra `myelin serve` flag for every myelin router leg (repeatable).
+    #[arg(long = "router-arg", value_name = "ARG", allow_hyphen_values = true)]
+    pub router_args: Vec<String>,
+
+    /// Wall-clock seconds one request may take before it counts as an error.
+    #[arg(long, default_value_t = 300)]
+    pub request_timeout: u64,
+
+    /// No progress bars.
+    #[arg(long)]
+    pub no_progress: bool,
 }
 
 #[cfg(test)]

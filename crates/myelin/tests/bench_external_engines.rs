@@ -108,7 +108,10 @@ fn every_leg_runs_on_the_engines_given() {
     let calibration = report["calibration"].as_array().expect("calibration[]");
     assert_eq!(calibration.len(), 1, "{calibration:#?}");
     assert_eq!(calibration[0]["leg"], "prefix+auto");
-    assert!(calibration[0]["sampled_pairs"].as_u64().unwrap() > 0, "{calibration:#?}");
+    assert!(
+        calibration[0]["sampled_pairs"].as_u64().unwrap() > 0,
+        "{calibration:#?}"
+    );
     // And the regime line's resident-prefix probe.
     assert!(
         report["regime"]["prefix_resident_share"].is_number(),
