@@ -214,8 +214,8 @@ impl PerformanceModel for DynamoMockerH100 {
 /// starts them: a least-squares fit of 16 step times measured from the client by
 /// `scripts/vllm/steps.py`, on both engines at once (fresh prefills of 16 to 3,072 tokens, 1 to
 /// 8 streams decoding at 150 and 790 tokens of context; docs/simulator.md has the points and
-/// the fit's error): `19.07 ms + 0.0471 ms per token + 4.71e-5 ms per (query, key) pair
-/// + 17.0 ms per prefill chunk`. Decode steps of 1 to 8 streams took 16-23 ms with no trend in
+/// the fit's error): `19.07 ms + 0.0471 ms per token + 4.71e-5 ms per (query, key) pair +
+/// 17.0 ms per prefill chunk`. Decode steps of 1 to 8 streams took 16-23 ms with no trend in
 /// the batch size, so there is no term per sequence.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct VllmCpuTinyLlama;
