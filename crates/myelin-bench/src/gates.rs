@@ -232,7 +232,7 @@ pub fn evaluate(legs: &[LegSummary], residency_legs: &[&str]) -> Vec<Gate> {
                 "engines evicted on every leg".into()
             } else if without_evictions.is_empty() && unmeasured.len() == legs.len() {
                 "not checked: evictions unmeasured on every leg (the engines export no eviction \
-                 counter)"
+                 counter; give each --engine its kv-events= stream to count them)"
                     .into()
             } else if without_evictions.is_empty() {
                 format!(

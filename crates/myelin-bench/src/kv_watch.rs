@@ -34,8 +34,8 @@ use crate::oracle::{CacheOracle, EngineTruth};
 
 /// How long one receive waits before the thread looks at its stop flag.
 const RECEIVE_TIMEOUT: Duration = Duration::from_millis(200);
-/// Blocks mirrored per engine at most (about 10 GB of KV at 16 tokens of 64 KiB: beyond the
-/// largest single engine); stores beyond it are not mirrored.
+/// Blocks mirrored per engine at most (4M blocks, 67M tokens at 16 a block: far beyond any one
+/// engine's KV cache; about 200 MB of maps); stores beyond it are not mirrored.
 const MAX_MIRRORED_BLOCKS: usize = 1 << 22;
 
 /// One engine's GPU prefix cache as its events describe it.
