@@ -205,7 +205,7 @@ def run(args) -> int:
         key.write_text("dashboard-check-cluster-key\n")
         routers, metrics_ports = [], []
         seed = None
-        for node in range(2):
+        for node in range(args.nodes):
             port, metrics, gossip = free_port(), free_port(), free_port()
             command = [args.myelin, "serve", "--listen", f"127.0.0.1:{port}",
                        "--admin-listen", "127.0.0.1:0", "--metrics-listen", f"127.0.0.1:{metrics}",
@@ -274,6 +274,8 @@ def main() -> int:
                         help="send traffic for this many seconds instead of --requests")
     parser.add_argument("--speedup", type=float, default=20.0,
                         help="the simulated engines' --speedup")
+    parser.add_argument("--nodes", type=int, default=2,
+                        help="myelin serve nodes (gossiping with each other when more than one)")
     parser.add_argument("--plots")
     args = parser.parse_args()
     if shutil.which(args.prometheus) is None:
