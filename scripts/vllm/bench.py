@@ -10,10 +10,8 @@ real-vLLM suite does (loopback HTTP, KV events and replay on private `ipc://` so
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -29,20 +27,8 @@ def main() -> int:
     parser.add_argument("bench", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     bench = args.bench[1:] if args.bench[:1] == ["--"] else args.bench
-    model = Path(args.model).resolve()
-    work = Path(tempfile.mkdtemp(prefix="myelin-bench-vllm-"))
-    logs = Path(args.keep_logs).resolve() if args.keep_logs else work / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    sockets = work / "sockets"
-    sockets.mkdir()
-    print(f"engine logs in {logs}", flush=True)
-    engines = [suite.Engine(i, model, sockets, logs, sys.executable, 10_000)
-               for i in range(args.engines)]
-    try:
-        for engine in engines:
-            engine.start()
-        for engine in engines:
-            engine.wait_healthy()
+    with suite.running_engines(Path(args.model), args.engines, args.keep_logs,
+                               "myelin-bench-vllm-") as engines:
         command = [args.myelin, "bench"]
         for engine in engines:
             command += ["--engine",
@@ -50,11 +36,6 @@ def main() -> int:
         command += bench
         print(" ".join(command), flush=True)
         return subprocess.run(command, check=False).returncode
-    finally:
-        for process in suite.PROCESSES:
-            suite.stop(process)
-        if not args.keep_logs:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -29,10 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -161,18 +159,8 @@ def main() -> int:
     parser.add_argument("--out")
     parser.add_argument("--keep-logs")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="myelin-vllm-steps-"))
-    logs = Path(args.keep_logs).resolve() if args.keep_logs else work / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    sockets = work / "sockets"
-    sockets.mkdir()
-    engines = [suite.Engine(i, Path(args.model).resolve(), sockets, logs, sys.executable, 10_000)
-               for i in range(args.engines)]
-    try:
-        for engine in engines:
-            engine.start()
-        for engine in engines:
-            engine.wait_healthy()
+    with suite.running_engines(Path(args.model), args.engines, args.keep_logs,
+                               "myelin-vllm-steps-") as engines:
         # Every engine measured at the same time: the step times include what the engines
         # cost each other on a shared host, as in a benchmark on them.
         per_engine: list[dict] = [{} for _ in engines]
@@ -196,11 +184,6 @@ def main() -> int:
         if args.out:
             Path(args.out).write_text(text + "\n")
         return 0
-    finally:
-        for process in suite.PROCESSES:
-            suite.stop(process)
-        if not args.keep_logs:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

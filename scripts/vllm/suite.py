@@ -27,6 +27,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgspec
@@ -170,6 +171,32 @@ class Engine:
     def kill(self) -> None:
         if self.process is not None:
             stop(self.process, signal.SIGKILL)
+
+
+@contextmanager
+def running_engines(model: Path, count: int, keep_logs: str | None, prefix: str):
+    """`count` engines on the test model (vLLM's default replay buffer), started and healthy;
+    stopped, with their scratch directory removed (logs kept under `keep_logs` if given), when
+    the block ends. For the scripts beside this one (bench.py, steps.py)."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    logs = Path(keep_logs).resolve() if keep_logs else work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    sockets = work / "sockets"
+    sockets.mkdir()
+    print(f"engine logs in {logs}", file=sys.stderr, flush=True)
+    engines = [Engine(i, model.resolve(), sockets, logs, sys.executable, 10_000)
+               for i in range(count)]
+    try:
+        for engine in engines:
+            engine.start()
+        for engine in engines:
+            engine.wait_healthy()
+        yield engines
+    finally:
+        for process in PROCESSES:
+            stop(process)
+        if not keep_logs:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 class EventMirror:
