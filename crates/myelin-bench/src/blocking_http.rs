@@ -1,5 +1,5 @@
 //! A minimal blocking HTTP/1.1 client for the control side of the harness (health polls,
-//! /metrics scrapes and external engines' cache resets, from the main thread), where an
+//! /metrics scrapes and external engines' cache resets, from the main thread, and tests), where an
 //! executor would be overkill. Not used on the measured request path.
 
 use std::io::{Read, Write};
@@ -43,16 +43,27 @@ fn split_url(url: &str) -> Option<(&str, &str)> {
 
 /// GETs `url` with `Connection: close`, waiting at most `timeout` for each step.
 pub fn get(url: &str, timeout: Duration) -> Result<GetResponse, GetError> {
-    request("GET", url, timeout)
+    request("GET", url, "", timeout)
 }
 
 /// POSTs an empty body to `url` with `Connection: close`, waiting at most `timeout` for each
 /// step.
 pub fn post_empty(url: &str, timeout: Duration) -> Result<GetResponse, GetError> {
-    request("POST", url, timeout)
+    request("POST", url, "", timeout)
 }
 
-fn request(method: &'static str, url: &str, timeout: Duration) -> Result<GetResponse, GetError> {
+/// POSTs the JSON `body` to `url` with `Connection: close`, waiting at most `timeout` for each
+/// step.
+pub fn post_json(url: &str, body: &str, timeout: Duration) -> Result<GetResponse, GetError> {
+    request("POST", url, body, timeout)
+}
+
+fn request(
+    method: &'static str,
+    url: &str,
+    body: &str,
+    timeout: Duration,
+) -> Result<GetResponse, GetError> {
     let (authority, path) = split_url(url).ok_or_else(|| GetError::BadUrl { url: url.into() })?;
     let io_error = |source| GetError::Io {
         method,
@@ -69,12 +80,17 @@ fn request(method: &'static str, url: &str, timeout: Duration) -> Result<GetResp
     stream.set_write_timeout(Some(timeout)).map_err(io_error)?;
     // One write of the whole request: a peer reading the head in one go sees all of it.
     let length = if method == "POST" {
-        "Content-Length: 0\r\n"
+        let kind = if body.is_empty() {
+            ""
+        } else {
+            "Content-Type: application/json\r\n"
+        };
+        format!("{kind}Content-Length: {}\r\n", body.len())
     } else {
-        ""
+        String::new()
     };
     let request = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {authority}\r\nAccept: */*\r\n{length}Connection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: {authority}\r\nAccept: */*\r\n{length}Connection: close\r\n\r\n{body}"
     );
     stream.write_all(request.as_bytes()).map_err(io_error)?;
     let mut raw = Vec::new();

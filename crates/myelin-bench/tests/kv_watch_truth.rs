@@ -3,45 +3,26 @@
 //! watch says each engine holds for each prompt equals the simulator's own probe, and the
 //! evictions it counted equal the engines' own counters. Real HTTP and real ZMQ sockets.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use myelin_bench::blocking_http::parse_response;
+use myelin_bench::blocking_http::{post_empty, post_json};
 use myelin_bench::kv_watch::KvWatch;
 use myelin_bench::oracle::CacheOracle;
 use myelin_sim::{ClusterConfig, EngineConfig, KvEventsConfig, SimCluster};
 
 const BLOCK: usize = 16;
 
-/// POSTs `body` to `url` (http://HOST:PORT/PATH); the status.
-fn post(url: &str, body: &str) -> u16 {
-    let rest = url.strip_prefix("http://").unwrap();
-    let (authority, path) = rest.split_at(rest.find('/').unwrap());
-    let mut stream = TcpStream::connect(authority).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    write!(
-        stream,
-        "POST {path} HTTP/1.1\r\nhost: {authority}\r\ncontent-type: application/json\r\n\
-         content-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).unwrap();
-    parse_response(&raw).unwrap().status
-}
-
 fn complete(engine: &str, prompt: &[u32]) {
     let body = serde_json::json!({
         "model": "sim", "prompt": prompt, "max_tokens": 4, "temperature": 0,
     });
-    assert_eq!(
-        post(&format!("{engine}/v1/completions"), &body.to_string()),
-        200
-    );
+    let answer = post_json(
+        &format!("{engine}/v1/completions"),
+        &body.to_string(),
+        Duration::from_secs(30),
+    )
+    .unwrap();
+    assert_eq!(answer.status, 200, "{}", answer.body);
 }
 
 fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
@@ -97,7 +78,11 @@ fn the_watch_sees_what_the_engines_hold_and_evict() {
             std::thread::sleep(Duration::from_millis(20));
             watch.probe(&tokens)[engine].cached_tokens > 0
         });
-        assert_eq!(post(&format!("{url}/reset_prefix_cache"), ""), 200);
+        let reset = post_empty(
+            &format!("{url}/reset_prefix_cache"),
+            Duration::from_secs(10),
+        );
+        assert_eq!(reset.unwrap().status, 200);
         watch.cleared(engine);
     }
     let evicted_before: u64 = cluster.counters().iter().map(|c| c.evictions).sum();
