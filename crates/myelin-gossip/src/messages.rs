@@ -86,96 +86,11 @@ pub struct EngineState {
     /// evicted (0: none known). Stamps share one clock over the cluster, so every node may
     /// apply it.
     pub evicted_below: u64,
-    /// Of `requests`, those still waiting for their first token (the rest are decoding). On
-    /// the wire in `State`'s appended `phases` list, not in this entry; 0 from a sender that
-    /// predates it.
-    #[serde(skip)]
-    pub prefilling: u32,
-    /// Of `tokens`, the output the node's requests there still expect (the rest is prefill
-    /// not yet done). In `phases` like `prefilling`.
-    #[serde(skip)]
-    pub decode_tokens: u64,
-    /// KV tokens the prompts of those requests hold there (distinct blocks). In `phases`.
-    #[serde(skip)]
-    pub pinned_prompt_tokens: u64,
-}
-
-/// The part of an [`EngineState`] added after version 1 of `State`: sent as a list appended
-/// to the payload, one entry per engine in the same order (a version-1 decoder ignores it).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-struct EnginePhase {
-    prefilling: u32,
-    decode_tokens: u64,
-    pinned_prompt_tokens: u64,
-}
-
-/// `State` as version 1 wrote it: what every version's payload begins with.
-#[derive(Deserialize)]
-struct StateV1 {
-    node: String,
-    engines: Vec<EngineState>,
-}
-
-/// `State` as this version writes it: version 1's fields, then `phases`.
-#[derive(Serialize)]
-struct StateWire<'a> {
-    node: &'a str,
-    engines: &'a [EngineState],
-    phases: Vec<EnginePhase>,
-}
-
-impl StatePayload {
-    fn to_wire(&self) -> StateWire<'_> {
-        StateWire {
-            node: &self.node,
-            engines: &self.engines,
-            phases: self
-                .engines
-                .iter()
-                .map(|engine| EnginePhase {
-                    prefilling: engine.prefilling,
-                    decode_tokens: engine.decode_tokens,
-                    pinned_prompt_tokens: engine.pinned_prompt_tokens,
-                })
-                .collect(),
-        }
-    }
-
-    /// Decodes version 1's fields, then the `phases` list when the sender appended one (a
-    /// list of another length than `engines` is malformed); bytes after it are a newer
-    /// version's and ignored.
-    fn decode(bytes: &[u8]) -> Result<StatePayload, DecodeError> {
-        let (v1, read): (StateV1, usize) = bincode::serde::decode_from_slice(bytes, config())
-            .map_err(|_| DecodeError::Malformed)?;
-        if v1.node.len() > MAX_NODE_NAME_BYTES {
-            return Err(DecodeError::Malformed);
-        }
-        let mut state = StatePayload {
-            node: v1.node,
-            engines: v1.engines,
-        };
-        let rest = &bytes[read.min(bytes.len())..];
-        if rest.is_empty() {
-            return Ok(state);
-        }
-        let (phases, _read): (Vec<EnginePhase>, usize) =
-            bincode::serde::decode_from_slice(rest, config())
-                .map_err(|_| DecodeError::Malformed)?;
-        if phases.len() != state.engines.len() {
-            return Err(DecodeError::Malformed);
-        }
-        for (engine, phase) in state.engines.iter_mut().zip(phases) {
-            engine.prefilling = phase.prefilling;
-            engine.decode_tokens = phase.decode_tokens;
-            engine.pinned_prompt_tokens = phase.pinned_prompt_tokens;
-        }
-        Ok(state)
-    }
 }
 
 /// `State`: a node's figures for some of its engines (absolute values: a lost packet heals
-/// with the next). On the wire: `node`, `engines`, then `phases` (see [`EngineState`]).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// with the next).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StatePayload {
     /// The sender's node id (`--node-id`), at most [`MAX_NODE_NAME_BYTES`].
     pub node: String,
@@ -243,7 +158,7 @@ impl Payload {
     pub fn to_bytes(&self) -> Vec<u8> {
         let encoded = match self {
             Payload::Swim(bytes) => return bytes.clone(),
-            Payload::State(state) => bincode::serde::encode_to_vec(state.to_wire(), config()),
+            Payload::State(state) => bincode::serde::encode_to_vec(state, config()),
             Payload::Routes(routes) => bincode::serde::encode_to_vec(routes, config()),
             Payload::Digest(digest) => bincode::serde::encode_to_vec(digest, config()),
         };
@@ -262,7 +177,13 @@ impl Payload {
         }
         Ok(match kind {
             PacketType::Swim => Payload::Swim(bytes.to_vec()),
-            PacketType::State => Payload::State(StatePayload::decode(bytes)?),
+            PacketType::State => {
+                let state: StatePayload = decode(bytes)?;
+                if state.node.len() > MAX_NODE_NAME_BYTES {
+                    return Err(DecodeError::Malformed);
+                }
+                Payload::State(state)
+            }
             PacketType::Routes => Payload::Routes(decode(bytes)?),
             PacketType::Digest => {
                 let digest: DigestPayload = decode(bytes)?;

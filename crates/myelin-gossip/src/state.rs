@@ -418,8 +418,8 @@ pub fn pack_routes(block_size: u32, routes: &[Route], next_id: &mut u32) -> Vec<
         .collect()
 }
 
-/// Upper bound of an engine's bytes: its entry and its `phases` entry.
-const ENGINE_STATE_BYTES: usize = 7 * VARINT_MAX + 2 + 3 * VARINT_MAX;
+/// Upper bound of an engine entry's bytes.
+const ENGINE_STATE_BYTES: usize = 7 * VARINT_MAX + 2;
 /// Engines whose largest evicted-below stamp is kept.
 const MAX_EVICTED_ENGINES: usize = 4_096;
 
@@ -427,7 +427,7 @@ const MAX_EVICTED_ENGINES: usize = 4_096;
 pub fn pack_state(node: &str, engines: &[EngineState]) -> Vec<StatePayload> {
     let node = crate::messages::node_name(node);
     let per_packet =
-        ((MAX_PAYLOAD_BYTES - 4 * VARINT_MAX - MAX_NODE_NAME_BYTES) / ENGINE_STATE_BYTES).max(1);
+        ((MAX_PAYLOAD_BYTES - 3 * VARINT_MAX - MAX_NODE_NAME_BYTES) / ENGINE_STATE_BYTES).max(1);
     if engines.is_empty() {
         return vec![StatePayload {
             node,
@@ -453,16 +453,12 @@ pub struct PeerState {
     pub heard_ms: u64,
 }
 
-/// The load and residency inputs the peers put on one engine, summed (see [`EngineState`]
-/// for each figure).
+/// The load and residency inputs the peers put on one engine, summed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PeerLoad {
     pub requests: u32,
     pub tokens: u64,
     pub admitted_tokens: u64,
-    pub prefilling: u32,
-    pub decode_tokens: u64,
-    pub pinned_prompt_tokens: u64,
 }
 
 /// Every live peer's figures, and the admitted-token counters of peers that died.
@@ -538,21 +534,12 @@ fn sanitized(
         }
         bounded
     });
-    let tokens = bounded(engine.tokens, 0, MAX_PEER_TOKENS, clamped);
-    // Parts of a whole: never more than it.
-    let prefilling = engine.prefilling.min(requests);
-    if prefilling != engine.prefilling {
-        *clamped = clamped.saturating_add(1);
-    }
     EngineState {
         requests,
-        tokens,
+        tokens: bounded(engine.tokens, 0, MAX_PEER_TOKENS, clamped),
         admitted_tokens: admitted,
         capacity_tokens,
         utilization_ppm,
-        prefilling,
-        decode_tokens: bounded(engine.decode_tokens, 0, tokens, clamped),
-        pinned_prompt_tokens: bounded(engine.pinned_prompt_tokens, 0, MAX_PEER_TOKENS, clamped),
         ..engine
     }
 }
@@ -689,11 +676,6 @@ impl ClusterState {
                 load.requests = load.requests.saturating_add(engine.requests);
                 load.tokens = load.tokens.saturating_add(engine.tokens);
                 load.admitted_tokens = load.admitted_tokens.saturating_add(engine.admitted_tokens);
-                load.prefilling = load.prefilling.saturating_add(engine.prefilling);
-                load.decode_tokens = load.decode_tokens.saturating_add(engine.decode_tokens);
-                load.pinned_prompt_tokens = load
-                    .pinned_prompt_tokens
-                    .saturating_add(engine.pinned_prompt_tokens);
             }
         }
         for counters in self

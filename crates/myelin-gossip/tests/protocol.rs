@@ -26,19 +26,23 @@ const SENDER: Sender = Sender { node: 11, boot: 5 };
 
 fn engine_state() -> impl Strategy<Value = EngineState> {
     (
-        (any::<u64>(), any::<u32>(), any::<u64>(), any::<u64>()),
-        (
-            proptest::option::of(any::<u64>()),
-            proptest::option::of(any::<u32>()),
-            any::<u64>(),
-        ),
-        (any::<u32>(), any::<u64>(), any::<u64>()),
+        any::<u64>(),
+        any::<u32>(),
+        any::<u64>(),
+        any::<u64>(),
+        proptest::option::of(any::<u64>()),
+        proptest::option::of(any::<u32>()),
+        any::<u64>(),
     )
         .prop_map(
             |(
-                (engine, requests, tokens, admitted_tokens),
-                (capacity_tokens, utilization_ppm, evicted_below),
-                (prefilling, decode_tokens, pinned_prompt_tokens),
+                engine,
+                requests,
+                tokens,
+                admitted_tokens,
+                capacity_tokens,
+                utilization_ppm,
+                evicted_below,
             )| {
                 EngineState {
                     engine,
@@ -48,9 +52,6 @@ fn engine_state() -> impl Strategy<Value = EngineState> {
                     capacity_tokens,
                     utilization_ppm,
                     evicted_below,
-                    prefilling,
-                    decode_tokens,
-                    pinned_prompt_tokens,
                 }
             },
         )
@@ -69,72 +70,13 @@ fn route() -> impl Strategy<Value = Route> {
         })
 }
 
-/// One engine's figures as `State` version 1 carried them (its wire entry, unchanged since).
-#[derive(Serialize, serde::Deserialize, Debug, Clone, PartialEq)]
-struct EngineStateV1 {
-    engine: u64,
-    requests: u32,
-    tokens: u64,
-    admitted_tokens: u64,
-    capacity_tokens: Option<u64>,
-    utilization_ppm: Option<u32>,
-    evicted_below: u64,
-}
-
-impl From<&EngineState> for EngineStateV1 {
-    fn from(state: &EngineState) -> EngineStateV1 {
-        EngineStateV1 {
-            engine: state.engine,
-            requests: state.requests,
-            tokens: state.tokens,
-            admitted_tokens: state.admitted_tokens,
-            capacity_tokens: state.capacity_tokens,
-            utilization_ppm: state.utilization_ppm,
-            evicted_below: state.evicted_below,
-        }
-    }
-}
-
-/// `State` as version 1 wrote and read it: no `phases` list.
-#[derive(Serialize, serde::Deserialize, Debug, PartialEq)]
-struct StatePayloadV1 {
-    node: String,
-    engines: Vec<EngineStateV1>,
-}
-
-/// The same payload as a newer version could send it: this version's fields (the `phases`
-/// list: prefilling, decode tokens, pinned prompt tokens per engine), then new ones.
+/// The same payload as a newer version could send it: the v1 fields, then new ones.
 #[derive(Serialize)]
-struct StatePayloadNext {
+struct StatePayloadV2 {
     node: String,
-    engines: Vec<EngineStateV1>,
-    phases: Vec<(u32, u64, u64)>,
+    engines: Vec<EngineState>,
     zone: String,
     weights: Vec<u32>,
-}
-
-fn phases(engines: &[EngineState]) -> Vec<(u32, u64, u64)> {
-    engines
-        .iter()
-        .map(|engine| {
-            (
-                engine.prefilling,
-                engine.decode_tokens,
-                engine.pinned_prompt_tokens,
-            )
-        })
-        .collect()
-}
-
-fn state_packet(payload: &[u8], version: u8, extension: &[u8]) -> Vec<u8> {
-    let header = Header {
-        version,
-        kind: PacketType::State,
-        sender: 3,
-        boot: 4,
-        seq: 1,
-    };
-    encode_frame(&key(), &header, payload, extension).unwrap()
 }
 
 proptest! {
@@ -194,54 +136,19 @@ proptest! {
     }
 
     #[test]
-    fn a_newer_packet_with_appended_fields_decodes_with_this_decoder(
+    fn a_v2_packet_with_appended_fields_decodes_with_the_v1_decoder(
         engines in proptest::collection::vec(engine_state(), 0..10),
         zone in "[a-z]{0,20}",
         weights in proptest::collection::vec(any::<u32>(), 0..20),
         extension in proptest::collection::vec(any::<u8>(), 0..64),
     ) {
-        let next = StatePayloadNext {
-            node: "n2".into(),
-            engines: engines.iter().map(EngineStateV1::from).collect(),
-            phases: phases(&engines),
-            zone,
-            weights,
-        };
-        let payload = bincode::serde::encode_to_vec(&next, bincode::config::standard()).unwrap();
-        let packet = state_packet(&payload, 3, &extension);
+        let v2 = StatePayloadV2 { node: "n2".into(), engines: engines.clone(), zone, weights };
+        let payload = bincode::serde::encode_to_vec(&v2, bincode::config::standard()).unwrap();
+        let header = Header { version: 2, kind: PacketType::State, sender: 3, boot: 4, seq: 1 };
+        let packet = encode_frame(&key(), &header, &payload, &extension).unwrap();
         let (decoded_header, decoded) = decode_packet(&key(), &packet).unwrap();
-        prop_assert_eq!(decoded_header.version, 3);
+        prop_assert_eq!(decoded_header.version, 2);
         prop_assert_eq!(decoded, Payload::State(StatePayload { node: "n2".into(), engines }));
-    }
-
-    #[test]
-    fn this_versions_state_decodes_with_the_v1_decoder_and_v1s_with_this_one(
-        engines in proptest::collection::vec(engine_state(), 0..10),
-    ) {
-        // What a version-1 node reads from this one: every field it knows.
-        let ours = Payload::State(StatePayload { node: "n3".into(), engines: engines.clone() });
-        let packet = encode_packet(&key(), SENDER, 1, &ours).unwrap();
-        let (_, payload) = decode_frame(&key(), &packet).unwrap();
-        let (v1, _read): (StatePayloadV1, usize) =
-            bincode::serde::decode_from_slice(payload, bincode::config::standard()).unwrap();
-        let expected: Vec<EngineStateV1> = engines.iter().map(EngineStateV1::from).collect();
-        prop_assert_eq!(&v1.engines, &expected);
-        // What this node reads from a version-1 node: its fields, no phases (all 0).
-        let old = bincode::serde::encode_to_vec(&v1, bincode::config::standard()).unwrap();
-        let (_, decoded) = decode_packet(&key(), &state_packet(&old, 1, &[])).unwrap();
-        let without_phases: Vec<EngineState> = engines
-            .iter()
-            .map(|engine| EngineState {
-                prefilling: 0,
-                decode_tokens: 0,
-                pinned_prompt_tokens: 0,
-                ..*engine
-            })
-            .collect();
-        prop_assert_eq!(
-            decoded,
-            Payload::State(StatePayload { node: "n3".into(), engines: without_phases })
-        );
     }
 
     #[test]
@@ -502,26 +409,7 @@ fn state(engine: u64, requests: u32, admitted: u64) -> EngineState {
         capacity_tokens: Some(50_000),
         utilization_ppm: None,
         evicted_below: admitted / 2,
-        prefilling: requests / 2,
-        decode_tokens: u64::from(requests) * 40,
-        pinned_prompt_tokens: u64::from(requests) * 30,
     }
-}
-
-#[test]
-fn a_phases_list_of_another_length_than_the_engines_is_malformed() {
-    let next = StatePayloadNext {
-        node: "n4".into(),
-        engines: vec![EngineStateV1::from(&state(1, 4, 10)); 2],
-        phases: vec![(1, 2, 3)],
-        zone: String::new(),
-        weights: vec![],
-    };
-    let payload = bincode::serde::encode_to_vec(&next, bincode::config::standard()).unwrap();
-    assert_eq!(
-        decode_packet(&key(), &state_packet(&payload, 1, &[])),
-        Err(DecodeError::Malformed)
-    );
 }
 
 #[test]
@@ -544,16 +432,6 @@ fn a_simulated_cluster_shares_membership_load_and_routes_and_survives_a_death() 
             .map(|load| load.requests)
             == Some(4)
     }));
-    let load = sim.nodes[0].node.cluster().peer_load()[&77];
-    assert_eq!(
-        (
-            load.prefilling,
-            load.decode_tokens,
-            load.pinned_prompt_tokens
-        ),
-        (2, 160, 120),
-        "the split of its load travels with it"
-    );
 
     // Routes: node 1 learns a long route; nodes 0 and 2 receive it whole.
     let hashes: Arc<[u64]> = (1..=400u64).map(|i| i * 7919).collect();
@@ -600,14 +478,6 @@ fn a_simulated_cluster_shares_membership_load_and_routes_and_survives_a_death() 
     );
     let load = sim.nodes[0].node.cluster().peer_load()[&77];
     assert_eq!((load.requests, load.tokens), (0, 0));
-    assert_eq!(
-        (
-            load.prefilling,
-            load.decode_tokens,
-            load.pinned_prompt_tokens
-        ),
-        (0, 0, 0)
-    );
     assert_eq!(
         load.admitted_tokens, 9_000,
         "its admitted tokens stay counted"
@@ -833,10 +703,6 @@ fn a_peers_figures_are_bounded_where_they_enter() {
             capacity_tokens: Some(u64::MAX),
             utilization_ppm: Some(u32::MAX),
             evicted_below,
-            // Parts larger than their wholes (requests, tokens) are cut to them.
-            prefilling: u32::MAX,
-            decode_tokens: u64::MAX,
-            pinned_prompt_tokens: u64::MAX,
         }],
     };
     let mut cluster = ClusterState::new();
@@ -848,15 +714,12 @@ fn a_peers_figures_are_bounded_where_they_enter() {
     assert_eq!(engine.capacity_tokens, Some(MAX_PEER_TOKENS));
     assert_eq!(engine.utilization_ppm, Some(1_000_000));
     assert_eq!(engine.admitted_tokens, MAX_FIRST_ADMITTED_TOKENS);
-    assert_eq!(engine.prefilling, MAX_PEER_REQUESTS);
-    assert_eq!(engine.decode_tokens, MAX_PEER_TOKENS);
-    assert_eq!(engine.pinned_prompt_tokens, MAX_PEER_TOKENS);
     // An evicted-below stamp is never ahead of the clock (own 1,000 + the peer's counter).
     assert_eq!(
         cluster.peer_evicted()[&5],
         1_000 + MAX_FIRST_ADMITTED_TOKENS
     );
-    assert_eq!(cluster.clamped_values(), 9);
+    assert_eq!(cluster.clamped_values(), 6);
     // Many such peers cannot wrap the sums.
     for node in 100..300 {
         cluster.apply_state(node, 1, hostile(u64::MAX, 0), 1_000);
@@ -879,9 +742,8 @@ fn a_peers_figures_are_bounded_where_they_enter() {
     let engine = &cluster.peer(7).unwrap().engines[&5];
     assert_eq!(engine.admitted_tokens, grown + 500);
     assert_eq!(cluster.peer_evicted()[&5], grown / 2);
-    // (requests, tokens, capacity, utilization and the three parts are still past their
-    // bounds: 7 clamps)
-    assert_eq!(cluster.clamped_values(), before + 7);
+    // (requests, tokens, capacity and utilization are still past their bounds: 4 clamps)
+    assert_eq!(cluster.clamped_values(), before + 4);
     // A restart (a later boot) starts its counters afresh.
     cluster.apply_state(7, 2, hostile(42, 0), 2_300);
     assert_eq!(cluster.peer(7).unwrap().engines[&5].admitted_tokens, 42);

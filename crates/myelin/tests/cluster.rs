@@ -148,21 +148,16 @@ fn member_state(router: &Router, node: &str) -> Option<String> {
         .and_then(|member| member["state"].as_str().map(str::to_string))
 }
 
-/// The other nodes' load at the engine `url`, as `router` hears (`null` if none).
-fn peer_load(router: &Router, url: &str) -> Value {
+/// Requests the other nodes have in flight at the engine `url`, as `router` hears.
+fn peer_requests(router: &Router, url: &str) -> u64 {
     let report = cluster(router);
     report["peer_load"]
         .as_array()
         .into_iter()
         .flatten()
         .find(|load| load["url"] == url)
-        .cloned()
-        .unwrap_or(Value::Null)
-}
-
-/// Requests the other nodes have in flight at the engine `url`, as `router` hears.
-fn peer_requests(router: &Router, url: &str) -> u64 {
-    peer_load(router, url)["requests"].as_u64().unwrap_or(0)
+        .and_then(|load| load["requests"].as_u64())
+        .unwrap_or(0)
 }
 
 /// Blocks `router`'s replica holds as routed to backend `id`.
@@ -267,17 +262,6 @@ fn three_nodes_share_routes_and_load_detect_a_death_and_converge_after_a_restart
     wait_for("B to hear of A's load on x", || {
         peer_requests(&b, &x_url) >= 3
     });
-    // And how it splits: the held requests wait for their first token (prefilling), each
-    // expects its max_tokens of output, and their prompts pin KV blocks.
-    let load = peer_load(&b, &x_url);
-    let requests = load["requests"].as_u64().unwrap();
-    assert_eq!(load["prefilling"].as_u64(), Some(requests), "{load}");
-    assert_eq!(load["decode_tokens"].as_u64(), Some(4 * requests), "{load}");
-    assert!(
-        load["pinned_prompt_tokens"].as_u64().unwrap() >= 3 * 992,
-        "{load}"
-    );
-    assert!(load["tokens"].as_u64().unwrap() > 4 * requests, "{load}");
     // B's residency estimate counts the tokens A admitted to x (B sent x nothing yet).
     wait_for("B's estimate to count A's admitted tokens on x", || {
         admitted_clock(&b, x) >= 3 * 1_000
@@ -725,9 +709,6 @@ fn a_hostile_peer_with_the_key_cannot_poison_the_shared_state() {
         capacity_tokens: Some(u64::MAX),
         utilization_ppm: Some(u32::MAX),
         evicted_below: u64::MAX,
-        prefilling: u32::MAX,
-        decode_tokens: u64::MAX,
-        pinned_prompt_tokens: u64::MAX,
     }]);
     peer.node.learned(myelin_gossip::Route {
         engine: engine_key,

@@ -433,11 +433,6 @@ impl Gossip {
                     state.tokens = state.tokens.saturating_add(load.tokens);
                     state.admitted_tokens =
                         state.admitted_tokens.saturating_add(load.admitted_tokens);
-                    state.prefilling = state.prefilling.saturating_add(load.prefilling);
-                    state.decode_tokens = state.decode_tokens.saturating_add(load.decode_tokens);
-                    state.pinned_prompt_tokens = state
-                        .pinned_prompt_tokens
-                        .saturating_add(load.pinned_prompt_tokens);
                 }
                 if let Some(cache) = caches.get(&id) {
                     state.capacity_tokens = cache.capacity_tokens;
@@ -465,9 +460,6 @@ impl Gossip {
                         requests: peer.requests,
                         tokens: peer.tokens,
                         admitted_tokens: peer.admitted_tokens,
-                        prefilling: peer.prefilling,
-                        decode_tokens: peer.decode_tokens,
-                        pinned_prompt_tokens: peer.pinned_prompt_tokens,
                         ..Load::default()
                     },
                 )
@@ -633,9 +625,6 @@ impl Gossip {
                             "capacity_tokens": engine.capacity_tokens,
                             "utilization": engine.utilization_ppm.map(|ppm| f64::from(ppm) / 1e6),
                             "evicted_below": engine.evicted_below,
-                            "prefilling": engine.prefilling,
-                            "decode_tokens": engine.decode_tokens,
-                            "pinned_prompt_tokens": engine.pinned_prompt_tokens,
                         })
                     })
                     .collect();
@@ -657,9 +646,6 @@ impl Gossip {
                     "requests": load.requests,
                     "tokens": load.tokens,
                     "admitted_tokens": load.admitted_tokens,
-                    "prefilling": load.prefilling,
-                    "decode_tokens": load.decode_tokens,
-                    "pinned_prompt_tokens": load.pinned_prompt_tokens,
                 })
             })
             .collect();
