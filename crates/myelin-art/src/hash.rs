@@ -148,12 +148,33 @@ fn finish(parent: u64, sum: u64, length: u64) -> u64 {
     )
 }
 
+/// Parent of the roots of named namespaces ([`namespace_root`]): no block chains onto it, so
+/// a namespace's root is never the hash of some first block of the plain namespace.
+const NAMESPACE_DOMAIN: u64 = 0x6d79_656c_696e_6e73;
+
+/// The root a namespace's chains hang from instead of [`ROOT_CHAIN_HASH`]: prompts hashed in
+/// two namespaces never share a block, so nothing learned in one matches the other. `words`
+/// names the namespace (the caller's encoding); empty is the plain namespace, whose root is
+/// [`ROOT_CHAIN_HASH`].
+pub fn namespace_root(words: &[u32]) -> u64 {
+    if words.is_empty() {
+        ROOT_CHAIN_HASH
+    } else {
+        chain_hash(NAMESPACE_DOMAIN, words)
+    }
+}
+
 /// Appends the chain hash of every *full* block of `tokens` to `out` (a trailing partial block
 /// is not hashed: engines only cache full blocks).
 pub fn chain_hashes_into(tokens: &[u32], block_size: NonZeroU32, out: &mut Vec<u64>) {
+    chain_hashes_from(ROOT_CHAIN_HASH, tokens, block_size, out);
+}
+
+/// [`chain_hashes_into`] in the namespace whose root is `root` ([`namespace_root`]).
+pub fn chain_hashes_from(root: u64, tokens: &[u32], block_size: NonZeroU32, out: &mut Vec<u64>) {
     let block_size = block_size.get() as usize;
     out.reserve(tokens.len() / block_size);
-    let mut parent = ROOT_CHAIN_HASH;
+    let mut parent = root;
     for block in tokens.chunks_exact(block_size) {
         parent = chain_hash(parent, block);
         out.push(parent);
@@ -173,8 +194,13 @@ pub struct BlockChain {
 impl BlockChain {
     /// Hashes `tokens` block by block.
     pub fn new(tokens: &[u32], block_size: NonZeroU32) -> Self {
+        Self::in_namespace(ROOT_CHAIN_HASH, tokens, block_size)
+    }
+
+    /// Hashes `tokens` block by block from the namespace root `root` ([`namespace_root`]).
+    pub fn in_namespace(root: u64, tokens: &[u32], block_size: NonZeroU32) -> Self {
         let mut hashes = Vec::new();
-        chain_hashes_into(tokens, block_size, &mut hashes);
+        chain_hashes_from(root, tokens, block_size, &mut hashes);
         Self { block_size, hashes }
     }
 
@@ -264,5 +290,31 @@ mod tests {
         );
         let short = BlockChain::new(&tokens[..5], BLOCK_16);
         assert!(short.is_empty());
+    }
+
+    #[test]
+    fn namespaces_share_no_block_and_the_plain_one_is_the_root() {
+        let tokens: Vec<u32> = (0..48).collect();
+        assert_eq!(namespace_root(&[]), ROOT_CHAIN_HASH);
+        let plain = BlockChain::new(&tokens, BLOCK_16);
+        assert_eq!(
+            BlockChain::in_namespace(ROOT_CHAIN_HASH, &tokens, BLOCK_16),
+            plain
+        );
+        let a = BlockChain::in_namespace(namespace_root(&[1, 2]), &tokens, BLOCK_16);
+        let b = BlockChain::in_namespace(namespace_root(&[1, 3]), &tokens, BLOCK_16);
+        for chain in [&a, &b] {
+            assert_eq!(chain.len(), 3);
+            assert!(
+                chain
+                    .hashes()
+                    .iter()
+                    .all(|hash| !plain.hashes().contains(hash))
+            );
+        }
+        assert!(a.hashes().iter().all(|hash| !b.hashes().contains(hash)));
+        // A namespace's root is not the first block of the plain namespace with those tokens.
+        let words: Vec<u32> = (0..16).collect();
+        assert_ne!(namespace_root(&words), plain.hashes()[0]);
     }
 }

@@ -47,7 +47,8 @@ mod tree;
 
 pub use error::ConfigError;
 pub use hash::{
-    BlockChain, ChainHashKeyHasher, ChainHashMap, ROOT_CHAIN_HASH, chain_hash, chain_hashes_into,
+    BlockChain, ChainHashKeyHasher, ChainHashMap, ROOT_CHAIN_HASH, chain_hash, chain_hashes_from,
+    chain_hashes_into, namespace_root,
 };
 pub use node::BackendId;
 pub use tree::{

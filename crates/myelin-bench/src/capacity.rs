@@ -157,6 +157,7 @@ pub fn measure_over(
                     prompt_token_ids: request.tokens,
                     max_tokens: Some(request.output_tokens as usize),
                     ignore_eos: true,
+                    ..RequestSpec::default()
                 };
                 if let Err(error) = engine.add_request(next, spec) {
                     return Err(invalid(format!("measuring capacity: {error}")));

@@ -335,6 +335,7 @@ mod tests {
             lora_id: None,
             medium: Some("GPU".into()),
             lora_name: None,
+            extra_keys: None,
             group_idx: None,
             kv_cache_spec_kind: None,
             kv_cache_spec_sliding_window: None,

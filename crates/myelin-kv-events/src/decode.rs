@@ -25,8 +25,11 @@
 //! - Unknown event tags are skipped (their body is walked, not interpreted) and counted in
 //!   [`DecodedBatch::skipped_unknown_events`]: a newer vLLM may add event kinds.
 //! - Array fields past the last known one and map keys we do not know are skipped, whatever
-//!   their msgpack type. Fields we know but do not use (`extra_keys`, `ownership`, `session_id`,
+//!   their msgpack type. Fields we know but do not use (`ownership`, `session_id`,
 //!   `lookahead_token_ids`) are skipped the same way, so their type may change freely.
+//!   `extra_keys` (per block: nil or a list of keys; vLLM puts the LoRA name and, on a
+//!   chain's first block, the request's `cache_salt` there as bare strings) keeps its string
+//!   keys; any other key, or a value of another shape, is kept as [`ExtraKey::Other`].
 //! - Fields we use must have the type vLLM declares (nil allowed where vLLM allows `None`);
 //!   anything else is an error naming the field and the byte offset.
 //! - `block_hashes`, `token_ids` and `block_size` of `BlockStored` and `block_hashes` of
@@ -58,8 +61,8 @@
 //! block hash in every group).
 
 use crate::wire::{
-    AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KV_CACHE_SPEC_FULL_ATTENTION, KvEvent,
-    MEDIUM_GPU,
+    AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, ExtraKey,
+    KV_CACHE_SPEC_FULL_ATTENTION, KvEvent, MEDIUM_GPU,
 };
 
 /// Deepest nesting of arrays and maps accepted inside a skipped value.
@@ -508,6 +511,7 @@ impl EventKind {
             "lora_id" => Field::LoraId,
             "medium" => Field::Medium,
             "lora_name" => Field::LoraName,
+            "extra_keys" => Field::ExtraKeys,
             "group_idx" => Field::GroupIdx,
             "kv_cache_spec_kind" => Field::KvCacheSpecKind,
             "kv_cache_spec_sliding_window" => Field::KvCacheSpecSlidingWindow,
@@ -533,6 +537,7 @@ enum Field {
     LoraId,
     Medium,
     LoraName,
+    ExtraKeys,
     GroupIdx,
     KvCacheSpecKind,
     KvCacheSpecSlidingWindow,
@@ -551,7 +556,7 @@ const STORED_FIELDS: [Field; 15] = [
     Field::LoraId,
     Field::Medium,
     Field::LoraName,
-    Field::Ignored, // extra_keys
+    Field::ExtraKeys,
     Field::GroupIdx,
     Field::KvCacheSpecKind,
     Field::KvCacheSpecSlidingWindow,
@@ -579,6 +584,7 @@ struct EventFields {
     lora_id: Option<u64>,
     medium: Option<String>,
     lora_name: Option<String>,
+    extra_keys: Option<Vec<Option<Vec<ExtraKey>>>>,
     group_idx: Option<u32>,
     kv_cache_spec_kind: Option<String>,
     kv_cache_spec_sliding_window: Option<u32>,
@@ -597,6 +603,7 @@ impl EventFields {
             Field::LoraId => self.lora_id = reader.optional_u64("lora_id")?,
             Field::Medium => self.medium = reader.optional_string("medium")?,
             Field::LoraName => self.lora_name = reader.optional_string("lora_name")?,
+            Field::ExtraKeys => self.extra_keys = reader.extra_keys()?,
             Field::GroupIdx => self.group_idx = reader.optional_u32("group_idx")?,
             Field::KvCacheSpecKind => {
                 self.kv_cache_spec_kind = reader.optional_string("kv_cache_spec_kind")?;
@@ -626,6 +633,7 @@ impl EventFields {
                 lora_id: self.lora_id,
                 medium: self.medium,
                 lora_name: self.lora_name,
+                extra_keys: self.extra_keys,
                 group_idx: self.group_idx,
                 kv_cache_spec_kind: self.kv_cache_spec_kind,
                 kv_cache_spec_sliding_window: self.kv_cache_spec_sliding_window,
@@ -1064,6 +1072,57 @@ impl<'a> Reader<'a> {
         Ok(tokens)
     }
 
+    /// `extra_keys`: nil, or per block nil or a list of keys; a string key is kept, any
+    /// other (a multimodal `(identifier, offset)` pair, a prompt-embeds digest) is
+    /// [`ExtraKey::Other`]. A value of another shape than vLLM's (a newer vLLM) is read as one
+    /// block of one `Other` key rather than refused: the field's meaning is then unknown, so
+    /// its blocks are not trusted as plain text, and the event still decodes.
+    fn extra_keys(&mut self) -> Result<Option<Vec<Option<Vec<ExtraKey>>>>, DecodeError> {
+        let unknown = || Some(vec![Some(vec![ExtraKey::Other])]);
+        let offset = self.offset;
+        let len = match self.header("extra_keys")? {
+            Header::Nil => return Ok(None),
+            Header::Array(len) => self.checked_len(len, 1, offset, "extra_keys")?,
+            other => {
+                self.skip_body(other, offset, 0)?;
+                return Ok(unknown());
+            }
+        };
+        let mut blocks = Vec::with_capacity(len);
+        for _ in 0..len {
+            let offset = self.offset;
+            let count = match self.header("extra_keys entry")? {
+                Header::Nil => {
+                    blocks.push(None);
+                    continue;
+                }
+                Header::Array(count) => self.checked_len(count, 1, offset, "extra_keys entry")?,
+                other => {
+                    self.skip_body(other, offset, 1)?;
+                    blocks.push(Some(vec![ExtraKey::Other]));
+                    continue;
+                }
+            };
+            let mut keys = Vec::with_capacity(count);
+            for _ in 0..count {
+                let offset = self.offset;
+                let key = match self.header("extra key")? {
+                    Header::Str(len) => match self.utf8(len, offset, "extra key") {
+                        Ok(text) => ExtraKey::Str(text.to_owned()),
+                        Err(_) => ExtraKey::Other,
+                    },
+                    other => {
+                        self.skip_body(other, offset, 2)?;
+                        ExtraKey::Other
+                    }
+                };
+                keys.push(key);
+            }
+            blocks.push(Some(keys));
+        }
+        Ok(Some(blocks))
+    }
+
     /// The bytes not read yet.
     fn rest(&self) -> &'a [u8] {
         self.bytes.get(self.offset..).unwrap_or_default()
@@ -1236,6 +1295,7 @@ mod tests {
                 lora_id: None,
                 medium: Some(MEDIUM_GPU.to_string()),
                 lora_name: None,
+                extra_keys: None,
                 group_idx: Some(group),
                 kv_cache_spec_kind: Some(kind.to_string()),
                 kv_cache_spec_sliding_window: None,

@@ -5,8 +5,8 @@
 //! canonical=True))` where `parent` is the previous block's 32-byte digest, or `NONE_HASH` for
 //! the first block; since vLLM 0.29 `NONE_HASH = sha256_cbor("vllm-none-hash")`. The CBOR
 //! needed is tiny (an array of a byte string, an array of unsigned ints, and null), so it is
-//! written by hand here. Extra keys (LoRA, multimodal, cache salt) are not supported: they are
-//! always `None`, which is what vLLM uses for plain text requests.
+//! written by hand here. Plain text requests hash `None` as extra keys, as vLLM does; the keyed
+//! variants (LoRA name, cache salt) are the simulator's, not byte-identical to vLLM's.
 
 use std::fmt;
 use std::sync::OnceLock;
@@ -48,6 +48,19 @@ pub fn none_hash() -> BlockHash {
 
 /// Hash of one full block: `sha256_cbor((parent or NONE_HASH, tuple(tokens), None))`.
 pub fn hash_block_tokens(parent: Option<&BlockHash>, block_token_ids: &[u32]) -> BlockHash {
+    hash_block_tokens_keyed(parent, block_token_ids, &[])
+}
+
+/// [`hash_block_tokens`] with extra keys (a LoRA adapter's name, a cache salt), hashed as a
+/// CBOR array of text strings in place of `None` (none: exactly [`hash_block_tokens`]). vLLM
+/// hashes tagged tuples there (the adapter's path too), so keyed hashes are not vLLM's own
+/// values; they separate blocks of different keys the way vLLM's do, which is what the
+/// simulator needs.
+pub fn hash_block_tokens_keyed(
+    parent: Option<&BlockHash>,
+    block_token_ids: &[u32],
+    extra_keys: &[&str],
+) -> BlockHash {
     let parent = parent.copied().unwrap_or_else(none_hash);
     // Array(3) + bytes(32) + array(n) + n uints (at most 5 bytes each) + null.
     let mut cbor = Vec::with_capacity(1 + 34 + 9 + 5 * block_token_ids.len() + 1);
@@ -58,8 +71,37 @@ pub fn hash_block_tokens(parent: Option<&BlockHash>, block_token_ids: &[u32]) ->
     for &token in block_token_ids {
         write_cbor_head(&mut cbor, CBOR_MAJOR_UNSIGNED, u64::from(token));
     }
-    cbor.push(CBOR_NULL);
+    if extra_keys.is_empty() {
+        cbor.push(CBOR_NULL);
+    } else {
+        write_cbor_head(&mut cbor, CBOR_MAJOR_ARRAY, extra_keys.len() as u64);
+        for key in extra_keys {
+            write_cbor_head(&mut cbor, CBOR_MAJOR_TEXT, key.len() as u64);
+            cbor.extend_from_slice(key.as_bytes());
+        }
+    }
     BlockHash(Sha256::digest(&cbor).into())
+}
+
+/// [`hash_token_blocks`] of a request to LoRA adapter `lora` with cache salt `salt`: the
+/// adapter's name is an extra key of every block, the salt of the first (as in vLLM).
+pub fn hash_token_blocks_keyed(
+    token_ids: &[u32],
+    block_size: usize,
+    lora: Option<&str>,
+    salt: Option<&str>,
+) -> Vec<BlockHash> {
+    let mut hashes: Vec<BlockHash> = Vec::with_capacity(token_ids.len() / block_size.max(1));
+    if block_size == 0 {
+        return hashes;
+    }
+    for (index, block) in token_ids.chunks_exact(block_size).enumerate() {
+        let first_salt = salt.filter(|_| index == 0);
+        let keys: Vec<&str> = lora.into_iter().chain(first_salt).collect();
+        let hash = hash_block_tokens_keyed(hashes.last(), block, &keys);
+        hashes.push(hash);
+    }
+    hashes
 }
 
 /// The hash chain of every full block of `token_ids` (a trailing partial block is not hashed).

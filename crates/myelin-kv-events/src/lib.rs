@@ -17,8 +17,11 @@ pub use decode::{
     decode_live, decode_replay, replay_request,
 };
 
-pub use hash::{BlockHash, NONE_HASH_SEED, hash_block_tokens, hash_token_blocks, none_hash};
+pub use hash::{
+    BlockHash, NONE_HASH_SEED, hash_block_tokens, hash_block_tokens_keyed, hash_token_blocks,
+    hash_token_blocks_keyed, none_hash,
+};
 pub use wire::{
-    AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KvEvent, MEDIUM_GPU, WireVersion,
-    encode_batch,
+    AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, ExtraKey, KvEvent, MEDIUM_GPU,
+    WireVersion, encode_batch,
 };

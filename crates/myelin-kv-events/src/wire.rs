@@ -85,12 +85,26 @@ pub struct BlockStored {
     pub medium: Option<String>,
     /// LoRA adapter name, when the blocks belong to one.
     pub lora_name: Option<String>,
+    /// What vLLM hashed into each block besides its tokens (0.17+): per block `None` or its
+    /// keys. vLLM puts the LoRA name in every block's and the request's `cache_salt` in the
+    /// first block's, as bare strings; multimodal and prompt-embeds keys are other types.
+    pub extra_keys: Option<Vec<Option<Vec<ExtraKey>>>>,
     /// KV cache group index (0 for a model with one full-attention group).
     pub group_idx: Option<u32>,
     /// KV cache spec kind of the group, e.g. `full_attention`.
     pub kv_cache_spec_kind: Option<String>,
     /// Sliding window of the group's spec, for sliding-window groups.
     pub kv_cache_spec_sliding_window: Option<u32>,
+}
+
+/// One of a block's extra keys.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ExtraKey {
+    /// A string key: a LoRA name or a cache salt.
+    Str(String),
+    /// Any other key (a multimodal identifier and offset, a prompt-embeds digest), not
+    /// interpreted; written as nil.
+    Other,
 }
 
 /// Cached blocks were evicted (vLLM emits one hash per event when a free cached block is reused).
@@ -172,13 +186,16 @@ enum FieldValue<'a> {
     Uint(u64),
     OptionalUint(Option<u64>),
     OptionalStr(Option<&'a str>),
+    ExtraKeys(Option<&'a [Option<Vec<ExtraKey>>]>),
 }
 
 impl FieldValue<'_> {
     fn is_none(&self) -> bool {
         matches!(
             self,
-            FieldValue::OptionalUint(None) | FieldValue::OptionalStr(None)
+            FieldValue::OptionalUint(None)
+                | FieldValue::OptionalStr(None)
+                | FieldValue::ExtraKeys(None)
         )
     }
 }
@@ -246,10 +263,9 @@ fn event_fields(event: &KvEvent, version: WireVersion) -> Vec<Field<'_>> {
                 "lora_name",
                 FieldValue::OptionalStr(stored.lora_name.as_deref()),
             ));
-            // Extra keys (multimodal hashes, LoRA, cache salt) are not produced: always None.
             fields.push(Field::optional(
                 "extra_keys",
-                FieldValue::OptionalUint(None),
+                FieldValue::ExtraKeys(stored.extra_keys.as_deref()),
             ));
             fields.push(Field::optional(
                 "group_idx",
@@ -341,7 +357,25 @@ fn encode_value(out: &mut ByteBuf, value: &FieldValue<'_>) {
             written(encode::write_uint(out, *number));
         }
         FieldValue::OptionalStr(Some(text)) => written(encode::write_str(out, text)),
-        FieldValue::OptionalUint(None) | FieldValue::OptionalStr(None) => {
+        FieldValue::ExtraKeys(Some(blocks)) => {
+            written(encode::write_array_len(out, len_u32(blocks.len())));
+            for block in blocks.iter() {
+                let Some(keys) = block else {
+                    infallible(encode::write_nil(out));
+                    continue;
+                };
+                written(encode::write_array_len(out, len_u32(keys.len())));
+                for key in keys {
+                    match key {
+                        ExtraKey::Str(text) => written(encode::write_str(out, text)),
+                        ExtraKey::Other => infallible(encode::write_nil(out)),
+                    }
+                }
+            }
+        }
+        FieldValue::OptionalUint(None)
+        | FieldValue::OptionalStr(None)
+        | FieldValue::ExtraKeys(None) => {
             infallible(encode::write_nil(out));
         }
     }
@@ -382,6 +416,7 @@ mod tests {
             lora_id: None,
             medium: Some(MEDIUM_GPU.to_string()),
             lora_name: None,
+            extra_keys: None,
             group_idx: Some(0),
             kv_cache_spec_kind: Some(KV_CACHE_SPEC_FULL_ATTENTION.to_string()),
             kv_cache_spec_sliding_window: None,
@@ -524,6 +559,7 @@ mod tests {
             lora_id: None,
             medium: Some(MEDIUM_GPU.to_string()),
             lora_name: None,
+            extra_keys: None,
             group_idx: None,
             kv_cache_spec_kind: None,
             kv_cache_spec_sliding_window: None,

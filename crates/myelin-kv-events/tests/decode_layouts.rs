@@ -7,7 +7,7 @@ use myelin_kv_events::decode::{
     DecodeError, DecodedBatch, DecodedEvent, is_mirrored_removed, is_mirrored_stored,
 };
 use myelin_kv_events::{
-    AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, decode_batch, hash_token_blocks,
+    AllBlocksCleared, BlockRemoved, BlockStored, ExtraKey, KvEvent, decode_batch, hash_token_blocks,
 };
 use rmp::encode;
 
@@ -95,6 +95,7 @@ fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], block_size: u32) 
         lora_id: None,
         medium: None,
         lora_name: None,
+        extra_keys: None,
         group_idx: None,
         kv_cache_spec_kind: None,
         kv_cache_spec_sliding_window: None,
@@ -283,6 +284,11 @@ fn v0_20_group_idx_and_nested_extra_keys() {
     let mut expected = stored(&[1, 2], Some(0), &[7, 8, 9, 10], 2);
     expected.medium = gpu();
     expected.lora_name = Some("my-lora".to_string());
+    // String keys are kept (a LoRA name, a salt); any other key is `Other`.
+    expected.extra_keys = Some(vec![
+        Some(vec![ExtraKey::Str("mm-hash".to_string()), ExtraKey::Other]),
+        None,
+    ]);
     expected.group_idx = Some(1);
     assert_eq!(
         batch.events,
@@ -295,6 +301,29 @@ fn v0_20_group_idx_and_nested_extra_keys() {
             })),
         ]
     );
+}
+
+#[test]
+fn extra_keys_of_another_shape_decode_as_unknown_instead_of_failing() {
+    // A future vLLM writing extra_keys as a map, then as a list of ints per block.
+    for shape in [0, 1] {
+        let mut payload = Msgpack::default();
+        payload.array(3).f64(1.5).array(1);
+        payload.array(9).str("BlockStored").uints(&[1]).nil();
+        payload.uints(&[7, 8]).uint(2).nil().str("GPU").nil();
+        if shape == 0 {
+            payload.map(1).str("salt").str("t1");
+        } else {
+            payload.array(1).uint(5);
+        }
+        payload.nil();
+        let batch = decode(payload.bytes());
+        let KvEvent::BlockStored(stored) = &batch.events[0].event else {
+            panic!("not stored")
+        };
+        assert_eq!(stored.extra_keys, Some(vec![Some(vec![ExtraKey::Other])]));
+        assert_eq!(stored.token_ids, vec![7, 8]);
+    }
 }
 
 #[test]

@@ -4,8 +4,8 @@
 
 use myelin_kv_events::decode::{DecodeError, MAX_SKIP_DEPTH};
 use myelin_kv_events::{
-    AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KvEvent, WireVersion, decode_batch,
-    encode_batch,
+    AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, ExtraKey, KvEvent, WireVersion,
+    decode_batch, encode_batch,
 };
 use proptest::collection::vec;
 use proptest::option;
@@ -19,6 +19,12 @@ fn optional_text() -> impl Strategy<Value = Option<String>> {
     ])
 }
 
+/// `extra_keys`: per block nil or a list of string keys and other keys (written as nil).
+fn extra_keys() -> impl Strategy<Value = Option<Vec<Option<Vec<ExtraKey>>>>> {
+    let key = prop_oneof!["\\PC{0,20}".prop_map(ExtraKey::Str), Just(ExtraKey::Other),];
+    option::of(vec(option::of(vec(key, 0..3)), 0..4))
+}
+
 fn block_stored() -> impl Strategy<Value = KvEvent> {
     (
         (vec(any::<u64>(), 0..6), option::of(any::<u64>())),
@@ -28,14 +34,14 @@ fn block_stored() -> impl Strategy<Value = KvEvent> {
             option::of(any::<u64>()),
         ),
         (optional_text(), optional_text(), option::of(any::<u32>())),
-        (optional_text(), option::of(any::<u32>())),
+        (optional_text(), option::of(any::<u32>()), extra_keys()),
     )
         .prop_map(
             |(
                 (block_hashes, parent_block_hash),
                 (token_ids, block_size, lora_id),
                 (medium, lora_name, group_idx),
-                (kv_cache_spec_kind, kv_cache_spec_sliding_window),
+                (kv_cache_spec_kind, kv_cache_spec_sliding_window, extra_keys),
             )| {
                 KvEvent::BlockStored(BlockStored {
                     block_hashes,
@@ -45,6 +51,7 @@ fn block_stored() -> impl Strategy<Value = KvEvent> {
                     lora_id,
                     medium,
                     lora_name,
+                    extra_keys,
                     group_idx,
                     kv_cache_spec_kind,
                     kv_cache_spec_sliding_window,

@@ -55,6 +55,7 @@
 mod backend;
 mod error;
 mod mirror;
+mod namespace;
 mod pinned;
 mod policy;
 mod replica;
@@ -69,6 +70,7 @@ pub use mirror::{MirrorTrust, ResidencyMirror};
 pub use myelin_art::{
     BlockChain, ChainHashMap, InsertOutcome, MatchSegment, ROOT_CHAIN_HASH, TreeStats, chain_hash,
 };
+pub use namespace::namespace_root;
 pub use pinned::PinnedBlocks;
 pub use policy::Policy;
 pub use replica::{MirrorChange, WriteOp};

@@ -158,6 +158,11 @@ impl Shard {
         self.tree.chain(tokens)
     }
 
+    /// [`Self::chain`] in the cache namespace whose root is `root` ([`crate::namespace_root`]).
+    pub fn chain_in(&self, root: u64, tokens: &[u32]) -> BlockChain {
+        BlockChain::in_namespace(root, tokens, self.block_size())
+    }
+
     /// Per-backend match of `tokens` (hashes them; see [`Self::lookup_chain`]).
     pub fn lookup(&self, tokens: &[u32], now_ms: u64) -> PrefixMatch {
         let chain = self.chain(tokens);

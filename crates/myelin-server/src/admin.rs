@@ -402,6 +402,8 @@ async fn list(control: &Rc<Control>) -> Response<Body> {
             // The context length its GET /v1/models reports (checked when --max-model-len is
             // not set).
             json["max_model_len_reported"] = json!(control.max_model_len(info.id));
+            // The LoRA adapters it lists there (requests naming one are keyed by it).
+            json["lora_adapters"] = json!(control.lora_adapters(info.id));
             json["prefix_replications"] = json!(load.prefix_replications);
             // The prompt tokens the requests in flight hold there, shared prefixes once: the
             // router's own view of the KV memory, used when the engine reports none.

@@ -23,6 +23,7 @@ use myelin_routing::{MirrorTrust, ResidencyMode, WriteOp};
 use crate::backend_spec::BackendSpec;
 use crate::backends::{BackendId, BackendInfo, BackendState};
 use crate::config::{AdminListen, AdminToken, HealthConfig, ServeConfig};
+use crate::engine_metrics::ServedModels;
 use crate::health::{BackendHealth, HealthEvent};
 use crate::kv_feed::{KvFeed, MirrorChange};
 use crate::kv_subscriber::{FeedEvent, KvEndpoints, MirrorStatus, Subscriber};
@@ -160,8 +161,8 @@ pub(crate) struct Control {
     /// Per backend, its scraped generated-tokens counter and when it last moved (the progress
     /// watchdog's evidence, see [`Control::on_stall`]).
     engine_progress: RefCell<HashMap<BackendId, (f64, Instant)>>,
-    /// Per backend, the context length its `GET /v1/models` reported and when it was asked.
-    model_lens: RefCell<HashMap<BackendId, (Option<u64>, Instant)>>,
+    /// Per backend, what its `GET /v1/models` reported and when it was asked.
+    model_lens: RefCell<HashMap<BackendId, (Option<ServedModels>, Instant)>>,
     /// How often `engine_caches` is refreshed (`--engine-metrics-interval-ms`).
     engine_metrics_interval: Duration,
     /// `--engine-stall-ms` (`None`: the progress watchdog is off).
@@ -735,15 +736,16 @@ impl Control {
     }
 
     /// Runs `update` on a backend's health and publishes any state change.
-    /// The context length `id` serves, from its `GET /v1/models`: asked when unknown (at most
-    /// every [`MODEL_LEN_RETRY`]) and again every [`MODEL_LEN_REFRESH`] (an engine restarted
-    /// with another `--max-model-len`). `None` when it never said.
-    async fn max_model_len_of(&self, id: BackendId, url: &str) -> Option<u64> {
+    /// What `id`'s `GET /v1/models` says (its context length, its LoRA adapters): asked when
+    /// unknown (at most every [`MODEL_LEN_RETRY`]) and again every [`MODEL_LEN_REFRESH`] (an
+    /// engine restarted with another `--max-model-len`, an adapter loaded or unloaded).
+    /// `None` when it never answered.
+    async fn served_models_of(&self, id: BackendId, url: &str) -> Option<ServedModels> {
         let (known, asked) = self
             .model_lens
             .borrow()
             .get(&id)
-            .copied()
+            .cloned()
             .map_or((None, None), |(known, at)| (known, Some(at)));
         let due = asked.is_none_or(|at| {
             at.elapsed()
@@ -756,12 +758,22 @@ impl Control {
         if !due {
             return known;
         }
-        let fetched = crate::engine_metrics::fetch_max_model_len(&self.pool, url).await;
+        let fetched = crate::engine_metrics::fetch_models(&self.pool, url).await;
         let value = fetched.or(known);
         self.model_lens
             .borrow_mut()
-            .insert(id, (value, Instant::now()));
+            .insert(id, (value.clone(), Instant::now()));
         value
+    }
+
+    /// The LoRA adapters `id`'s `GET /v1/models` lists, for the admin API.
+    pub(crate) fn lora_adapters(&self, id: BackendId) -> Vec<String> {
+        self.model_lens
+            .borrow()
+            .get(&id)
+            .and_then(|(known, _)| known.as_ref())
+            .map(|served| served.adapters.to_vec())
+            .unwrap_or_default()
     }
 
     /// The context length `id` reported, for the admin API.
@@ -769,7 +781,7 @@ impl Control {
         self.model_lens
             .borrow()
             .get(&id)
-            .and_then(|(known, _)| *known)
+            .and_then(|(known, _)| known.as_ref()?.max_model_len)
     }
 
     /// A data core's watchdog found `backend` silent on all its requests for
@@ -1176,7 +1188,10 @@ async fn engine_metrics_loop(control: Rc<Control>) {
                 let control = control.clone();
                 glommio::spawn_local(async move {
                     let scraped = crate::engine_metrics::scrape(&control.pool, &spec.url).await;
-                    let max_model_len = control.max_model_len_of(id, &spec.url).await;
+                    let served = control
+                        .served_models_of(id, &spec.url)
+                        .await
+                        .unwrap_or_default();
                     let memory = scraped.and_then(|scraped| scraped.memory());
                     if let Some(tokens) = scraped.and_then(|scraped| scraped.generation_tokens) {
                         let mut progress = control.engine_progress.borrow_mut();
@@ -1210,7 +1225,8 @@ async fn engine_metrics_loop(control: Rc<Control>) {
                         id,
                         capacity_tokens: cache.capacity_tokens,
                         memory,
-                        max_model_len,
+                        max_model_len: served.max_model_len,
+                        adapters: served.adapters.clone(),
                     });
                 })
             })

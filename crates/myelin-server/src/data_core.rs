@@ -116,6 +116,8 @@ pub struct DataCore {
     watchdog: RefCell<Watchdog>,
     /// The context length each backend's `GET /v1/models` reported (the control core asks).
     model_lens: RefCell<std::collections::BTreeMap<BackendId, u64>>,
+    /// The LoRA adapters each backend's `GET /v1/models` lists (backends listing none absent).
+    adapters: RefCell<std::collections::BTreeMap<BackendId, Arc<[String]>>>,
     /// The number the control core's next mirror write should carry (a jump: one was dropped).
     mirror_seq: Cell<u64>,
     /// Bytes of request bodies this core holds while reading them (before admission).
@@ -220,6 +222,7 @@ where
         next_pin_key: Cell::new(0),
         watchdog: RefCell::new(Watchdog::new(setup.config.engine_stall)),
         model_lens: RefCell::new(std::collections::BTreeMap::new()),
+        adapters: RefCell::new(std::collections::BTreeMap::new()),
         mirror_seq: Cell::new(0),
         body_budget: crate::body_budget::BodyBudget::new(
             setup.config.max_body_buffer_bytes_per_core,
@@ -562,11 +565,17 @@ impl DataCore {
                 capacity_tokens,
                 memory,
                 max_model_len,
+                adapters,
             } => {
                 match max_model_len {
                     Some(tokens) => self.model_lens.borrow_mut().insert(id, tokens),
                     None => self.model_lens.borrow_mut().remove(&id),
                 };
+                if adapters.is_empty() {
+                    self.adapters.borrow_mut().remove(&id);
+                } else {
+                    self.adapters.borrow_mut().insert(id, adapters);
+                }
                 let mut routing = self.routing.borrow_mut();
                 routing.set_scraped_capacity(id, capacity_tokens);
                 if let Some(memory) = memory {
@@ -779,6 +788,22 @@ impl DataCore {
                 .map(|(_, &tokens)| tokens)
                 .min()
         })
+    }
+
+    /// The chain root of a request's cache namespace: its `model` when a backend of this core
+    /// serves that name as a LoRA adapter, and its `cache_salt` (docs/routing.md, "Cache
+    /// namespaces").
+    pub fn namespace_root(&self, model: &str, cache_salt: Option<&str>) -> u64 {
+        let backends = self.backends.borrow();
+        let adapter = self
+            .adapters
+            .borrow()
+            .iter()
+            .any(|(id, adapters)| {
+                backends.get(*id).is_some() && adapters.iter().any(|name| name == model)
+            })
+            .then_some(model);
+        myelin_routing::namespace_root(adapter, cache_salt)
     }
 
     /// `backend` sent bytes (a response head or a body frame): the progress watchdog's clock.

@@ -12,6 +12,7 @@
 //! Engines without these (TensorRT-LLM, Ollama, LM Studio) give nothing: the configured
 //! `capacity-tokens=` applies, else the estimate learns one from reuse reports.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use hyper::{Method, Request};
@@ -153,28 +154,55 @@ const MAX_MODELS_BODY_BYTES: usize = 1024 * 1024;
 /// larger figure is taken as broken and ignored.
 pub const MAX_CONTEXT_TOKENS: u64 = 1 << 24;
 
-/// The context length an engine serves: the largest `max_model_len` of the models its
-/// `GET /v1/models` lists (vLLM and the simulator report it; other engines give `None`).
-pub fn parse_max_model_len(body: &[u8]) -> Option<u64> {
+/// LoRA adapters kept per engine, at most (the rest of a longer list is ignored).
+pub const MAX_ADAPTERS: usize = 1_024;
+/// Longest adapter name kept, bytes (a longer one is ignored).
+pub const MAX_ADAPTER_NAME_BYTES: usize = 256;
+
+/// What an engine's `GET /v1/models` says.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServedModels {
+    /// The context length it serves: the largest `max_model_len` of the models it lists
+    /// (vLLM and the simulator report it; other engines give `None`).
+    pub max_model_len: Option<u64>,
+    /// The LoRA adapters it serves: the models listed with a `parent` (vLLM lists each loaded
+    /// adapter under its name, with the base model as parent). A request naming one is keyed
+    /// by the adapter as well as its tokens (docs/routing.md, "Cache namespaces").
+    pub adapters: Arc<[String]>,
+}
+
+/// Parses a `GET /v1/models` page; `None` if it is not one (no `data` list).
+pub fn parse_models(body: &[u8]) -> Option<ServedModels> {
     let value: serde_json::Value = serde_json::from_slice(body).ok()?;
-    value
-        .get("data")?
-        .as_array()?
+    let models = value.get("data")?.as_array()?;
+    let max_model_len = models
         .iter()
         .filter_map(|model| model.get("max_model_len")?.as_u64())
         .filter(|&tokens| tokens > 0 && tokens <= MAX_CONTEXT_TOKENS)
-        .max()
+        .max();
+    let adapters: Vec<String> = models
+        .iter()
+        .filter(|model| model.get("parent").is_some_and(|parent| parent.is_string()))
+        .filter_map(|model| model.get("id")?.as_str())
+        .filter(|name| !name.is_empty() && name.len() <= MAX_ADAPTER_NAME_BYTES)
+        .take(MAX_ADAPTERS)
+        .map(str::to_string)
+        .collect();
+    Some(ServedModels {
+        max_model_len,
+        adapters: adapters.into(),
+    })
 }
 
-/// GET `{base_url}/v1/models` for its context length, bounded in time and size.
-pub async fn fetch_max_model_len(pool: &Pool, base_url: &str) -> Option<u64> {
+/// GET `{base_url}/v1/models`, bounded in time and size.
+pub async fn fetch_models(pool: &Pool, base_url: &str) -> Option<ServedModels> {
     let body = get_limited(
         pool,
         &format!("{base_url}/v1/models"),
         MAX_MODELS_BODY_BYTES,
     )
     .await?;
-    parse_max_model_len(&body)
+    parse_models(&body)
 }
 
 /// GET `{base_url}/metrics`, bounded in time and size. `None`: no answer, not 2xx, too large.
@@ -206,6 +234,10 @@ async fn get_limited(pool: &Pool, uri: &str, limit: usize) -> Option<bytes::Byte
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn parse_max_model_len(body: &[u8]) -> Option<u64> {
+        parse_models(body)?.max_model_len
+    }
 
     #[test]
     fn vllm_page() {
@@ -256,6 +288,32 @@ mod tests {
         ] {
             assert_eq!(parse_max_model_len(broken), None);
         }
+    }
+
+    #[test]
+    fn lora_adapters_are_the_models_listed_with_a_parent() {
+        // vLLM 0.32's page with one adapter loaded (--enable-lora --lora-modules sql=...).
+        let vllm = br#"{"object":"list","data":[
+            {"id":"llama","object":"model","root":"/models/llama","parent":null,"max_model_len":8192},
+            {"id":"sql","object":"model","root":"/adapters/sql","parent":"llama","max_model_len":8192},
+            {"id":"","parent":"llama"},{"id":7,"parent":"llama"}]}"#;
+        let served = parse_models(vllm).unwrap();
+        assert_eq!(served.max_model_len, Some(8192));
+        assert_eq!(&*served.adapters, ["sql".to_string()]);
+        let long = format!(
+            r#"{{"data":[{{"id":"{}","parent":"m"}}]}}"#,
+            "x".repeat(MAX_ADAPTER_NAME_BYTES + 1)
+        );
+        assert!(parse_models(long.as_bytes()).unwrap().adapters.is_empty());
+        let many: Vec<String> = (0..MAX_ADAPTERS + 5)
+            .map(|index| format!(r#"{{"id":"a{index}","parent":"m"}}"#))
+            .collect();
+        let many = format!(r#"{{"data":[{}]}}"#, many.join(","));
+        assert_eq!(
+            parse_models(many.as_bytes()).unwrap().adapters.len(),
+            MAX_ADAPTERS
+        );
+        assert_eq!(parse_models(b"[]"), None);
     }
 
     #[test]

@@ -16,9 +16,9 @@ use std::collections::HashMap;
 use std::num::NonZeroU32;
 
 use myelin_kv_events::decode::{DecodedEvent, MirrorFilter};
-use myelin_kv_events::wire::{BlockRemoved, BlockStored, KvEvent};
+use myelin_kv_events::wire::{BlockRemoved, BlockStored, ExtraKey, KvEvent};
 pub use myelin_routing::MirrorChange;
-use myelin_routing::{ROOT_CHAIN_HASH, chain_hash};
+use myelin_routing::{chain_hash, namespace_root};
 
 /// Engine blocks remembered per backend before the map is reset (a stream that lost its
 /// removals would otherwise grow it forever; a real engine holds far fewer blocks). A reset
@@ -35,8 +35,12 @@ pub struct FeedCounters {
     /// Blocks of another medium (CPU offload), another KV-cache group (sliding window) or
     /// another instance (`locality` REMOTE).
     pub skipped_other_cache: u64,
-    /// LoRA blocks: their KV differs from the base model's for the same tokens.
+    /// LoRA blocks of an engine that names its adapters by id only (vLLM before 0.14): their
+    /// namespace is unknown. Named adapters' blocks are mirrored in the adapter's namespace.
     pub skipped_lora: u64,
+    /// Blocks whose extra keys the feed cannot place in a namespace (multimodal or
+    /// prompt-embeds keys, strings past the LoRA name and the first block's salt).
+    pub skipped_extra_keys: u64,
     /// Blocks of another block size than the router's (`--block-size`).
     pub skipped_block_size: u64,
     /// Events whose token ids do not cover their blocks.
@@ -142,10 +146,14 @@ impl KvFeed {
 
     fn stored(&mut self, stored: &BlockStored, out: &mut Vec<MirrorChange>) {
         let blocks = stored.block_hashes.len() as u64;
-        if stored.lora_id.is_some() || stored.lora_name.is_some() {
+        if stored.lora_id.is_some() && stored.lora_name.is_none() {
             self.counters.skipped_lora += blocks;
             return;
         }
+        let Some(salt) = chain_salt(stored) else {
+            self.counters.skipped_extra_keys += blocks;
+            return;
+        };
         if stored.block_size != self.block_size.get() {
             self.counters.skipped_block_size += blocks;
             self.counters.foreign_block_size = stored.block_size;
@@ -157,7 +165,7 @@ impl KvFeed {
             return;
         }
         let mut parent_chain = match stored.parent_block_hash {
-            None => ROOT_CHAIN_HASH,
+            None => namespace_root(stored.lora_name.as_deref(), salt),
             Some(parent) => match self.blocks.get(&parent) {
                 Some(known) => known.chain,
                 None => {
@@ -205,6 +213,7 @@ impl KvFeed {
     }
 
     fn removed(&mut self, removed: &BlockRemoved, out: &mut Vec<MirrorChange>) {
+        // (A removal names engine hashes only: the namespace came with the stored block.)
         for engine_hash in &removed.block_hashes {
             let Some(known) = self.blocks.get_mut(engine_hash) else {
                 self.counters.unknown_removals += 1;
@@ -221,11 +230,42 @@ impl KvFeed {
     }
 }
 
+/// The `cache_salt` a `BlockStored` event's extra keys name (`Some(None)`: none), or `None`
+/// when they hold what the feed cannot place: every block's keys must be the LoRA name (when
+/// the event names one) and, on a chain's first block only, one more string, the salt (vLLM
+/// hashes `lora name, multimodal keys, cache salt` in that order, the salt into the first
+/// block alone).
+fn chain_salt(stored: &BlockStored) -> Option<Option<&str>> {
+    let Some(blocks) = &stored.extra_keys else {
+        return Some(None);
+    };
+    let mut salt = None;
+    for (index, keys) in blocks.iter().enumerate() {
+        let mut keys = keys.as_deref().unwrap_or_default().iter();
+        if let Some(adapter) = &stored.lora_name {
+            match keys.next() {
+                Some(ExtraKey::Str(name)) if name == adapter => {}
+                _ => return None,
+            }
+        }
+        match (keys.next(), keys.next()) {
+            (None, _) => {}
+            (Some(ExtraKey::Str(key)), None)
+                if index == 0 && stored.parent_block_hash.is_none() =>
+            {
+                salt = Some(key.as_str());
+            }
+            _ => return None,
+        }
+    }
+    Some(salt)
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
     use myelin_kv_events::wire::{AllBlocksCleared, KV_CACHE_SPEC_FULL_ATTENTION, MEDIUM_GPU};
-    use myelin_routing::BlockChain;
+    use myelin_routing::{BlockChain, ROOT_CHAIN_HASH};
 
     fn feed() -> KvFeed {
         KvFeed::new(NonZeroU32::new(4).unwrap())
@@ -248,6 +288,7 @@ pub(crate) mod tests {
             lora_id: None,
             medium: Some(MEDIUM_GPU.into()),
             lora_name: None,
+            extra_keys: None,
             group_idx: Some(0),
             kv_cache_spec_kind: Some(KV_CACHE_SPEC_FULL_ATTENTION.into()),
             kv_cache_spec_sliding_window: None,
@@ -317,9 +358,12 @@ pub(crate) mod tests {
         cpu.kv_cache_spec_kind = Some("sliding_window".into());
         apply(&cpu, None);
         cpu.kv_cache_spec_kind = None;
-        cpu.lora_name = Some("adapter".into());
+        cpu.lora_id = Some(1);
         apply(&cpu, None);
-        cpu.lora_name = None;
+        cpu.lora_id = None;
+        cpu.extra_keys = Some(vec![Some(vec![ExtraKey::Other])]);
+        apply(&cpu, None);
+        cpu.extra_keys = None;
         cpu.block_size = 16;
         apply(&cpu, None);
         cpu.block_size = 4;
@@ -328,9 +372,105 @@ pub(crate) mod tests {
         assert!(out.is_empty(), "{out:?}");
         assert_eq!(feed.counters.skipped_other_cache, 3);
         assert_eq!(feed.counters.skipped_lora, 1);
+        assert_eq!(feed.counters.skipped_extra_keys, 1);
         assert_eq!(feed.counters.skipped_block_size, 1);
         assert_eq!(feed.counters.foreign_block_size, 16);
         assert_eq!(feed.counters.skipped_malformed, 1);
+    }
+
+    #[test]
+    fn adapter_and_salted_blocks_are_mirrored_in_their_namespace() {
+        let tokens: Vec<u32> = (1..=8).collect();
+        let block_size = NonZeroU32::new(4).unwrap();
+        let event = |hashes: &[u64], parent, tokens: &[u32], adapter: Option<&str>, keys| {
+            let KvEvent::BlockStored(mut stored) = stored(hashes, parent, tokens).event else {
+                unreachable!()
+            };
+            stored.lora_name = adapter.map(str::to_string);
+            stored.extra_keys = keys;
+            local(KvEvent::BlockStored(stored))
+        };
+        let text = |key: &str| ExtraKey::Str(key.to_string());
+        let mut feed = feed();
+        let mut out = Vec::new();
+        // An adapter's request with a salt: the adapter's name on every block, the salt on the
+        // first (as vLLM 0.17+ publishes them), the second block in a later event.
+        feed.apply(
+            &event(
+                &[1],
+                None,
+                &tokens[..4],
+                Some("sql"),
+                Some(vec![Some(vec![text("sql"), text("tenant")])]),
+            ),
+            &mut out,
+        );
+        feed.apply(
+            &event(
+                &[2],
+                Some(1),
+                &tokens[4..],
+                Some("sql"),
+                Some(vec![Some(vec![text("sql")])]),
+            ),
+            &mut out,
+        );
+        // The base model's salted request, and an unsalted one.
+        feed.apply(
+            &event(
+                &[3],
+                None,
+                &tokens[..4],
+                None,
+                Some(vec![Some(vec![text("tenant")])]),
+            ),
+            &mut out,
+        );
+        feed.apply(&event(&[4], None, &tokens[..4], None, None), &mut out);
+        let chain = |adapter, salt| {
+            BlockChain::in_namespace(namespace_root(adapter, salt), &tokens, block_size)
+        };
+        let adapter_salted = chain(Some("sql"), Some("tenant"));
+        assert_eq!(
+            out,
+            vec![
+                MirrorChange::Stored(adapter_salted.hashes()[0]),
+                MirrorChange::Stored(adapter_salted.hashes()[1]),
+                MirrorChange::Stored(chain(None, Some("tenant")).hashes()[0]),
+                MirrorChange::Stored(BlockChain::new(&tokens, block_size).hashes()[0]),
+            ]
+        );
+        // What cannot be placed is skipped: a salt on a later block, a block without the
+        // adapter's name, two strings on a first block, a multimodal key.
+        out.clear();
+        for bad in [
+            event(
+                &[5],
+                Some(4),
+                &tokens[4..],
+                None,
+                Some(vec![Some(vec![text("x")])]),
+            ),
+            event(&[6], None, &tokens[..4], Some("sql"), Some(vec![None])),
+            event(
+                &[7],
+                None,
+                &tokens[..4],
+                None,
+                Some(vec![Some(vec![text("a"), text("b")])]),
+            ),
+            event(
+                &[8],
+                None,
+                &tokens[..4],
+                None,
+                Some(vec![Some(vec![ExtraKey::Other])]),
+            ),
+        ] {
+            feed.apply(&bad, &mut out);
+        }
+        assert!(out.is_empty(), "{out:?}");
+        assert_eq!(feed.counters.skipped_extra_keys, 4);
     }
 
     #[test]

@@ -658,6 +658,11 @@ impl Follower {
             ),
             ("lora", now.skipped_lora, before.skipped_lora),
             (
+                "extra_keys",
+                now.skipped_extra_keys,
+                before.skipped_extra_keys,
+            ),
+            (
                 "block_size",
                 now.skipped_block_size,
                 before.skipped_block_size,

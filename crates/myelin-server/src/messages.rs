@@ -107,6 +107,8 @@ pub enum Message {
         memory: Option<crate::engine_metrics::ScrapedMemory>,
         /// The context length its `GET /v1/models` reports (`max_model_len`), when known.
         max_model_len: Option<u64>,
+        /// The LoRA adapters its `GET /v1/models` lists (empty when none or unknown).
+        adapters: Arc<[String]>,
     },
     /// Engine host names and their addresses, resolved on the control core's resolver thread
     /// (the whole table, re-sent every second).

@@ -449,6 +449,7 @@ pub const RETRY_REASONS: &[&str] = &[
 pub const KV_SKIP_REASONS: &[&str] = &[
     "other_cache",
     "lora",
+    "extra_keys",
     "block_size",
     "malformed",
     "orphan",

@@ -50,6 +50,9 @@ pub struct GenerationRequest {
     pub batch: bool,
     /// The answer carries `usage`: not streaming, or `stream_options.include_usage`.
     pub usage_expected: bool,
+    /// vLLM's `cache_salt`: the engine shares cached blocks only between requests of the same
+    /// salt, so the router keys the prompt by it too.
+    pub cache_salt: Option<String>,
 }
 
 /// An error returned to the client in OpenAI's shape:
@@ -253,6 +256,11 @@ pub fn parse_generation_request(
         .and_then(|options| options.get("include_usage"))
         .and_then(Value::as_bool)
         .unwrap_or(false);
+    let cache_salt = match object.get("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(salt)) => Some(salt.clone()),
+        Some(_) => return Err(wrong_type("cache_salt", "a string")),
+    };
     Ok(GenerationRequest {
         endpoint,
         model,
@@ -261,6 +269,7 @@ pub fn parse_generation_request(
         max_tokens,
         batch,
         usage_expected: !stream || include_usage,
+        cache_salt,
     })
 }
 
@@ -558,6 +567,17 @@ mod tests {
             panic!("not chat")
         };
         assert_eq!(messages.as_array().map(Vec::len), Some(3));
+    }
+
+    #[test]
+    fn cache_salt_is_read_and_must_be_a_string() {
+        let salted = completion(r#"{"model":"m","prompt":"abc","cache_salt":"tenant-1"}"#);
+        assert_eq!(salted.unwrap().cache_salt.as_deref(), Some("tenant-1"));
+        let unsalted = completion(r#"{"model":"m","prompt":"abc","cache_salt":null}"#);
+        assert_eq!(unsalted.unwrap().cache_salt, None);
+        let error = completion(r#"{"model":"m","prompt":"abc","cache_salt":7}"#).unwrap_err();
+        assert_eq!(error.status, StatusCode::BAD_REQUEST);
+        assert_eq!(error.param.as_deref(), Some("cache_salt"));
     }
 
     #[test]

@@ -255,7 +255,9 @@ async fn generate(
 
     // Lookup: this core's replica answers with every backend's match.
     let lookup_started = Instant::now();
-    let mut query = core.routing.borrow().query(&tokens.ids);
+    // Prompts of different LoRA adapters or cache salts share no cached block on the engine.
+    let namespace = core.namespace_root(&generation.model, generation.cache_salt.as_deref());
+    let mut query = core.routing.borrow().query_in(namespace, &tokens.ids);
     let mut answer = core.lookup(&query);
     let prefix_blocks = (tokens.ids.len() / core.config.block_size) as u32;
     // Only a prefix-first cut may be extended: a bound on work (a run too long, the budget) would
@@ -280,7 +282,7 @@ async fn generate(
         tokenize_time += started.elapsed();
         tokenized_bytes += tokens.stats.tokenized_bytes;
         extent = "prefix_then_whole";
-        query = core.routing.borrow().query(&tokens.ids);
+        query = core.routing.borrow().query_in(namespace, &tokens.ids);
         answer = core.lookup(&query);
     }
     let meters = &core.meters;

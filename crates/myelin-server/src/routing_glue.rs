@@ -187,10 +187,16 @@ impl RoutingShard {
         u64::try_from(self.clock_origin.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
-    /// Hashes the prompt once.
+    /// Hashes the prompt once (in the plain cache namespace).
+    #[cfg(test)]
     pub fn query(&self, tokens: &[u32]) -> LookupQuery {
+        self.query_in(myelin_routing::ROOT_CHAIN_HASH, tokens)
+    }
+
+    /// Hashes the prompt once, from its cache namespace's root ([`myelin_routing::namespace_root`]).
+    pub fn query_in(&self, root: u64, tokens: &[u32]) -> LookupQuery {
         LookupQuery {
-            chain: Arc::new(self.shard.chain(tokens)),
+            chain: Arc::new(self.shard.chain_in(root, tokens)),
         }
     }
 

@@ -96,6 +96,7 @@ fn models(engine: &LocalEngine) -> Response<Body> {
         StatusCode::OK,
         &openai::models_response(
             &engine.shared.model_name,
+            &engine.shared.lora_adapters,
             engine.shared.created_unix_seconds,
             max_model_len,
         ),
@@ -271,6 +272,12 @@ async fn generate(
             prompt_token_ids: prompt.clone(),
             max_tokens: parsed.max_tokens,
             ignore_eos: parsed.ignore_eos,
+            // A request naming an adapter runs on it (any other name is the base model).
+            lora: parsed
+                .model
+                .clone()
+                .filter(|model| engine.shared.lora_adapters.contains(model)),
+            cache_salt: parsed.cache_salt.clone(),
         };
         match engine.submit(spec, choice, sink.clone()) {
             Ok(id) => request_ids.push(id),

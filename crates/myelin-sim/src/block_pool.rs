@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 
 use myelin_kv_events::{
-    AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KvEvent, MEDIUM_GPU,
+    AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, ExtraKey, KvEvent, MEDIUM_GPU,
     wire::KV_CACHE_SPEC_FULL_ATTENTION,
 };
 
@@ -15,6 +15,41 @@ use myelin_kv_events::{
 pub type BlockId = u32;
 
 const NO_BLOCK: BlockId = BlockId::MAX;
+
+/// What a request's blocks are keyed by besides their tokens (vLLM's block-hash extra keys):
+/// its LoRA adapter's name, in every block, and its `cache_salt`, in the first block.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CacheKeys {
+    pub lora: Option<String>,
+    pub salt: Option<String>,
+}
+
+impl CacheKeys {
+    /// Block `index`'s extra keys, in vLLM's order (adapter, then salt).
+    pub fn of_block(&self, index: usize) -> Vec<&str> {
+        let salt = self.salt.as_deref().filter(|_| index == 0);
+        self.lora.as_deref().into_iter().chain(salt).collect()
+    }
+
+    /// `extra_keys` of a `BlockStored` of `count` blocks from block `first`, as vLLM 0.17+
+    /// publishes them (`None` when no block has any).
+    pub fn event_keys(&self, first: usize, count: usize) -> Option<Vec<Option<Vec<ExtraKey>>>> {
+        if self.lora.is_none() && (self.salt.is_none() || first > 0) {
+            return None;
+        }
+        let blocks = (first..first + count)
+            .map(|index| {
+                let keys = self.of_block(index);
+                (!keys.is_empty()).then(|| {
+                    keys.into_iter()
+                        .map(|key| ExtraKey::Str(key.to_string()))
+                        .collect()
+                })
+            })
+            .collect();
+        Some(blocks)
+    }
+}
 
 #[derive(Clone, Debug, Default)]
 struct Block {
@@ -256,12 +291,16 @@ impl BlockPool {
     /// Registers newly full blocks in the prefix cache and records one `BlockStored` for them.
     /// `hashes[i]` and `token_ids[i*block_size..]` belong to `blocks[i]`; `parent` is the hash
     /// of the block before `blocks[0]` in the request.
+    /// `keys`: the request's extra keys; `first_index`: the index of `blocks[0]` in the
+    /// request (the salt belongs to block 0 only).
     pub fn cache_full_blocks(
         &mut self,
         blocks: &[BlockId],
         hashes: &[BlockHash],
         parent: Option<BlockHash>,
         token_ids: &[u32],
+        keys: &CacheKeys,
+        first_index: usize,
     ) {
         debug_assert_eq!(blocks.len(), hashes.len());
         if blocks.is_empty() {
@@ -279,7 +318,8 @@ impl BlockPool {
             block_size: u32::try_from(self.block_size).unwrap_or(u32::MAX),
             lora_id: None,
             medium: Some(MEDIUM_GPU.to_string()),
-            lora_name: None,
+            lora_name: keys.lora.clone(),
+            extra_keys: keys.event_keys(first_index, blocks.len()),
             group_idx: Some(0),
             kv_cache_spec_kind: Some(KV_CACHE_SPEC_FULL_ATTENTION.to_string()),
             kv_cache_spec_sliding_window: None,
@@ -350,7 +390,14 @@ mod tests {
     fn eviction_is_lazy_and_emits_removed_on_reuse() {
         let mut pool = BlockPool::new(2, 4);
         let blocks = pool.allocate(2).expect("two free blocks");
-        pool.cache_full_blocks(&blocks, &[hash_of(1), hash_of(2)], None, &[0; 8]);
+        pool.cache_full_blocks(
+            &blocks,
+            &[hash_of(1), hash_of(2)],
+            None,
+            &[0; 8],
+            &CacheKeys::default(),
+            0,
+        );
         pool.free(&blocks);
         let stored = pool.take_events();
         assert_eq!(stored.len(), 1);
@@ -378,7 +425,14 @@ mod tests {
     fn touch_takes_cached_blocks_out_of_the_free_queue() {
         let mut pool = BlockPool::new(3, 4);
         let blocks = pool.allocate(1).expect("free");
-        pool.cache_full_blocks(&blocks, &[hash_of(7)], None, &[7; 4]);
+        pool.cache_full_blocks(
+            &blocks,
+            &[hash_of(7)],
+            None,
+            &[7; 4],
+            &CacheKeys::default(),
+            0,
+        );
         pool.free(&blocks);
         assert_eq!(pool.num_free(), 3);
         pool.touch(&blocks);

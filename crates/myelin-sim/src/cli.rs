@@ -70,6 +70,11 @@ pub struct SimArgs {
     /// Model name served.
     #[arg(long, default_value = DEFAULT_MODEL_NAME)]
     pub served_model_name: String,
+    /// A LoRA adapter served besides the model (repeatable): `GET /v1/models` lists it with
+    /// the model as parent, as vLLM does; a request naming it is cached apart from the base
+    /// model's, and its KV events carry its name.
+    #[arg(long = "lora-adapter", value_name = "NAME")]
+    pub lora_adapters: Vec<String>,
     /// tokenizer.json (default: the bundled DeepSeek-V3 tokenizer, as `myelin serve`).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
@@ -138,6 +143,7 @@ impl SimArgs {
                 no_metrics: self.no_metrics,
             },
             model_name: self.served_model_name.clone(),
+            lora_adapters: self.lora_adapters.clone(),
             tokenizer_path: self.tokenizer.clone(),
             chat_template_path: self.chat_template.clone(),
             executor_threads: self.threads,

@@ -86,6 +86,9 @@ pub struct ClusterConfig {
     pub faults: FaultConfig,
     /// Model name reported by `/v1/models` and responses.
     pub model_name: String,
+    /// LoRA adapters served besides the base model (`--lora-adapter`): listed by `/v1/models`
+    /// with the model as parent; a request naming one is keyed by it in the prefix cache.
+    pub lora_adapters: Vec<String>,
     /// Tokenizer file (`None`: the bundled DeepSeek-V3 tokenizer, as the router's default).
     pub tokenizer_path: Option<PathBuf>,
     /// Chat template (`tokenizer_config.json` or Jinja file; `None`: ChatML).
@@ -106,6 +109,7 @@ impl Default for ClusterConfig {
             kv_events: None,
             faults: FaultConfig::default(),
             model_name: DEFAULT_MODEL_NAME.to_string(),
+            lora_adapters: Vec::new(),
             tokenizer_path: None,
             chat_template_path: None,
             executor_threads: 0,
@@ -306,6 +310,7 @@ impl SimCluster {
                 EngineSettings {
                     index,
                     model_name: config.model_name.clone(),
+                    lora_adapters: config.lora_adapters.clone(),
                     speedup: config.speedup,
                     faults: config.faults.clone(),
                     publisher,

@@ -8,9 +8,11 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use myelin_kv_events::{BlockHash, KvEvent, hash_block_tokens, hash_token_blocks};
+use myelin_kv_events::{
+    BlockHash, KvEvent, hash_block_tokens_keyed, hash_token_blocks, hash_token_blocks_keyed,
+};
 
-use crate::block_pool::{BlockId, BlockPool};
+use crate::block_pool::{BlockId, BlockPool, CacheKeys};
 use crate::perf::{PerformanceModel, ScheduledChunk, StepShape};
 
 /// An engine-local request id (unique per engine, chosen by the driver).
@@ -69,7 +71,7 @@ impl EngineConfig {
 }
 
 /// A request as submitted.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct RequestSpec {
     /// Prompt token ids.
     pub prompt_token_ids: Vec<u32>,
@@ -77,6 +79,12 @@ pub struct RequestSpec {
     pub max_tokens: Option<usize>,
     /// Keep generating past the model's natural end (`ignore_eos`).
     pub ignore_eos: bool,
+    /// The LoRA adapter it runs on (`None`: the base model): hashed into every block, so its
+    /// blocks match only requests to the same adapter.
+    pub lora: Option<String>,
+    /// `cache_salt`: hashed into the first block, so its blocks match only requests with the
+    /// same salt.
+    pub cache_salt: Option<String>,
 }
 
 /// Why a request was refused at submission.
@@ -216,6 +224,8 @@ struct Request {
     all_token_ids: Vec<u32>,
     /// Hash chain of the full blocks of `all_token_ids`.
     block_hashes: Vec<BlockHash>,
+    /// See [`RequestSpec::lora`] and [`RequestSpec::cache_salt`].
+    cache_keys: CacheKeys,
     prompt_len: usize,
     max_output_tokens: usize,
     /// Output length at which the model would emit EOS, when EOS is honoured.
@@ -398,10 +408,20 @@ impl EngineModel {
             });
         }
         let output_seed = prompt_seed(&spec.prompt_token_ids);
-        let block_hashes = hash_token_blocks(&spec.prompt_token_ids, self.config.block_size);
+        let cache_keys = CacheKeys {
+            lora: spec.lora,
+            salt: spec.cache_salt.filter(|salt| !salt.is_empty()),
+        };
+        let block_hashes = hash_token_blocks_keyed(
+            &spec.prompt_token_ids,
+            self.config.block_size,
+            cache_keys.lora.as_deref(),
+            cache_keys.salt.as_deref(),
+        );
         let request = Request {
             all_token_ids: spec.prompt_token_ids,
             block_hashes,
+            cache_keys,
             prompt_len,
             max_output_tokens,
             natural_output_tokens: (!spec.ignore_eos).then(|| natural_output_tokens(output_seed)),
@@ -663,8 +683,12 @@ impl EngineModel {
             let block_size = self.config.block_size;
             if request.all_token_ids.len() % block_size == 0 {
                 let start = request.all_token_ids.len() - block_size;
-                let hash =
-                    hash_block_tokens(request.block_hashes.last(), &request.all_token_ids[start..]);
+                let keys = request.cache_keys.of_block(request.block_hashes.len());
+                let hash = hash_block_tokens_keyed(
+                    request.block_hashes.last(),
+                    &request.all_token_ids[start..],
+                    &keys,
+                );
                 request.block_hashes.push(hash);
             }
             self.counters.generation_tokens += 1;
@@ -764,6 +788,8 @@ impl EngineModel {
                 &request.block_hashes[first..full_blocks],
                 parent,
                 &request.all_token_ids[first * block_size..full_blocks * block_size],
+                &request.cache_keys,
+                first,
             );
             request.num_cached_blocks = full_blocks;
         }
@@ -794,6 +820,7 @@ mod tests {
             prompt_token_ids: prompt,
             max_tokens: Some(max_tokens),
             ignore_eos: true,
+            ..RequestSpec::default()
         }
     }
 
@@ -826,6 +853,57 @@ mod tests {
                 _ => None,
             })
             .collect()
+    }
+
+    #[test]
+    fn adapters_and_salts_share_no_cached_block_and_their_events_say_so() {
+        use myelin_kv_events::ExtraKey;
+        let mut engine = engine(100, 16);
+        let prompt: Vec<u32> = (0..40).collect();
+        let keyed = |lora: Option<&str>, salt: Option<&str>| RequestSpec {
+            lora: lora.map(str::to_string),
+            cache_salt: salt.map(str::to_string),
+            ..spec(prompt.clone(), 1)
+        };
+        let mut id = 0;
+        let mut cached = |engine: &mut EngineModel, spec: RequestSpec| {
+            id += 1;
+            engine.add_request(id, spec).expect("accepted");
+            cached_tokens_of(&run_to_idle(engine), id)
+        };
+        assert_eq!(cached(&mut engine, keyed(None, None)), 0);
+        // Another adapter, another salt, both: a miss each; the same key again: a hit.
+        assert_eq!(cached(&mut engine, keyed(Some("sql"), None)), 0);
+        assert_eq!(cached(&mut engine, keyed(None, Some("t1"))), 0);
+        assert_eq!(cached(&mut engine, keyed(Some("sql"), Some("t1"))), 0);
+        for (lora, salt) in [(None, None), (Some("sql"), None), (None, Some("t1"))] {
+            assert_eq!(
+                cached(&mut engine, keyed(lora, salt)),
+                32,
+                "{lora:?} {salt:?}"
+            );
+        }
+        let events = engine.take_events();
+        let stored = stored(&events);
+        assert_eq!(stored.len(), 4, "each key stored its own blocks once");
+        let key = |text: &str| ExtraKey::Str(text.to_string());
+        assert_eq!(stored[0].extra_keys, None);
+        assert_eq!(stored[1].lora_name.as_deref(), Some("sql"));
+        assert_eq!(
+            stored[1].extra_keys,
+            Some(vec![Some(vec![key("sql")]), Some(vec![key("sql")])])
+        );
+        assert_eq!(
+            stored[2].extra_keys,
+            Some(vec![Some(vec![key("t1")]), None])
+        );
+        assert_eq!(
+            stored[3].extra_keys,
+            Some(vec![
+                Some(vec![key("sql"), key("t1")]),
+                Some(vec![key("sql")])
+            ])
+        );
     }
 
     #[test]
@@ -1056,6 +1134,7 @@ mod tests {
             prompt_token_ids: (0..30).collect(),
             max_tokens: Some(1000),
             ignore_eos: false,
+            ..RequestSpec::default()
         };
         first.add_request(1, natural.clone()).expect("accepted");
         second.add_request(9, natural).expect("accepted");

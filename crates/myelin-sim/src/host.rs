@@ -44,6 +44,8 @@ pub struct EngineSettings {
     pub index: usize,
     /// Served model name.
     pub model_name: String,
+    /// LoRA adapters served besides it.
+    pub lora_adapters: Vec<String>,
     /// Time divisor.
     pub speedup: f64,
     /// Faults to inject.
@@ -63,6 +65,8 @@ pub struct EngineShared {
     pub index: usize,
     /// Served model name.
     pub model_name: String,
+    /// LoRA adapters served besides it.
+    pub lora_adapters: Vec<String>,
     /// Time divisor.
     pub speedup: f64,
     /// Faults to inject.
@@ -86,6 +90,7 @@ impl EngineShared {
         EngineShared {
             index: settings.index,
             model_name: settings.model_name,
+            lora_adapters: settings.lora_adapters,
             speedup: settings.speedup,
             faults: settings.faults,
             publisher: settings.publisher,

@@ -32,6 +32,8 @@ pub struct GenerationRequest {
     pub stream: bool,
     /// `stream_options.include_usage`.
     pub include_usage: bool,
+    /// vLLM's `cache_salt` (an empty one is none, as in vLLM).
+    pub cache_salt: Option<String>,
 }
 
 /// A request the simulator refuses (400, vLLM's wording where it has one).
@@ -106,8 +108,18 @@ impl GenerationRequest {
             .and_then(|options| options.get("include_usage"))
             .and_then(Value::as_bool)
             .unwrap_or(false);
+        let cache_salt = match object.get("cache_salt") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(salt)) => Some(salt.clone()).filter(|salt| !salt.is_empty()),
+            Some(_) => {
+                return Err(RequestError::Field(
+                    "cache_salt must be a string".to_string(),
+                ));
+            }
+        };
         Ok(GenerationRequest {
             endpoint,
+            cache_salt,
             model: object
                 .get("model")
                 .and_then(Value::as_str)
@@ -492,20 +504,25 @@ pub fn error_body(message: &str, error_type: &str, code: u16) -> Value {
     })
 }
 
-/// `GET /v1/models`.
-pub fn models_response(model: &str, created: u64, max_model_len: usize) -> Value {
-    json!({
-        "object": "list",
-        "data": [{
-            "id": model,
+/// `GET /v1/models`: the model, then each LoRA adapter with the model as its parent (as vLLM
+/// lists adapters loaded with `--lora-modules` or `/v1/load_lora_adapter`).
+pub fn models_response(
+    model: &str,
+    adapters: &[String],
+    created: u64,
+    max_model_len: usize,
+) -> Value {
+    let card = |id: &str, parent: Option<&str>| {
+        json!({
+            "id": id,
             "object": "model",
             "created": created,
             "owned_by": "vllm",
-            "root": model,
-            "parent": null,
+            "root": id,
+            "parent": parent,
             "max_model_len": max_model_len,
             "permission": [{
-                "id": format!("modelperm-{model}"),
+                "id": format!("modelperm-{id}"),
                 "object": "model_permission",
                 "created": created,
                 "allow_create_engine": false,
@@ -518,8 +535,12 @@ pub fn models_response(model: &str, created: u64, max_model_len: usize) -> Value
                 "group": null,
                 "is_blocking": false,
             }],
-        }],
-    })
+        })
+    };
+    let data: Vec<Value> = std::iter::once(card(model, None))
+        .chain(adapters.iter().map(|adapter| card(adapter, Some(model))))
+        .collect();
+    json!({"object": "list", "data": data})
 }
 
 /// One SSE event carrying the JSON text `json`.

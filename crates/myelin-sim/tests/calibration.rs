@@ -42,6 +42,7 @@ fn ttft_on(profile: &str, prompt_tokens: u32) -> Duration {
                 prompt_token_ids: (0..prompt_tokens).collect(),
                 max_tokens: Some(2),
                 ignore_eos: true,
+                ..RequestSpec::default()
             },
         )
         .expect("accepted");
@@ -69,6 +70,7 @@ fn inter_token_latency(streams: u32, context: u32) -> Duration {
                     // tokens a step: 64 x 2,000 tokens take about 63 steps).
                     max_tokens: Some(400),
                     ignore_eos: true,
+                    ..RequestSpec::default()
                 },
             )
             .expect("accepted");

@@ -1121,6 +1121,7 @@ fn garbage_kv_event_payloads_are_counted_and_skipped() {
             lora_id: None,
             medium: Some("GPU".into()),
             lora_name: None,
+            extra_keys: None,
             group_idx: Some(0),
             kv_cache_spec_kind: Some(KV_CACHE_SPEC_FULL_ATTENTION.into()),
             kv_cache_spec_sliding_window: None,

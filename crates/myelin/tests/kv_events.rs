@@ -339,3 +339,96 @@ fn an_engine_restarted_before_any_batch_came_live_is_seen_as_a_restart() {
     drop(router);
     cluster.shutdown();
 }
+
+/// History-matched prompt tokens the router has counted so far.
+fn history_matched(router: &Router) -> f64 {
+    metric_value(
+        &router.metrics(),
+        &["myelin_router_history_matched_tokens_total"],
+    )
+}
+
+#[test]
+fn lora_adapters_and_cache_salts_are_cache_namespaces_of_their_own() {
+    let cluster = SimCluster::start(ClusterConfig {
+        engines: 2,
+        speedup: 50.0,
+        kv_events: Some(KvEventsConfig::default()),
+        lora_adapters: vec!["sql".to_string()],
+        ..ClusterConfig::default()
+    })
+    .expect("simulated engines");
+    let args = backend_args(&cluster);
+    let mut all: Vec<&str> = args.iter().map(String::as_str).collect();
+    all.extend(["--residency", "auto"]);
+    let router = Router::start(&all);
+    wait_for(&router, "the adapter listed", |backends| {
+        backends
+            .iter()
+            .all(|backend| backend["lora_adapters"] == json!(["sql"]))
+    });
+
+    // One prompt of 20 blocks, sent as token ids in four namespaces.
+    let prompt: Vec<u32> = (1_000..1_320).collect();
+    let send = |model: &str, salt: Option<&str>| -> (f64, u64) {
+        let mut body = json!({"model": model, "prompt": prompt, "max_tokens": 1});
+        if let Some(salt) = salt {
+            body["cache_salt"] = json!(salt);
+        }
+        let before = history_matched(&router);
+        let answer = router.post_json("/v1/completions", &body);
+        assert_eq!(answer.status, 200);
+        let usage = answer.json()["usage"].clone();
+        let cached = usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0);
+        (history_matched(&router) - before, cached)
+    };
+    let resident_total = |router: &Router| -> u64 { router.backends().iter().map(resident).sum() };
+
+    assert_eq!(
+        send("sim", None),
+        (0.0, 0),
+        "a first request matches nothing"
+    );
+    wait_for(&router, "the base model's blocks mirrored", |backends| {
+        backends.iter().map(resident).sum::<u64>() >= 20
+    });
+    // The same tokens to the adapter, with a salt, with both: nothing of the base model's
+    // (or each other's) history matches, and the engine has nothing cached for them either.
+    for (model, salt) in [
+        ("sql", None),
+        ("sim", Some("tenant-1")),
+        ("sql", Some("tenant-1")),
+    ] {
+        assert_eq!(send(model, salt), (0.0, 0), "{model} {salt:?}");
+    }
+    // Their blocks are mirrored in their own namespaces, not skipped.
+    wait_for(&router, "every namespace's blocks mirrored", |backends| {
+        backends.iter().map(resident).sum::<u64>() >= 80
+    });
+    assert_eq!(
+        metric_value(
+            &router.metrics(),
+            &["myelin_kv_events_skipped_blocks_total", "reason=\"lora\""]
+        ),
+        0.0
+    );
+    // Each namespace again: its own history matches, and the engine it went to hits.
+    for (model, salt) in [
+        ("sim", None),
+        ("sql", None),
+        ("sim", Some("tenant-1")),
+        ("sql", Some("tenant-1")),
+    ] {
+        let (matched, cached) = send(model, salt);
+        assert!(
+            matched >= 304.0,
+            "{model} {salt:?}: {matched} history-matched tokens"
+        );
+        assert_eq!(cached, 304, "{model} {salt:?}: the engine's cached tokens");
+    }
+    assert!(resident_total(&router) >= 80);
+    drop(router);
+    cluster.shutdown();
+}

@@ -129,6 +129,7 @@ impl EngineModel {
                 lora_id: None,
                 medium: Some(MEDIUM_GPU.to_string()),
                 lora_name: None,
+                extra_keys: None,
                 group_idx: Some(0),
                 kv_cache_spec_kind: Some(KV_CACHE_SPEC_FULL_ATTENTION.to_string()),
                 kv_cache_spec_sliding_window: None,
