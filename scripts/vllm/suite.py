@@ -207,6 +207,9 @@ class EventMirror:
         self.blocks: Counter = Counter()
         self.batches = 0
         self.clears = 0
+        # The extra keys of the last chain-starting BlockStored that had any (a salted or
+        # adapter request's first block carries them).
+        self.first_extra_keys = None
         self.lock = threading.Lock()
         self.socket = context.socket(zmq.SUB)
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")
@@ -237,11 +240,16 @@ class EventMirror:
         # removed one).
         if isinstance(event, dict):
             kind, blocks, medium = event.get("type"), event.get("block_hashes"), event.get("medium")
+            parent, extra = event.get("parent_block_hash"), event.get("extra_keys")
         else:
             kind = event[0]
             blocks = event[1] if len(event) > 1 else None
             at = 6 if kind == "BlockStored" else 2
             medium = event[at] if len(event) > at else None
+            parent = event[2] if len(event) > 2 else None
+            extra = event[8] if kind == "BlockStored" and len(event) > 8 else None
+        if kind == "BlockStored" and parent is None and extra:
+            self.first_extra_keys = extra
         if medium not in (None, "GPU"):
             return
         if kind == "BlockStored":
@@ -423,6 +431,30 @@ def checks(args, model, engines, mirrors, router, logs) -> None:
     check("a repeated prompt goes to the engine that holds it, and is reused there",
           status == 200 and first == again and reused >= (prompt // BLOCK - 1) * BLOCK,
           f"backends {first}/{again}, {reused} of {prompt} prompt tokens cached")
+
+    # 3b. cache_salt: vLLM shares no block between salts; the router keys its history and its
+    #     mirror the same way (the salted blocks are mirrored, in their own namespace).
+    matched = lambda: router.metric("myelin_router_history_matched_tokens_total")
+    skipped = lambda: router.metric("myelin_kv_events_skipped_blocks_total")
+    before_matched, before_skipped = matched(), skipped()
+    salted = {**body, "cache_salt": "tenant-a"}
+    status, salted_first, answer = send(router, salted)
+    check("a salted copy of a cached prompt matches no history and hits no cache",
+          status == 200 and matched() == before_matched and cached_tokens(answer) == 0,
+          f"{status}, {matched() - before_matched} history-matched tokens, "
+          f"{cached_tokens(answer)} cached")
+    status, salted_again, answer = send(router, salted)
+    reused = cached_tokens(answer)
+    check("the same salt again goes to the engine holding it, and is reused there",
+          status == 200 and salted_again == salted_first
+          and reused >= (prompt // BLOCK - 1) * BLOCK and matched() > before_matched,
+          f"backends {salted_first}/{salted_again}, {reused} of {prompt} cached")
+    mirror = mirrors[int(salted_first or 0)]
+    check("vLLM publishes the salt in the first block's extra_keys and the router places it",
+          mirror.first_extra_keys is not None and "tenant-a" in str(mirror.first_extra_keys)
+          and skipped() == before_skipped,
+          f"first block's extra_keys {(mirror.first_extra_keys or [None])[0]}, "
+          f"{skipped() - before_skipped} blocks skipped")
 
     # 4. Traffic with eviction pressure; then the router's mirror equals an independent one.
     for seed in range(10, 10 + args.requests):
