@@ -82,7 +82,7 @@ pub use residency::{
     uncalibrate,
 };
 pub use router::{
-    CostModel, DEFAULT_DECODE_STEP_TOKENS, DEFAULT_EXTRA_PREFILL_PERCENT,
+    Candidate, CostModel, DEFAULT_DECODE_STEP_TOKENS, DEFAULT_EXTRA_PREFILL_PERCENT,
     DEFAULT_EXTRA_PREFILL_RAMP_PERCENT, DEFAULT_LOAD_BOUND_TOKENS, DEFAULT_MAX_PREFIX_HOMES,
     Decision, MEMORY_FULL_UTILIZATION, Router, RouterConfig, admission_wait_tokens,
 };

@@ -206,26 +206,32 @@ pub struct Decision {
     pub extra_prefill_scale: f64,
 }
 
-/// Per-eligible-backend scores of one decision.
-#[derive(Debug, Clone, Copy)]
-struct Candidate {
-    id: BackendId,
-    load_tokens: u64,
-    matched_blocks: u32,
-    expected_cached_tokens: f64,
-    cost_tokens: f64,
+/// One eligible backend's scores in a decision: the evidence [`Router::candidates`] shows.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Candidate {
+    pub id: BackendId,
+    /// Its load in tokens, as the view gave it.
+    pub load_tokens: u64,
+    /// Blocks of the prompt its history holds.
+    pub matched_blocks: u32,
+    /// Prompt tokens expected cached there under the residency mode.
+    pub expected_cached_tokens: f64,
+    /// What the policy minimises: the predicted TTFT in seconds (plus the extra-prefill
+    /// charge) under the cost in seconds, tokens under the cost in tokens.
+    pub cost_tokens: f64,
     /// Cost with every historically matched block's probability forced to 1.0.
-    undiscounted_cost_tokens: f64,
+    pub undiscounted_cost_tokens: f64,
     /// Expected wait for KV memory, in the cost's unit (part of both costs).
-    wait_tokens: f64,
-    predicted_ttft: TtftPrediction,
+    pub wait_tokens: f64,
+    /// The predicted time to first token there.
+    pub predicted_ttft: TtftPrediction,
     /// Prompt tokens to prefill there, expected and undiscounted.
-    uncached_tokens: f64,
-    undiscounted_uncached_tokens: f64,
+    pub uncached_tokens: f64,
+    pub undiscounted_uncached_tokens: f64,
     /// Seconds per prefilled token there.
-    prefill_s_per_token: f64,
+    pub prefill_s_per_token: f64,
     /// Prompt tokens its historical match covers.
-    history_cached_tokens: f64,
+    pub history_cached_tokens: f64,
 }
 
 /// Chooses backends. `E` supplies resident probabilities for the `estimate`/`auto` modes.
@@ -269,6 +275,12 @@ impl<E: ResidencyEstimator> Router<E> {
             history_matched: 0.0,
             history_evicted: 0.0,
         }
+    }
+
+    /// Every eligible backend's scores in the last decision (empty before the first, or when
+    /// none was eligible), by backend id: a decision's evidence, for tracing.
+    pub fn candidates(&self) -> &[Candidate] {
+        &self.candidates
     }
 
     pub fn policy(&self) -> Policy {

@@ -222,6 +222,48 @@ fn prefix_prefers_the_cached_backend_until_load_outweighs_it() {
 }
 
 #[test]
+fn the_last_decisions_candidates_are_its_evidence() {
+    let mut shard = shard();
+    let tokens = prompt(16, 5);
+    shard.learn(&tokens, BackendId(1), 1);
+    let mut router = router(Policy::Prefix, ResidencyMode::Off, 100);
+    assert!(router.candidates().is_empty(), "no decision yet");
+    let views = [
+        up(2, 30),
+        up(0, 0),
+        up(1, 100),
+        BackendView::new(BackendId(3), BackendState::Down, 0),
+    ];
+    let decision = decide(&mut router, &shard, &tokens, &views);
+    let candidates = router.candidates();
+    // Every eligible backend, by id; the down one is not a candidate.
+    let ids: Vec<u32> = candidates.iter().map(|c| c.id.0).collect();
+    assert_eq!(ids, [0, 1, 2]);
+    let chosen = candidates
+        .iter()
+        .find(|c| c.id == decision.backend)
+        .unwrap();
+    assert_eq!(chosen.id, BackendId(1));
+    assert_eq!(chosen.matched_blocks, decision.matched_blocks);
+    assert_eq!(
+        chosen.expected_cached_tokens,
+        decision.expected_cached_tokens
+    );
+    assert_eq!(chosen.cost_tokens, decision.expected_cost_tokens);
+    assert_eq!(candidates[0].matched_blocks, 0);
+    assert_eq!(
+        (candidates[0].load_tokens, candidates[2].load_tokens),
+        (0, 30)
+    );
+    // The chosen one is the cheapest.
+    assert!(
+        candidates
+            .iter()
+            .all(|c| c.cost_tokens >= chosen.cost_tokens)
+    );
+}
+
+#[test]
 fn cold_prompts_spread_instead_of_piling_on_one_id() {
     let shard = shard();
     let mut router = router(Policy::Prefix, ResidencyMode::Auto, 0);

@@ -82,6 +82,13 @@ pub struct ServeArgs {
     #[arg(long, env = "MYELIN_METRICS_ON_CLIENT_PORT")]
     pub metrics_on_client_port: bool,
 
+    /// Answer a request sent with `x-myelin-trace: 1` with its routing decision's evidence in
+    /// an `x-myelin-decision` response header (every candidate backend's matched blocks,
+    /// expected cached tokens, load, predicted TTFT and cost; backends by id, never by
+    /// address). [default: off: the request header is ignored]
+    #[arg(long, env = "MYELIN_DECISION_TRACE")]
+    pub decision_trace: bool,
+
     /// Address of the admin API (`/admin/backends`), served by the control core and never on
     /// --listen: HOST:PORT, or `unix:PATH` for a Unix socket (created mode 0600, a stale one
     /// replaced, removed at exit). Port 0 picks a free port (printed on stdout). A non-loopback
@@ -386,6 +393,7 @@ pub struct FileConfig {
     pub listen: Option<SocketAddr>,
     pub metrics_listen: Option<SocketAddr>,
     pub metrics_on_client_port: Option<bool>,
+    pub decision_trace: Option<bool>,
     pub admin_listen: Option<AdminListen>,
     pub admin_token_file: Option<PathBuf>,
     #[serde(default, alias = "backends")]
@@ -483,6 +491,8 @@ pub struct ServeConfig {
     pub metrics_listen: Option<SocketAddr>,
     /// GET /metrics on `listen` too (`--metrics-on-client-port`).
     pub metrics_on_client_port: bool,
+    /// `x-myelin-trace: 1` gets the decision's evidence (`--decision-trace`).
+    pub decision_trace: bool,
     pub admin_listen: AdminListen,
     /// Bearer token the admin API requires (always set when `admin_listen` is not loopback).
     pub admin_token: Option<AdminToken>,
@@ -808,6 +818,7 @@ impl ServeConfig {
             metrics_listen: args.metrics_listen.or(file.metrics_listen),
             metrics_on_client_port: args.metrics_on_client_port
                 || file.metrics_on_client_port.unwrap_or(false),
+            decision_trace: args.decision_trace || file.decision_trace.unwrap_or(false),
             admin_listen,
             admin_token,
             backends,

@@ -13,6 +13,11 @@ pub const BACKEND_HEADER: &str = "x-myelin-backend";
 /// backend it chose, in microseconds from sending it there (the routing cost's figure; the
 /// harness compares it with what it observes).
 pub const PREDICTED_TTFT_HEADER: &str = "x-myelin-predicted-ttft-us";
+/// A client asks for its decision's evidence with `x-myelin-trace: 1` (honoured only with
+/// `--decision-trace`) ...
+pub const TRACE_REQUEST_HEADER: &str = "x-myelin-trace";
+/// ... and gets it in this response header, as JSON.
+pub const TRACE_RESPONSE_HEADER: &str = "x-myelin-decision";
 
 /// Headers that describe one connection, not the message (RFC 9110 section 7.6.1), plus the
 /// ones the client pool sets itself.

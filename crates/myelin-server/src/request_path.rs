@@ -21,7 +21,8 @@ use crate::data_core::{DataCore, InFlightPermit, LoadGuard};
 use crate::openai::{ApiError, Endpoint, GenerationRequest, parse_generation_request};
 use crate::pins::PromptBlocks;
 use crate::proxy::{
-    self, Attempt, BACKEND_HEADER, FailedAttempt, PREDICTED_TTFT_HEADER, UpstreamRequest,
+    self, Attempt, BACKEND_HEADER, FailedAttempt, PREDICTED_TTFT_HEADER, TRACE_REQUEST_HEADER,
+    TRACE_RESPONSE_HEADER, UpstreamRequest,
 };
 use crate::relay::{RelayBody, RelayObserver, StreamEnd, Usage};
 use crate::routing_glue::deepest_match;
@@ -323,6 +324,21 @@ async fn generate(
         .routing
         .borrow_mut()
         .decide(&answer, prompt_tokens, &tried, &shared);
+    // `x-myelin-trace: 1`, honoured with --decision-trace: the decision's evidence goes back
+    // in `x-myelin-decision` (the last decision's, after retries).
+    let tracing = core.config.decision_trace
+        && parts
+            .headers
+            .get(TRACE_REQUEST_HEADER)
+            .is_some_and(|value| value.as_bytes() == b"1");
+    let trace_of = |choice: &Option<crate::routing_glue::RouteChoice>| {
+        tracing.then(|| {
+            core.routing
+                .borrow()
+                .decision_trace(choice.as_ref().map(|chosen| chosen.backend))
+        })
+    };
+    let mut trace = trace_of(&choice);
     let decision_time = lookup_started
         .elapsed()
         .saturating_sub(if extent == "prefix_then_whole" {
@@ -454,15 +470,18 @@ async fn generate(
                     meters.prefix_replications.increment(1);
                     core.note_prefix_replication(chosen.backend);
                 }
-                return relay_response(
-                    response,
-                    chosen.backend,
-                    &generation,
-                    arrived,
-                    load,
-                    permit,
-                    core,
-                    parity,
+                return with_trace(
+                    relay_response(
+                        response,
+                        chosen.backend,
+                        &generation,
+                        arrived,
+                        load,
+                        permit,
+                        core,
+                        parity,
+                    ),
+                    trace,
                 );
             }
         };
@@ -488,19 +507,23 @@ async fn generate(
                 .routing
                 .borrow_mut()
                 .decide(&answer, prompt_tokens, &tried, &shared);
+            trace = trace_of(&choice).or(trace);
         }
         if choice.is_none() {
             return match failure {
                 // The engine's own 502/503 goes through as it is.
-                FailedAttempt::Status(response) => relay_response(
-                    response,
-                    chosen.backend,
-                    &generation,
-                    arrived,
-                    load,
-                    permit,
-                    core,
-                    None,
+                FailedAttempt::Status(response) => with_trace(
+                    relay_response(
+                        response,
+                        chosen.backend,
+                        &generation,
+                        arrived,
+                        load,
+                        permit,
+                        core,
+                        None,
+                    ),
+                    trace,
                 ),
                 // Named by id: clients never learn the engines' addresses.
                 FailedAttempt::Timeout(limit) => error_response(&ApiError {
@@ -689,6 +712,14 @@ impl RelayObserver for ResponseObserver {
             StreamEnd::ClientGone => meters.client_disconnects.increment(1),
         }
     }
+}
+
+/// `response` with the decision trace in `x-myelin-decision`, when one was asked for.
+fn with_trace(mut response: Response<Body>, trace: Option<String>) -> Response<Body> {
+    if let Some(value) = trace.and_then(|trace| HeaderValue::from_str(&trace).ok()) {
+        response.headers_mut().insert(TRACE_RESPONSE_HEADER, value);
+    }
+    response
 }
 
 /// The client's response: the engine's status and end-to-end headers, `x-myelin-backend`

@@ -57,6 +57,9 @@ pub struct RouteChoice {
     pub history_evicted_tokens: u64,
 }
 
+/// Candidates a decision trace lists, at most (a response header stays a few KiB).
+pub const MAX_TRACED_CANDIDATES: usize = 32;
+
 /// A backend's predicted-TTFT figures on one core (admin API).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TimingFigures {
@@ -523,6 +526,44 @@ impl RoutingShard {
             history_matched_tokens: decision.history_matched_tokens.max(0.0).round() as u64,
             history_evicted_tokens: decision.history_evicted_tokens.max(0.0).round() as u64,
         })
+    }
+
+    /// The last decision's evidence as compact JSON (the `x-myelin-decision` header): the
+    /// policy, the cost's unit, the chosen backend and, per candidate (eligible backend, by id;
+    /// at most [`MAX_TRACED_CANDIDATES`]), its matched blocks, expected cached tokens, load,
+    /// predicted TTFT, expected KV-memory wait and cost. Backends by id, never by address.
+    pub fn decision_trace(&self, chosen: Option<BackendId>) -> String {
+        let config = self.router.config();
+        let unit = match config.cost {
+            myelin_routing::CostModel::Ttft => "seconds",
+            myelin_routing::CostModel::Tokens => "tokens",
+        };
+        let round = |value: f64, scale: f64| (value * scale).round() / scale;
+        let candidates: Vec<serde_json::Value> = self
+            .router
+            .candidates()
+            .iter()
+            .take(MAX_TRACED_CANDIDATES)
+            .map(|candidate| {
+                serde_json::json!({
+                    "backend": candidate.id.0,
+                    "matched_blocks": candidate.matched_blocks,
+                    "expected_cached_tokens": candidate.expected_cached_tokens.round(),
+                    "load_tokens": candidate.load_tokens,
+                    "predicted_ttft_ms": round(candidate.predicted_ttft.seconds * 1e3, 1e3),
+                    "memory_wait": round(candidate.wait_tokens, 1e6),
+                    "cost": round(candidate.cost_tokens, 1e6),
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "policy": self.router.policy().as_str(),
+            "residency": self.router.residency().as_str(),
+            "cost_unit": unit,
+            "chosen": chosen,
+            "candidates": candidates,
+        })
+        .to_string()
     }
 
     /// A request routed to `id` with `prediction` had its first token `observed_s` seconds

@@ -1485,3 +1485,70 @@ fn labelled_series_are_exported_at_zero_before_they_count() {
         );
     }
 }
+
+/// The `x-myelin-decision` header of one completion of `prompt` (token ids), sent with
+/// `x-myelin-trace: 1`, and the backend that served it.
+fn traced_completion(router: &Router, prompt: &[u32]) -> (Option<serde_json::Value>, String) {
+    let body = json!({"model": "sim", "prompt": prompt, "max_tokens": 1}).to_string();
+    let answer = request(
+        router.addr,
+        "POST",
+        "/v1/completions",
+        &[
+            ("content-type", "application/json"),
+            ("x-myelin-trace", "1"),
+        ],
+        Some(body.as_bytes()),
+    );
+    assert_eq!(answer.status, 200);
+    let trace = answer
+        .header("x-myelin-decision")
+        .map(|value| serde_json::from_str(value).expect("the trace is JSON"));
+    (
+        trace,
+        answer.header("x-myelin-backend").unwrap().to_string(),
+    )
+}
+
+#[test]
+fn a_traced_request_gets_its_decisions_evidence_only_when_the_flag_allows() {
+    let prompt: Vec<u32> = (500..820).collect();
+    let router = Router::start(&["--sim", "2", "--sim-speedup", "20", "--decision-trace"]);
+    let (first, _) = traced_completion(&router, &prompt);
+    let first = first.expect("traced with --decision-trace");
+    assert_eq!(first["policy"], "prefix");
+    assert_eq!(first["cost_unit"], "seconds");
+    assert_eq!(first["candidates"].as_array().unwrap().len(), 2);
+    // The same prompt again: the engine that holds it is chosen, and the trace says why.
+    let (again, backend) = traced_completion(&router, &prompt);
+    let again = again.unwrap();
+    let backend: u64 = backend.parse().unwrap();
+    assert_eq!(again["chosen"], backend);
+    let candidates = again["candidates"].as_array().unwrap();
+    let chosen = candidates
+        .iter()
+        .find(|candidate| candidate["backend"] == backend)
+        .unwrap();
+    assert_eq!(chosen["matched_blocks"], 20, "{again}");
+    assert!(
+        chosen["expected_cached_tokens"].as_f64().unwrap() >= 304.0,
+        "{again}"
+    );
+    let other = candidates
+        .iter()
+        .find(|candidate| candidate["backend"] != backend)
+        .unwrap();
+    assert_eq!(other["matched_blocks"], 0, "{again}");
+    assert!(other["cost"].as_f64().unwrap() >= chosen["cost"].as_f64().unwrap());
+    // No header asked: no trace.
+    let plain = router.post_json(
+        "/v1/completions",
+        &json!({"model": "sim", "prompt": prompt, "max_tokens": 1}),
+    );
+    assert_eq!(plain.header("x-myelin-decision"), None);
+    drop(router);
+
+    // Without the flag the request header is ignored.
+    let router = Router::start(&["--sim", "2", "--sim-speedup", "20"]);
+    assert_eq!(traced_completion(&router, &prompt).0, None);
+}
