@@ -1188,10 +1188,7 @@ async fn engine_metrics_loop(control: Rc<Control>) {
                 let control = control.clone();
                 glommio::spawn_local(async move {
                     let scraped = crate::engine_metrics::scrape(&control.pool, &spec.url).await;
-                    let served = control
-                        .served_models_of(id, &spec.url)
-                        .await
-                        .unwrap_or_default();
+                    let served = control.served_models_of(id, &spec.url).await;
                     let memory = scraped.and_then(|scraped| scraped.memory());
                     if let Some(tokens) = scraped.and_then(|scraped| scraped.generation_tokens) {
                         let mut progress = control.engine_progress.borrow_mut();
@@ -1225,8 +1222,7 @@ async fn engine_metrics_loop(control: Rc<Control>) {
                         id,
                         capacity_tokens: cache.capacity_tokens,
                         memory,
-                        max_model_len: served.max_model_len,
-                        adapters: served.adapters.clone(),
+                        served: served.clone(),
                     });
                 })
             })

@@ -24,6 +24,7 @@ use myelin_tokenize::{ChatTemplate, FastBpe, Tokenizer};
 
 use crate::backends::{BackendId, BackendInfo, BackendTable, Load, LoadUpdate};
 use crate::config::ServeConfig;
+use crate::engine_metrics::ServedModels;
 use crate::mesh::{Mesh, MeshEnds, SendError};
 use crate::messages::{Message, ReplicaBackend, ReplicaSnapshot};
 use crate::metrics as names;
@@ -114,10 +115,9 @@ pub struct DataCore {
     /// Which engines have this core's requests in flight, and their last byte
     /// (`--engine-stall-ms`).
     watchdog: RefCell<Watchdog>,
-    /// The context length each backend's `GET /v1/models` reported (the control core asks).
-    model_lens: RefCell<std::collections::BTreeMap<BackendId, u64>>,
-    /// The LoRA adapters each backend's `GET /v1/models` lists (backends listing none absent).
-    adapters: RefCell<std::collections::BTreeMap<BackendId, Arc<[String]>>>,
+    /// What each backend's `GET /v1/models` said (the control core asks; absent: never
+    /// answered).
+    served: RefCell<std::collections::BTreeMap<BackendId, ServedModels>>,
     /// The number the control core's next mirror write should carry (a jump: one was dropped).
     mirror_seq: Cell<u64>,
     /// Bytes of request bodies this core holds while reading them (before admission).
@@ -221,8 +221,7 @@ where
         pin_outbox: RefCell::new(Vec::new()),
         next_pin_key: Cell::new(0),
         watchdog: RefCell::new(Watchdog::new(setup.config.engine_stall)),
-        model_lens: RefCell::new(std::collections::BTreeMap::new()),
-        adapters: RefCell::new(std::collections::BTreeMap::new()),
+        served: RefCell::new(std::collections::BTreeMap::new()),
         mirror_seq: Cell::new(0),
         body_budget: crate::body_budget::BodyBudget::new(
             setup.config.max_body_buffer_bytes_per_core,
@@ -564,18 +563,12 @@ impl DataCore {
                 id,
                 capacity_tokens,
                 memory,
-                max_model_len,
-                adapters,
+                served,
             } => {
-                match max_model_len {
-                    Some(tokens) => self.model_lens.borrow_mut().insert(id, tokens),
-                    None => self.model_lens.borrow_mut().remove(&id),
+                match served {
+                    Some(served) => self.served.borrow_mut().insert(id, served),
+                    None => self.served.borrow_mut().remove(&id),
                 };
-                if adapters.is_empty() {
-                    self.adapters.borrow_mut().remove(&id);
-                } else {
-                    self.adapters.borrow_mut().insert(id, adapters);
-                }
                 let mut routing = self.routing.borrow_mut();
                 routing.set_scraped_capacity(id, capacity_tokens);
                 if let Some(memory) = memory {
@@ -781,11 +774,11 @@ impl DataCore {
     pub fn max_model_len(&self) -> Option<u64> {
         self.config.max_model_len.or_else(|| {
             let backends = self.backends.borrow();
-            self.model_lens
+            self.served
                 .borrow()
                 .iter()
                 .filter(|(id, _)| backends.get(**id).is_some())
-                .map(|(_, &tokens)| tokens)
+                .filter_map(|(_, served)| served.max_model_len)
                 .min()
         })
     }
@@ -796,14 +789,32 @@ impl DataCore {
     pub fn namespace_root(&self, model: &str, cache_salt: Option<&str>) -> u64 {
         let backends = self.backends.borrow();
         let adapter = self
-            .adapters
+            .served
             .borrow()
             .iter()
-            .any(|(id, adapters)| {
-                backends.get(*id).is_some() && adapters.iter().any(|name| name == model)
+            .any(|(id, served)| {
+                backends.get(*id).is_some() && served.adapters.iter().any(|name| name == model)
             })
             .then_some(model);
         myelin_routing::namespace_root(adapter, cache_salt)
+    }
+
+    /// The backends of this core that do not serve `model`: those whose `GET /v1/models`
+    /// lists other models only, when at least one backend lists it. Empty when none lists it
+    /// (or none answered): every backend is eligible and the engine answers for the name (vLLM
+    /// refuses an unknown model with a 404). A backend that never answered stays eligible.
+    pub fn off_pool(&self, model: &str) -> Vec<BackendId> {
+        let backends = self.backends.borrow();
+        let served = self.served.borrow();
+        let lists = |served: &ServedModels| served.models.iter().any(|name| name == model);
+        let live = || served.iter().filter(|(id, _)| backends.get(**id).is_some());
+        if !live().any(|(_, served)| lists(served)) {
+            return Vec::new();
+        }
+        live()
+            .filter(|(_, served)| !served.models.is_empty() && !lists(served))
+            .map(|(&id, _)| id)
+            .collect()
     }
 
     /// `backend` sent bytes (a response head or a body frame): the progress watchdog's clock.

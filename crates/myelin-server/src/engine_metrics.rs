@@ -154,9 +154,10 @@ const MAX_MODELS_BODY_BYTES: usize = 1024 * 1024;
 /// larger figure is taken as broken and ignored.
 pub const MAX_CONTEXT_TOKENS: u64 = 1 << 24;
 
-/// LoRA adapters kept per engine, at most (the rest of a longer list is ignored).
+/// Models (LoRA adapters included) kept per engine, at most (the rest of a longer list is
+/// ignored).
 pub const MAX_ADAPTERS: usize = 1_024;
-/// Longest adapter name kept, bytes (a longer one is ignored).
+/// Longest model or adapter name kept, bytes (a longer one is ignored).
 pub const MAX_ADAPTER_NAME_BYTES: usize = 256;
 
 /// What an engine's `GET /v1/models` says.
@@ -169,6 +170,9 @@ pub struct ServedModels {
     /// adapter under its name, with the base model as parent). A request naming one is keyed
     /// by the adapter as well as its tokens (docs/routing.md, "Cache namespaces").
     pub adapters: Arc<[String]>,
+    /// Every model it lists (adapters included): a request naming one of them goes only to
+    /// the engines that list it (docs/routing.md, "Which engines serve a model").
+    pub models: Arc<[String]>,
 }
 
 /// Parses a `GET /v1/models` page; `None` if it is not one (no `data` list).
@@ -180,17 +184,22 @@ pub fn parse_models(body: &[u8]) -> Option<ServedModels> {
         .filter_map(|model| model.get("max_model_len")?.as_u64())
         .filter(|&tokens| tokens > 0 && tokens <= MAX_CONTEXT_TOKENS)
         .max();
-    let adapters: Vec<String> = models
-        .iter()
-        .filter(|model| model.get("parent").is_some_and(|parent| parent.is_string()))
-        .filter_map(|model| model.get("id")?.as_str())
-        .filter(|name| !name.is_empty() && name.len() <= MAX_ADAPTER_NAME_BYTES)
-        .take(MAX_ADAPTERS)
-        .map(str::to_string)
-        .collect();
+    let names = |adapters_only: bool| -> Arc<[String]> {
+        models
+            .iter()
+            .filter(|model| {
+                !adapters_only || model.get("parent").is_some_and(|parent| parent.is_string())
+            })
+            .filter_map(|model| model.get("id")?.as_str())
+            .filter(|name| !name.is_empty() && name.len() <= MAX_ADAPTER_NAME_BYTES)
+            .take(MAX_ADAPTERS)
+            .map(str::to_string)
+            .collect()
+    };
     Some(ServedModels {
         max_model_len,
-        adapters: adapters.into(),
+        adapters: names(true),
+        models: names(false),
     })
 }
 
@@ -300,6 +309,7 @@ mod tests {
         let served = parse_models(vllm).unwrap();
         assert_eq!(served.max_model_len, Some(8192));
         assert_eq!(&*served.adapters, ["sql".to_string()]);
+        assert_eq!(&*served.models, ["llama".to_string(), "sql".to_string()]);
         let long = format!(
             r#"{{"data":[{{"id":"{}","parent":"m"}}]}}"#,
             "x".repeat(MAX_ADAPTER_NAME_BYTES + 1)

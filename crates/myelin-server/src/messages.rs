@@ -105,10 +105,9 @@ pub enum Message {
         id: BackendId,
         capacity_tokens: Option<u64>,
         memory: Option<crate::engine_metrics::ScrapedMemory>,
-        /// The context length its `GET /v1/models` reports (`max_model_len`), when known.
-        max_model_len: Option<u64>,
-        /// The LoRA adapters its `GET /v1/models` lists (empty when none or unknown).
-        adapters: Arc<[String]>,
+        /// What its `GET /v1/models` says (context length, models, adapters); `None` when it
+        /// never answered.
+        served: Option<crate::engine_metrics::ServedModels>,
     },
     /// Engine host names and their addresses, resolved on the control core's resolver thread
     /// (the whole table, re-sent every second).

@@ -318,12 +318,17 @@ async fn generate(
     {
         return error_response(&error);
     }
+    // Backends that do not list the requested model are never tried (engines serving other
+    // models or adapters), nor, on retries, those already tried.
+    let off_pool = core.off_pool(&generation.model);
     let mut tried: Vec<BackendId> = Vec::new();
+    let excluded =
+        |tried: &[BackendId]| -> Vec<BackendId> { off_pool.iter().chain(tried).copied().collect() };
     let shared = core.shared_tokens(&query.chain);
-    let mut choice = core
-        .routing
-        .borrow_mut()
-        .decide(&answer, prompt_tokens, &tried, &shared);
+    let mut choice =
+        core.routing
+            .borrow_mut()
+            .decide(&answer, prompt_tokens, &excluded(&tried), &shared);
     // `x-myelin-trace: 1`, honoured with --decision-trace: the decision's evidence goes back
     // in `x-myelin-decision` (the last decision's, after retries).
     let tracing = core.config.decision_trace
@@ -503,10 +508,12 @@ async fn generate(
                 FailedAttempt::Timeout(_) => false,
             };
         if retryable && tried.len() <= core.config.max_retries as usize {
-            choice = core
-                .routing
-                .borrow_mut()
-                .decide(&answer, prompt_tokens, &tried, &shared);
+            choice = core.routing.borrow_mut().decide(
+                &answer,
+                prompt_tokens,
+                &excluded(&tried),
+                &shared,
+            );
             trace = trace_of(&choice).or(trace);
         }
         if choice.is_none() {

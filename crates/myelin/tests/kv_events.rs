@@ -432,3 +432,52 @@ fn lora_adapters_and_cache_salts_are_cache_namespaces_of_their_own() {
     drop(router);
     cluster.shutdown();
 }
+
+#[test]
+fn requests_go_only_to_the_engines_that_list_their_model() {
+    // Two engines serve model "a" (one also the adapter "a-lora"), one serves model "b".
+    let start = |model: &str, engines: usize, adapters: &[&str]| {
+        SimCluster::start(ClusterConfig {
+            engines,
+            speedup: 50.0,
+            model_name: model.to_string(),
+            lora_adapters: adapters.iter().map(|name| name.to_string()).collect(),
+            ..ClusterConfig::default()
+        })
+        .expect("simulated engines")
+    };
+    let a = start("a", 2, &["a-lora"]);
+    let b = start("b", 1, &[]);
+    let urls: Vec<String> = a.engine_urls().into_iter().chain(b.engine_urls()).collect();
+    let mut args: Vec<&str> = Vec::new();
+    for url in &urls {
+        args.extend(["--backend", url.as_str()]);
+    }
+    let router = Router::start(&args);
+    wait_for(&router, "every engine's models known", |backends| {
+        backends.len() == 3
+            && backends[2]["max_model_len_reported"].is_u64()
+            && backends[0]["lora_adapters"] == json!(["a-lora"])
+    });
+    let served_by = |model: &str| -> std::collections::BTreeSet<String> {
+        (0..12)
+            .map(|seed| {
+                let body = json!({"model": model, "prompt": format!("prompt {seed} for {model}"),
+                    "max_tokens": 1});
+                let answer = router.post_json("/v1/completions", &body);
+                assert_eq!(answer.status, 200, "{model}");
+                answer.header("x-myelin-backend").unwrap().to_string()
+            })
+            .collect()
+    };
+    // Backends are numbered in flag order: 0 and 1 serve "a", 2 serves "b".
+    assert_eq!(served_by("a"), ["0", "1"].map(String::from).into());
+    assert_eq!(served_by("a-lora"), ["0", "1"].map(String::from).into());
+    assert_eq!(served_by("b"), ["2"].map(String::from).into());
+    // A name no engine lists is the engines' to answer (vLLM: 404; the simulator serves it):
+    // every engine is eligible.
+    assert_eq!(served_by("unlisted").len(), 3);
+    drop(router);
+    a.shutdown();
+    b.shutdown();
+}
