@@ -28,7 +28,9 @@ mod pins;
 mod proxy;
 mod relay;
 mod request_path;
-pub mod route_tokens;
+/// The router's tokenization of prompts (its caches, the added-token split), in
+/// `myelin-tokenize` beside the tokenizer it drives.
+pub use myelin_tokenize::route as route_tokens;
 mod routing_glue;
 mod sim;
 mod token_parity;

@@ -24,17 +24,8 @@ impl Endpoint {
     }
 }
 
-/// What the router tokenizes for routing.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PromptInput {
-    /// The validated `messages` array, rendered with the chat template before tokenizing
-    /// (passed whole, so templates see tool calls and every other field the engine sees).
-    Chat(Value),
-    /// Completion prompt text (the first prompt of a batch).
-    Text(String),
-    /// Completion prompt given as token ids (the first prompt of a batch).
-    Tokens(Vec<u32>),
-}
+/// What the router tokenizes for routing (defined beside the tokenizer that renders it).
+pub use myelin_tokenize::route::PromptInput;
 
 /// A validated generation request.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -38,7 +38,7 @@
 //! used, and the Llama 3 and Qwen 2 pre-tokenizers on edited copies of the bundled tokenizer; a
 //! caller should still run [`FastBpe::verify_against`] at startup.
 
-mod added;
+pub(crate) mod added;
 mod cache;
 mod corpus;
 mod load;

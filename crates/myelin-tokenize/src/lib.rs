@@ -2,6 +2,7 @@
 //! the harness, so all three compute the same token ids for the same request. No routing here.
 
 pub mod fast_bpe;
+pub mod route;
 mod template;
 
 pub use fast_bpe::FastBpe;

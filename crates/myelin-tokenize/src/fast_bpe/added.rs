@@ -21,13 +21,18 @@ use crate::Tokenizer;
 
 /// An added token as declared in `tokenizer.json`.
 #[derive(Debug, Clone)]
-pub(super) struct AddedTokenSpec {
-    content: String,
-    normalized: bool,
+pub(crate) struct AddedTokenSpec {
+    pub(crate) content: String,
+    /// Matched in normalized text (HF's default: `!special`).
+    pub(crate) normalized: bool,
+    /// Its `id` field (the fast path asks HF instead; the routing split uses it).
+    pub(crate) id: Option<u32>,
 }
 
-/// Reads `added_tokens`; refuses boundary-changing flags.
-pub(super) fn added_token_specs(config: &Value) -> Result<Vec<AddedTokenSpec>, Unsupported> {
+/// Reads `added_tokens` (empty contents skipped); refuses boundary-changing flags. The one
+/// reading of them: the fast path's matcher and the routing split
+/// ([`crate::route::AddedTokens`]) share it.
+pub(crate) fn added_token_specs(config: &Value) -> Result<Vec<AddedTokenSpec>, Unsupported> {
     let Some(tokens) = config.get("added_tokens").and_then(Value::as_array) else {
         return Ok(Vec::new());
     };
@@ -52,6 +57,10 @@ pub(super) fn added_token_specs(config: &Value) -> Result<Vec<AddedTokenSpec>, U
                     .get("normalized")
                     .and_then(Value::as_bool)
                     .unwrap_or(!flag("special")),
+                id: token
+                    .get("id")
+                    .and_then(Value::as_u64)
+                    .and_then(|id| u32::try_from(id).ok()),
             });
         }
     }

@@ -43,10 +43,21 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use aho_corasick::{AhoCorasick, MatchKind};
-use myelin_tokenize::{ChatTemplate, FastBpe, Tokenizer};
 use serde_json::Value;
 
-use crate::openai::PromptInput;
+use crate::{ChatTemplate, FastBpe, Tokenizer};
+
+/// What the router tokenizes for routing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PromptInput {
+    /// The validated `messages` array, rendered with the chat template before tokenizing
+    /// (passed whole, so templates see tool calls and every other field the engine sees).
+    Chat(Value),
+    /// Completion prompt text (the first prompt of a batch).
+    Text(String),
+    /// Completion prompt given as token ids (the first prompt of a batch).
+    Tokens(Vec<u32>),
+}
 
 /// Segments shorter than this are tokenized directly: a lookup would cost about as much.
 const MIN_CACHED_SEGMENT_BYTES: usize = 64;
@@ -91,9 +102,9 @@ impl Truncation {
 #[derive(Debug, thiserror::Error)]
 pub enum RouteTokensError {
     #[error("chat template: {0}")]
-    Template(#[from] myelin_tokenize::TemplateError),
+    Template(#[from] crate::TemplateError),
     #[error("{0}")]
-    Tokenize(#[from] myelin_tokenize::TokenizeError),
+    Tokenize(#[from] crate::TokenizeError),
 }
 
 /// Added tokens of a tokenizer, with the matchers the split and the prefix cache use.
@@ -131,18 +142,13 @@ impl AddedTokens {
                         .is_some_and(Vec::is_empty)
             }
         };
+        json.get("added_tokens")?.as_array()?;
         let mut tokens = Vec::new();
-        for token in json.get("added_tokens")?.as_array()? {
-            let flag = |name: &str| token.get(name).and_then(Value::as_bool).unwrap_or(false);
-            if flag("lstrip") || flag("rstrip") || flag("single_word") {
+        for spec in crate::fast_bpe::added::added_token_specs(&json).ok()? {
+            if spec.normalized && !normalizer_is_identity {
                 return None;
             }
-            if flag("normalized") && !normalizer_is_identity {
-                return None;
-            }
-            let content = token.get("content")?.as_str()?;
-            let id = u32::try_from(token.get("id")?.as_u64()?).ok()?;
-            tokens.push((content.to_string(), id));
+            tokens.push((spec.content, spec.id?));
         }
         AddedTokens::from_tokens(tokens)
     }
@@ -501,7 +507,7 @@ impl RouteTokenizer {
         let mut checked_cuts = 0usize;
         for sample in PREFIX_SELF_CHECK
             .iter()
-            .chain(myelin_tokenize::fast_bpe::SELF_CHECK_CORPUS)
+            .chain(crate::fast_bpe::SELF_CHECK_CORPUS)
         {
             // Small spacing: many cuts per sample.
             let text = sample.repeat(3);
@@ -1154,14 +1160,14 @@ mod tests {
     use serde_json::json;
 
     fn bundled() -> (Tokenizer, Arc<AddedTokens>) {
-        let path = myelin_tokenize::bundled_tokenizer_path().unwrap();
+        let path = crate::bundled_tokenizer_path().unwrap();
         let tokenizer = Tokenizer::from_file(&path).unwrap();
         let added = AddedTokens::from_tokenizer_json(&path).expect("deepseek-v3 splits exactly");
         (tokenizer, Arc::new(added))
     }
 
     fn fast_path() -> FastBpe {
-        let path = myelin_tokenize::bundled_tokenizer_path().unwrap();
+        let path = crate::bundled_tokenizer_path().unwrap();
         FastBpe::from_tokenizer_json(&path)
             .unwrap()
             .expect("the bundled tokenizer has a fast path")
