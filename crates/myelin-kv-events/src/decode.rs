@@ -1107,9 +1107,12 @@ impl<'a> Reader<'a> {
             for _ in 0..count {
                 let offset = self.offset;
                 let key = match self.header("extra key")? {
+                    // Bytes that are not UTF-8 are a key of unknown meaning; too few bytes
+                    // (a truncated payload) are an error like anywhere else.
                     Header::Str(len) => match self.utf8(len, offset, "extra key") {
                         Ok(text) => ExtraKey::Str(text.to_owned()),
-                        Err(_) => ExtraKey::Other,
+                        Err(DecodeError::InvalidUtf8 { .. }) => ExtraKey::Other,
+                        Err(error) => return Err(error),
                     },
                     other => {
                         self.skip_body(other, offset, 2)?;

@@ -157,6 +157,40 @@ proptest! {
     }
 }
 
+/// A string extra key cut short is an error, not a key of unknown meaning: only bytes that
+/// are whole but not UTF-8 become [`ExtraKey::Other`].
+#[test]
+fn a_truncated_extra_key_is_an_error() {
+    let batch = EventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![],
+            parent_block_hash: None,
+            token_ids: vec![],
+            block_size: 0,
+            lora_id: None,
+            medium: None,
+            lora_name: None,
+            extra_keys: Some(vec![Some(vec![ExtraKey::Str("\u{1003c}".to_string())])]),
+            group_idx: None,
+            kv_cache_spec_kind: None,
+            kv_cache_spec_sliding_window: None,
+        })],
+        data_parallel_rank: None,
+    };
+    for version in [WireVersion::V0_22, WireVersion::V0_33] {
+        let payload = encode_batch(&batch, version);
+        assert_eq!(decode_batch(&payload).unwrap().into_event_batch(), batch);
+        for len in 0..payload.len() {
+            assert!(
+                decode_batch(&payload[..len]).is_err(),
+                "prefix of {len} of {} bytes decoded ({version:?})",
+                payload.len()
+            );
+        }
+    }
+}
+
 /// Headers that declare 2^32 - 1 of something, for every msgpack length type.
 const HUGE_HEADERS: [&[u8]; 6] = [
     &[0xdd, 0xff, 0xff, 0xff, 0xff],
