@@ -13,7 +13,7 @@ use myelin_gossip::ClusterKey;
 pub const DEFAULT_PROBE_INTERVAL_MS: u64 = 500;
 
 /// The cluster's command-line flags (each also a `MYELIN_*` variable and a config-file key).
-#[derive(Debug, Clone, Default, clap::Args)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct GossipArgs {
     /// UDP address this node's peer gossip listens on; turns the peer cluster on (needs
     /// --cluster-key-file). [default: none: a single router]
@@ -30,6 +30,7 @@ pub struct GossipArgs {
     /// [default: none: others join this node]
     #[arg(
         long = "peer",
+        alias = "peers",
         env = "MYELIN_PEER",
         value_name = "HOST:PORT",
         value_delimiter = ';'
@@ -47,28 +48,19 @@ pub struct GossipArgs {
     pub cluster_key_file: Option<PathBuf>,
 
     /// Probe period of the membership's failure detector: a dead node is declared down within
-    /// about (members + 1) periods plus 3 periods of suspicion. [default: 500]
-    #[arg(long, env = "MYELIN_GOSSIP_PROBE_INTERVAL_MS", value_name = "MS")]
-    pub gossip_probe_interval_ms: Option<u64>,
+    /// about (members + 1) periods plus 3 periods of suspicion.
+    #[arg(long, env = "MYELIN_GOSSIP_PROBE_INTERVAL_MS", value_name = "MS",
+          default_value_t = DEFAULT_PROBE_INTERVAL_MS,
+          value_parser = clap::value_parser!(u64).range(10..))]
+    pub gossip_probe_interval_ms: u64,
 
     /// Most members (up, suspect or down; a down one is forgotten after a minute) this
     /// node's membership holds: gossip naming more is dropped (`reason="member_cap"`), so a
     /// peer holding the key cannot make it probe and send state to any number of addresses.
-    /// [default: 256]
-    #[arg(long, env = "MYELIN_GOSSIP_MAX_MEMBERS", value_name = "N")]
-    pub gossip_max_members: Option<usize>,
-}
-
-/// The same keys in the `--config` file.
-#[derive(Debug, Clone, Default)]
-pub struct GossipFile {
-    pub gossip_listen: Option<SocketAddr>,
-    pub gossip_advertise: Option<SocketAddr>,
-    pub peers: Vec<SocketAddr>,
-    pub node_id: Option<String>,
-    pub cluster_key_file: Option<PathBuf>,
-    pub gossip_probe_interval_ms: Option<u64>,
-    pub gossip_max_members: Option<usize>,
+    #[arg(long, env = "MYELIN_GOSSIP_MAX_MEMBERS", value_name = "N",
+          default_value_t = myelin_gossip::DEFAULT_MAX_MEMBERS,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(2..=65_536))]
+    pub gossip_max_members: usize,
 }
 
 /// The resolved cluster settings (present when gossip is on).
@@ -105,20 +97,16 @@ fn read_key(path: &Path) -> Result<ClusterKey, String> {
         .map_err(|error| format!("--cluster-key-file {}: {error}", path.display()))
 }
 
-/// Merges flags over the config file; `Ok(None)` when gossip is off.
-pub fn resolve(args: GossipArgs, file: GossipFile) -> Result<Option<GossipSettings>, String> {
-    let peers = if args.peers.is_empty() {
-        file.peers
-    } else {
-        args.peers
-    };
-    let Some(listen) = args.gossip_listen.or(file.gossip_listen) else {
+/// The cluster settings `args` give; `Ok(None)` when gossip is off.
+pub fn resolve(args: GossipArgs) -> Result<Option<GossipSettings>, String> {
+    let peers = args.peers;
+    let Some(listen) = args.gossip_listen else {
         if !peers.is_empty() {
             return Err("--peer needs --gossip-listen (and --cluster-key-file)".into());
         }
         return Ok(None);
     };
-    let Some(key_file) = args.cluster_key_file.or(file.cluster_key_file) else {
+    let Some(key_file) = args.cluster_key_file else {
         return Err(
             "--gossip-listen needs --cluster-key-file: every gossip packet is authenticated \
              with the cluster key (a file of at least 16 bytes, the same on every node)"
@@ -126,28 +114,14 @@ pub fn resolve(args: GossipArgs, file: GossipFile) -> Result<Option<GossipSettin
         );
     };
     let key = read_key(&key_file)?;
-    let advertise = args.gossip_advertise.or(file.gossip_advertise);
+    let advertise = args.gossip_advertise;
     if advertise.is_none() && listen.ip().is_unspecified() {
         return Err(format!(
             "--gossip-listen {listen} is a wildcard address: give --gossip-advertise HOST:PORT, \
              the address the other nodes reach this one at"
         ));
     }
-    let probe_ms = args
-        .gossip_probe_interval_ms
-        .or(file.gossip_probe_interval_ms)
-        .unwrap_or(DEFAULT_PROBE_INTERVAL_MS);
-    if probe_ms < 10 {
-        return Err("--gossip-probe-interval-ms must be at least 10".into());
-    }
-    let max_members = args
-        .gossip_max_members
-        .or(file.gossip_max_members)
-        .unwrap_or(myelin_gossip::DEFAULT_MAX_MEMBERS);
-    if !(2..=65_536).contains(&max_members) {
-        return Err("--gossip-max-members must be from 2 to 65536".into());
-    }
-    let node_id = args.node_id.or(file.node_id);
+    let node_id = args.node_id;
     if let Some(name) = &node_id
         && (name.is_empty() || name.len() > myelin_gossip::messages::MAX_NODE_NAME_BYTES)
     {
@@ -162,40 +136,34 @@ pub fn resolve(args: GossipArgs, file: GossipFile) -> Result<Option<GossipSettin
         peers,
         node_id,
         key,
-        probe_interval: Duration::from_millis(probe_ms),
-        max_members,
+        probe_interval: Duration::from_millis(args.gossip_probe_interval_ms),
+        max_members: args.gossip_max_members,
     }))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct TestCli {
+        #[command(flatten)]
+        args: GossipArgs,
+    }
+
+    fn resolve_flags(flags: &[&str]) -> Result<Option<GossipSettings>, String> {
+        let argv = std::iter::once("myelin").chain(flags.iter().copied());
+        resolve(TestCli::try_parse_from(argv).unwrap().args)
+    }
 
     #[test]
     fn gossip_needs_a_key_file_and_a_reachable_address() {
-        assert!(
-            resolve(GossipArgs::default(), GossipFile::default())
-                .unwrap()
-                .is_none()
-        );
-        let listen = Some("127.0.0.1:7946".parse().unwrap());
-        let error = resolve(
-            GossipArgs {
-                gossip_listen: listen,
-                ..GossipArgs::default()
-            },
-            GossipFile::default(),
-        )
-        .unwrap_err();
+        assert!(resolve_flags(&[]).unwrap().is_none());
+        let listen = ["--gossip-listen", "127.0.0.1:7946"];
+        let error = resolve_flags(&listen).unwrap_err();
         assert!(error.contains("--cluster-key-file"), "{error}");
-        let error = resolve(
-            GossipArgs {
-                peers: vec!["127.0.0.1:7000".parse().unwrap()],
-                ..GossipArgs::default()
-            },
-            GossipFile::default(),
-        )
-        .unwrap_err();
+        let error = resolve_flags(&["--peer", "127.0.0.1:7000"]).unwrap_err();
         assert!(error.contains("--gossip-listen"), "{error}");
         let dir = std::env::temp_dir().join(format!("myelin-key-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -203,44 +171,50 @@ mod tests {
         std::fs::write(&weak, "short\n").unwrap();
         let strong = dir.join("strong");
         std::fs::write(&strong, "0123456789abcdef0123\n").unwrap();
-        let error = resolve(
-            GossipArgs {
-                gossip_listen: listen,
-                cluster_key_file: Some(weak),
-                ..GossipArgs::default()
-            },
-            GossipFile::default(),
-        )
-        .unwrap_err();
+        let (weak, strong) = (weak.to_str().unwrap(), strong.to_str().unwrap());
+        let error = resolve_flags(&[listen[0], listen[1], "--cluster-key-file", weak]).unwrap_err();
         assert!(error.contains("at least 16"), "{error}");
-        let error = resolve(
-            GossipArgs {
-                gossip_listen: Some("0.0.0.0:7946".parse().unwrap()),
-                cluster_key_file: Some(strong.clone()),
-                ..GossipArgs::default()
-            },
-            GossipFile::default(),
-        )
-        .unwrap_err();
+        let wildcard = [
+            "--gossip-listen",
+            "0.0.0.0:7946",
+            "--cluster-key-file",
+            strong,
+        ];
+        let error = resolve_flags(&wildcard).unwrap_err();
         assert!(error.contains("--gossip-advertise"), "{error}");
-        let settings = resolve(
-            GossipArgs {
-                gossip_listen: listen,
-                cluster_key_file: Some(strong),
-                ..GossipArgs::default()
-            },
-            GossipFile {
-                peers: vec!["127.0.0.1:7001".parse().unwrap()],
-                node_id: Some("a".into()),
-                ..GossipFile::default()
-            },
-        )
+        let error = resolve_flags(&[
+            listen[0],
+            listen[1],
+            "--cluster-key-file",
+            strong,
+            "--node-id",
+            "",
+        ])
+        .unwrap_err();
+        assert!(error.contains("--node-id"), "{error}");
+        let settings = resolve_flags(&[
+            listen[0],
+            listen[1],
+            "--cluster-key-file",
+            strong,
+            "--peer",
+            "127.0.0.1:7001",
+            "--node-id",
+            "a",
+        ])
         .unwrap()
         .unwrap();
         assert_eq!(settings.peers.len(), 1);
         assert_eq!(settings.node_id.as_deref(), Some("a"));
         assert_eq!(settings.probe_interval, Duration::from_millis(500));
         assert_eq!(settings.max_members, myelin_gossip::DEFAULT_MAX_MEMBERS);
+        for bounded in [
+            ["--gossip-probe-interval-ms", "9"],
+            ["--gossip-max-members", "65537"],
+        ] {
+            let argv = std::iter::once("myelin").chain(bounded);
+            assert!(TestCli::try_parse_from(argv).is_err(), "{bounded:?}");
+        }
         let _ = std::fs::remove_dir_all(dir);
     }
 
@@ -264,10 +238,15 @@ mod tests {
             ),
         )
         .unwrap();
-        let args = crate::config::ServeArgs {
-            config: Some(file),
-            ..crate::config::ServeArgs::default()
-        };
+        #[derive(Parser)]
+        struct ServeCli {
+            #[command(flatten)]
+            args: crate::config::ServeArgs,
+        }
+        let argv = ["myelin", "--config", file.to_str().unwrap()];
+        let args = crate::config::parse_command_line::<ServeCli>(argv, None)
+            .unwrap()
+            .args;
         let config = crate::config::ServeConfig::resolve(args).unwrap();
         let gossip = config.gossip.expect("gossip on");
         assert_eq!(gossip.listen, "127.0.0.1:7946".parse().unwrap());

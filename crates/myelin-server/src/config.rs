@@ -1,62 +1,50 @@
 //! `myelin serve` configuration: command-line flags, `MYELIN_*` variables, the TOML file, defaults.
 //!
-//! Precedence: flag > environment variable > config file > built-in default. Every flag is an
-//! `Option` here so that "not given" can fall through to the file; the defaults live in
-//! [`Defaults`] and are spelled out in each flag's help text.
+//! Each flag is defined once, in [`ServeArgs`]: its name (which is also its config-file key),
+//! its variable, its default and its help. Precedence: flag > environment variable > config
+//! file > built-in default. The config file is applied as the flags' defaults
+//! ([`parse_command_line`]), so clap itself resolves the order and a file value is checked by
+//! the same parser as the flag. [`ServeConfig::from_args`] then checks what spans several flags
+//! and turns the values into the types the server runs with.
 
+use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use myelin_routing::{Policy, ResidencyMode};
-use serde::Deserialize;
+use clap::builder::RangedU64ValueParser;
+use myelin_routing::{CostModel, Policy, ResidencyMode};
 
-use crate::backend_spec::{BackendSpec, BackendSpecError, parse_capacity};
+use crate::backend_spec::{BackendSpec, BackendSpecError};
 use crate::cores::{CoreLayout, CoreLayoutError, decide_layout, online_cpus};
 
-/// Built-in defaults (documented in `--help` and docs/reference/flags.md).
-pub struct Defaults;
+/// Memory per data core for each tokenizer cache, by default (`--tokenize-cache-bytes`).
+pub const DEFAULT_TOKENIZE_CACHE_BYTES: usize = 16 * 1024 * 1024;
 
-impl Defaults {
-    pub const LISTEN: &'static str = "0.0.0.0:8080";
-    pub const ADMIN_LISTEN: &'static str = "127.0.0.1:9090";
-    pub const BLOCK_SIZE_TOKENS: usize = 16;
-    pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
-    pub const MAX_BODY_BUFFER_BYTES_PER_CORE: usize = 256 * 1024 * 1024;
-    pub const MAX_CONNECTIONS_PER_CORE: usize = 4096;
-    pub const MAX_IN_FLIGHT_PER_CORE: usize = 1024;
-    pub const RETRY_AFTER_SECONDS: u64 = 1;
-    pub const MAX_RETRIES: u32 = 2;
-    pub const RETRY_BACKOFF_MS: u64 = 20;
-    pub const CONNECT_TIMEOUT_MS: u64 = 2_000;
-    pub const BODY_READ_TIMEOUT_MS: u64 = 30_000;
-    pub const UPSTREAM_HEADER_TIMEOUT_MS: u64 = 30_000;
-    pub const UPSTREAM_RESPONSE_TIMEOUT_MS: u64 = 600_000;
-    pub const STREAM_IDLE_TIMEOUT_MS: u64 = 60_000;
-    pub const ENGINE_STALL_MS: u64 = 30_000;
-    pub const HEALTH_INTERVAL_MS: u64 = 2_000;
-    pub const HEALTH_TIMEOUT_MS: u64 = 1_000;
-    pub const HEALTH_PATH: &'static str = "/health";
-    pub const HEALTHY_THRESHOLD: u32 = 2;
-    pub const UNHEALTHY_THRESHOLD: u32 = 3;
-    pub const BREAKER_FAILURES: u32 = 5;
-    pub const BREAKER_OPEN_MS: u64 = 5_000;
-    pub const DRAIN_TIMEOUT_MS: u64 = 30_000;
-    pub const TOKENIZE_PREFIX_BYTES: usize = 2048;
-    pub const TOKENIZE_CACHE_BYTES: usize = 16 * 1024 * 1024;
-    pub const TOKENIZE_MAX_BYTES: usize = crate::route_tokens::DEFAULT_MAX_TOKENIZED_BYTES;
-    pub const TOKENIZE_MAX_PIECE_BYTES: usize = crate::route_tokens::DEFAULT_MAX_PIECE_BYTES;
-    pub const SIM_SPEEDUP: f64 = 1.0;
-    pub const LOAD_BOUND_TOKENS: u64 = myelin_routing::DEFAULT_LOAD_BOUND_TOKENS;
-    pub const DECODE_STEP_TOKENS: u64 = myelin_routing::DEFAULT_DECODE_STEP_TOKENS;
-    pub const ENGINE_METRICS_INTERVAL_MS: u64 = 1000;
-    pub const PENDING_RESIDENT_MS: u64 = 2000;
-    pub const MAX_PREFIX_HOMES: u32 = myelin_routing::DEFAULT_MAX_PREFIX_HOMES;
-    pub const ENGINE_STEP_TOKENS: u32 = myelin_routing::DEFAULT_ENGINE_TIMING.step_tokens;
+/// A `usize` flag of at least 1.
+fn positive() -> RangedU64ValueParser<usize> {
+    RangedU64ValueParser::new().range(1..)
+}
+
+/// `--sim-speedup`: a finite number above 0.
+fn speedup(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(value) if value.is_finite() && value > 0.0 => Ok(value),
+        _ => Err(format!("{text:?} is not a positive number")),
+    }
+}
+
+/// `--health-path`: an absolute path.
+fn health_path(text: &str) -> Result<String, String> {
+    if text.starts_with('/') {
+        Ok(text.to_string())
+    } else {
+        Err(format!("{text:?} does not start with `/`"))
+    }
 }
 
 /// Flags of `myelin serve`. Each may also come from a `MYELIN_*` variable or the `--config` file.
-#[derive(Debug, Clone, Default, clap::Args)]
+#[derive(Debug, Clone, clap::Args)]
 #[command(
     after_help = "Precedence: flag > MYELIN_* environment variable > --config file > default.\n\
                   See docs/reference/flags.md, docs/reference/metrics.md and docs/server.md."
@@ -68,9 +56,14 @@ pub struct ServeArgs {
     pub config: Option<PathBuf>,
 
     /// Address clients connect to; every data shard listens on it (SO_REUSEPORT).
-    /// Port 0 picks a free port (printed on stdout). [default: 0.0.0.0:8080]
-    #[arg(long, env = "MYELIN_LISTEN", value_name = "HOST:PORT")]
-    pub listen: Option<SocketAddr>,
+    /// Port 0 picks a free port (printed on stdout).
+    #[arg(
+        long,
+        env = "MYELIN_LISTEN",
+        value_name = "HOST:PORT",
+        default_value = "0.0.0.0:8080"
+    )]
+    pub listen: SocketAddr,
 
     /// Also serve GET /metrics on this address, without a token (the admin API always serves
     /// it, behind its token when one is set). [default: none]
@@ -92,9 +85,14 @@ pub struct ServeArgs {
     /// Address of the admin API (`/admin/backends`), served by the control core and never on
     /// --listen: HOST:PORT, or `unix:PATH` for a Unix socket (created mode 0600, a stale one
     /// replaced, removed at exit). Port 0 picks a free port (printed on stdout). A non-loopback
-    /// address needs --admin-token-file. [default: 127.0.0.1:9090]
-    #[arg(long, env = "MYELIN_ADMIN_LISTEN", value_name = "HOST:PORT|unix:PATH")]
-    pub admin_listen: Option<AdminListen>,
+    /// address needs --admin-token-file.
+    #[arg(
+        long,
+        env = "MYELIN_ADMIN_LISTEN",
+        value_name = "HOST:PORT|unix:PATH",
+        default_value = "127.0.0.1:9090"
+    )]
+    pub admin_listen: AdminListen,
 
     /// File holding the admin API's bearer token (`Authorization: Bearer TOKEN`; surrounding
     /// whitespace ignored). Required when --admin-listen is not a loopback address.
@@ -103,9 +101,12 @@ pub struct ServeArgs {
     pub admin_token_file: Option<PathBuf>,
 
     /// An inference engine: `http://host:port[,kv-events=tcp://host:port]`. Repeat the flag
-    /// for several; in MYELIN_BACKEND separate them with `;`. [default: none]
+    /// for several; in MYELIN_BACKEND separate them with `;`; in the config file a list of
+    /// specs or tables (`{ url = "...", kv-events = "..." }`). Flags replace the file's list.
+    /// [default: none]
     #[arg(
         long = "backend",
+        alias = "backends",
         env = "MYELIN_BACKEND",
         value_name = "SPEC",
         value_delimiter = ';'
@@ -113,13 +114,14 @@ pub struct ServeArgs {
     pub backends: Vec<String>,
 
     /// Start N simulated vLLM engines in-process and use them as backends (added to any
-    /// --backend). [default: 0]
-    #[arg(long, env = "MYELIN_SIM", value_name = "N")]
-    pub sim: Option<usize>,
+    /// --backend).
+    #[arg(long, env = "MYELIN_SIM", value_name = "N", default_value_t = 0)]
+    pub sim: usize,
 
-    /// Simulated time runs this many times faster than real time (with --sim). [default: 1]
-    #[arg(long, env = "MYELIN_SIM_SPEEDUP", value_name = "FACTOR")]
-    pub sim_speedup: Option<f64>,
+    /// Simulated time runs this many times faster than real time (with --sim).
+    #[arg(long, env = "MYELIN_SIM_SPEEDUP", value_name = "FACTOR", default_value = "1",
+          value_parser = speedup)]
+    pub sim_speedup: f64,
 
     /// The peer cluster (--gossip-listen, --peer, --node-id, --cluster-key-file).
     #[command(flatten)]
@@ -127,19 +129,18 @@ pub struct ServeArgs {
 
     /// Routing policy: `round-robin` (each backend in turn), `least-load` (fewest queued and
     /// active tokens) or `prefix` (lowest cost: the predicted time to first token, see --cost).
-    /// [default: prefix]
-    #[arg(long, env = "MYELIN_ROUTING", value_name = "POLICY",
+    #[arg(long, env = "MYELIN_ROUTING", value_name = "POLICY", default_value = "prefix",
           value_parser = |name: &str| name.parse::<Policy>())]
-    pub routing: Option<Policy>,
+    pub routing: Policy,
 
     /// How much the prefix policy trusts its routing history: `off` (history only: a prefix
     /// routed to a backend counts as cached there), `estimate` (history discounted by an
     /// estimate of eviction from cache pressure), `verified` (only blocks the backend's
     /// KV-event stream confirms) or `auto` (verified where a KV-event stream is live, estimate
-    /// elsewhere). [default: auto]
-    #[arg(long, env = "MYELIN_RESIDENCY", value_name = "MODE",
+    /// elsewhere).
+    #[arg(long, env = "MYELIN_RESIDENCY", value_name = "MODE", default_value = "auto",
           value_parser = |name: &str| name.parse::<ResidencyMode>())]
-    pub residency: Option<ResidencyMode>,
+    pub residency: ResidencyMode,
 
     /// tokenizer.json of the served model. [default: the bundled deepseek-v3 tokenizer]
     #[arg(long, env = "MYELIN_TOKENIZER", value_name = "PATH")]
@@ -150,9 +151,10 @@ pub struct ServeArgs {
     #[arg(long, env = "MYELIN_CHAT_TEMPLATE", value_name = "PATH")]
     pub chat_template: Option<PathBuf>,
 
-    /// KV-cache block size of the engines, in tokens (vLLM --block-size). [default: 16]
-    #[arg(long, env = "MYELIN_BLOCK_SIZE", value_name = "TOKENS")]
-    pub block_size: Option<usize>,
+    /// KV-cache block size of the engines, in tokens (vLLM --block-size).
+    #[arg(long, env = "MYELIN_BLOCK_SIZE", value_name = "TOKENS", default_value_t = 16,
+          value_parser = positive())]
+    pub block_size: usize,
 
     /// Data cores, pinned one shard per CPU (`0-7`, `2,4,6`). [default: every CPU but the
     /// control core]
@@ -172,140 +174,188 @@ pub struct ServeArgs {
     #[arg(long, env = "MYELIN_NO_PIN")]
     pub no_pin: bool,
 
-    /// Largest request body accepted; larger ones get 413. [default: 8388608]
-    #[arg(long, env = "MYELIN_MAX_BODY_BYTES", value_name = "BYTES")]
-    pub max_body_bytes: Option<usize>,
+    /// Largest request body accepted; larger ones get 413.
+    #[arg(long, env = "MYELIN_MAX_BODY_BYTES", value_name = "BYTES",
+          default_value_t = 8 * 1024 * 1024, value_parser = positive())]
+    pub max_body_bytes: usize,
 
     /// Bytes of request bodies one data core holds while reading them, before the requests
     /// are admitted; a body that would take more gets 429 `router_overloaded` at once
-    /// (myelin_body_budget_rejections_total). [default: 268435456]
-    #[arg(
-        long,
-        env = "MYELIN_MAX_BODY_BUFFER_BYTES_PER_CORE",
-        value_name = "BYTES"
-    )]
-    pub max_body_buffer_bytes_per_core: Option<usize>,
+    /// (myelin_body_budget_rejections_total).
+    #[arg(long, env = "MYELIN_MAX_BODY_BUFFER_BYTES_PER_CORE", value_name = "BYTES",
+          default_value_t = 256 * 1024 * 1024, value_parser = positive())]
+    pub max_body_buffer_bytes_per_core: usize,
 
     /// Client connections open at once per data core; one more is closed on accept
-    /// (myelin_connections_refused_total). [default: 4096]
-    #[arg(long, env = "MYELIN_MAX_CONNECTIONS_PER_CORE", value_name = "N")]
-    pub max_connections_per_core: Option<usize>,
+    /// (myelin_connections_refused_total).
+    #[arg(long, env = "MYELIN_MAX_CONNECTIONS_PER_CORE", value_name = "N",
+          default_value_t = 4096, value_parser = positive())]
+    pub max_connections_per_core: usize,
 
     /// Requests in flight per data core before new ones get 429 with Retry-After.
-    /// [default: 1024]
-    #[arg(long, env = "MYELIN_MAX_IN_FLIGHT_PER_CORE", value_name = "N")]
-    pub max_in_flight_per_core: Option<usize>,
+    #[arg(long, env = "MYELIN_MAX_IN_FLIGHT_PER_CORE", value_name = "N",
+          default_value_t = 1024, value_parser = positive())]
+    pub max_in_flight_per_core: usize,
 
     /// The served model's context length (vLLM's --max-model-len): a request whose max_tokens
     /// or prompt alone exceeds it gets 400 before it is counted anywhere. [default: the
     /// smallest max_model_len the engines' GET /v1/models report, when they do]
-    #[arg(long, env = "MYELIN_MAX_MODEL_LEN", value_name = "TOKENS")]
+    #[arg(long, env = "MYELIN_MAX_MODEL_LEN", value_name = "TOKENS",
+          value_parser = clap::value_parser!(u64).range(1..))]
     pub max_model_len: Option<u64>,
 
-    /// Retry-After value sent with 429. [default: 1]
-    #[arg(long, env = "MYELIN_RETRY_AFTER_SECONDS", value_name = "SECONDS")]
-    pub retry_after_seconds: Option<u64>,
+    /// Retry-After value sent with 429.
+    #[arg(
+        long,
+        env = "MYELIN_RETRY_AFTER_SECONDS",
+        value_name = "SECONDS",
+        default_value_t = 1
+    )]
+    pub retry_after_seconds: u64,
 
     /// Attempts on other backends after a connect error or 502/503 before the first response
-    /// byte; never after streaming began. [default: 2]
-    #[arg(long, env = "MYELIN_MAX_RETRIES", value_name = "N")]
-    pub max_retries: Option<u32>,
+    /// byte; never after streaming began.
+    #[arg(
+        long,
+        env = "MYELIN_MAX_RETRIES",
+        value_name = "N",
+        default_value_t = 2
+    )]
+    pub max_retries: u32,
 
-    /// Backoff before the first retry, doubled for each further one. [default: 20]
-    #[arg(long, env = "MYELIN_RETRY_BACKOFF_MS", value_name = "MS")]
-    pub retry_backoff_ms: Option<u64>,
+    /// Backoff before the first retry, doubled for each further one.
+    #[arg(
+        long,
+        env = "MYELIN_RETRY_BACKOFF_MS",
+        value_name = "MS",
+        default_value_t = 20
+    )]
+    pub retry_backoff_ms: u64,
 
-    /// Timeout for connecting to an engine. [default: 2000]
-    #[arg(long, env = "MYELIN_CONNECT_TIMEOUT_MS", value_name = "MS")]
-    pub connect_timeout_ms: Option<u64>,
+    /// Timeout for connecting to an engine.
+    #[arg(long, env = "MYELIN_CONNECT_TIMEOUT_MS", value_name = "MS", default_value_t = 2_000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub connect_timeout_ms: u64,
 
     /// Time a client has to send its whole request body once the head arrived; past it, 408.
-    /// The in-flight slot is taken only once the body is complete. [default: 30000]
-    #[arg(long, env = "MYELIN_BODY_READ_TIMEOUT_MS", value_name = "MS")]
-    pub body_read_timeout_ms: Option<u64>,
+    /// The in-flight slot is taken only once the body is complete.
+    #[arg(long, env = "MYELIN_BODY_READ_TIMEOUT_MS", value_name = "MS", default_value_t = 30_000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub body_read_timeout_ms: u64,
 
     /// Time an engine has to send the response head of a streaming request (engines send it
     /// before the first token); past it the attempt counts as a failure (circuit breaker) and
-    /// the request goes to another backend like after a connect error. [default: 30000]
-    #[arg(long, env = "MYELIN_UPSTREAM_HEADER_TIMEOUT_MS", value_name = "MS")]
-    pub upstream_header_timeout_ms: Option<u64>,
+    /// the request goes to another backend like after a connect error.
+    #[arg(long, env = "MYELIN_UPSTREAM_HEADER_TIMEOUT_MS", value_name = "MS",
+          default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub upstream_header_timeout_ms: u64,
 
     /// Time an engine has to answer a non-streaming request (its head comes with the whole
-    /// completion); past it, 504 and a breaker failure, no retry. [default: 600000]
-    #[arg(long, env = "MYELIN_UPSTREAM_RESPONSE_TIMEOUT_MS", value_name = "MS")]
-    pub upstream_response_timeout_ms: Option<u64>,
+    /// completion); past it, 504 and a breaker failure, no retry.
+    #[arg(long, env = "MYELIN_UPSTREAM_RESPONSE_TIMEOUT_MS", value_name = "MS",
+          default_value_t = 600_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub upstream_response_timeout_ms: u64,
 
     /// Longest silence of an engine's response body (before its first byte and between two
     /// chunks); past it the engine request is aborted and an SSE stream ends with an error
-    /// event. [default: 60000]
-    #[arg(long, env = "MYELIN_STREAM_IDLE_TIMEOUT_MS", value_name = "MS")]
-    pub stream_idle_timeout_ms: Option<u64>,
+    /// event.
+    #[arg(long, env = "MYELIN_STREAM_IDLE_TIMEOUT_MS", value_name = "MS",
+          default_value_t = 60_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub stream_idle_timeout_ms: u64,
 
     /// An engine with requests in flight and no response byte on any of them for this long is
     /// taken as wedged: its circuit breaker opens (no new requests until its probation lets
     /// one through and that one is answered). Where the engine exports a generated-tokens
     /// counter (scraped metrics), only if that stood still as long; without one, only when
-    /// streams are among the silent requests. 0 = off. [default: 30000]
-    #[arg(long, env = "MYELIN_ENGINE_STALL_MS", value_name = "MS")]
-    pub engine_stall_ms: Option<u64>,
+    /// streams are among the silent requests. 0 = off.
+    #[arg(
+        long,
+        env = "MYELIN_ENGINE_STALL_MS",
+        value_name = "MS",
+        default_value_t = 30_000
+    )]
+    pub engine_stall_ms: u64,
 
-    /// Interval of active health checks (GET --health-path on each engine). [default: 2000]
-    #[arg(long, env = "MYELIN_HEALTH_INTERVAL_MS", value_name = "MS")]
-    pub health_interval_ms: Option<u64>,
+    /// Interval of active health checks (GET --health-path on each engine).
+    #[arg(long, env = "MYELIN_HEALTH_INTERVAL_MS", value_name = "MS", default_value_t = 2_000,
+          value_parser = clap::value_parser!(u64).range(10..))]
+    pub health_interval_ms: u64,
 
-    /// Timeout of one health check. [default: 1000]
-    #[arg(long, env = "MYELIN_HEALTH_TIMEOUT_MS", value_name = "MS")]
-    pub health_timeout_ms: Option<u64>,
+    /// Timeout of one health check.
+    #[arg(long, env = "MYELIN_HEALTH_TIMEOUT_MS", value_name = "MS", default_value_t = 1_000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub health_timeout_ms: u64,
 
-    /// Path probed by active health checks. [default: /health]
-    #[arg(long, env = "MYELIN_HEALTH_PATH", value_name = "PATH")]
-    pub health_path: Option<String>,
+    /// Path probed by active health checks.
+    #[arg(long, env = "MYELIN_HEALTH_PATH", value_name = "PATH", default_value = "/health",
+          value_parser = health_path)]
+    pub health_path: String,
 
-    /// Consecutive successful checks that bring a down backend up. [default: 2]
-    #[arg(long, env = "MYELIN_HEALTHY_THRESHOLD", value_name = "N")]
-    pub healthy_threshold: Option<u32>,
+    /// Consecutive successful checks that bring a down backend up.
+    #[arg(long, env = "MYELIN_HEALTHY_THRESHOLD", value_name = "N", default_value_t = 2,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub healthy_threshold: u32,
 
-    /// Consecutive failed checks that take a backend down. [default: 3]
-    #[arg(long, env = "MYELIN_UNHEALTHY_THRESHOLD", value_name = "N")]
-    pub unhealthy_threshold: Option<u32>,
+    /// Consecutive failed checks that take a backend down.
+    #[arg(long, env = "MYELIN_UNHEALTHY_THRESHOLD", value_name = "N", default_value_t = 3,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub unhealthy_threshold: u32,
 
     /// Consecutive failed requests (connect errors, 5xx) that open a backend's circuit
-    /// breaker. [default: 5]
-    #[arg(long, env = "MYELIN_BREAKER_FAILURES", value_name = "N")]
-    pub breaker_failures: Option<u32>,
+    /// breaker.
+    #[arg(long, env = "MYELIN_BREAKER_FAILURES", value_name = "N", default_value_t = 5,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub breaker_failures: u32,
 
     /// How long an open breaker stays open before its half-open probe (one GET --health-path;
-    /// success closes it, failure opens it again). [default: 5000]
-    #[arg(long, env = "MYELIN_BREAKER_OPEN_MS", value_name = "MS")]
-    pub breaker_open_ms: Option<u64>,
+    /// success closes it, failure opens it again).
+    #[arg(
+        long,
+        env = "MYELIN_BREAKER_OPEN_MS",
+        value_name = "MS",
+        default_value_t = 5_000
+    )]
+    pub breaker_open_ms: u64,
 
     /// On SIGTERM/SIGINT: stop accepting, wait this long for in-flight requests, exit 0.
-    /// [default: 30000]
-    #[arg(long, env = "MYELIN_DRAIN_TIMEOUT_MS", value_name = "MS")]
-    pub drain_timeout_ms: Option<u64>,
+    #[arg(
+        long,
+        env = "MYELIN_DRAIN_TIMEOUT_MS",
+        value_name = "MS",
+        default_value_t = 30_000
+    )]
+    pub drain_timeout_ms: u64,
 
     /// Memory per data core for each tokenizer cache: token ids of prompt segments between
     /// special tokens, and of earlier prompts' leading bytes (system prompts, earlier turns);
-    /// 0 disables both. [default: 16777216]
-    #[arg(long, env = "MYELIN_TOKENIZE_CACHE_BYTES", value_name = "BYTES")]
-    pub tokenize_cache_bytes: Option<usize>,
+    /// 0 disables both.
+    #[arg(long, env = "MYELIN_TOKENIZE_CACHE_BYTES", value_name = "BYTES",
+          default_value_t = DEFAULT_TOKENIZE_CACHE_BYTES)]
+    pub tokenize_cache_bytes: usize,
 
     /// Tokenize only this many leading bytes of a prompt first; the rest only when the prefix
-    /// matches some backend to its end. 0 always tokenizes whole prompts. [default: 2048]
-    #[arg(long, env = "MYELIN_TOKENIZE_PREFIX_BYTES", value_name = "BYTES")]
-    pub tokenize_prefix_bytes: Option<usize>,
+    /// matches some backend to its end. 0 always tokenizes whole prompts.
+    #[arg(
+        long,
+        env = "MYELIN_TOKENIZE_PREFIX_BYTES",
+        value_name = "BYTES",
+        default_value_t = 2048
+    )]
+    pub tokenize_prefix_bytes: usize,
 
     /// Bytes of a prompt tokenized afresh for routing, at most (bytes served from the
     /// tokenizer caches are free); routing uses the prefix up to there, the request is still
-    /// proxied whole. 0 = no bound. [default: 32768]
-    #[arg(long, env = "MYELIN_TOKENIZE_MAX_BYTES", value_name = "BYTES")]
-    pub tokenize_max_bytes: Option<usize>,
+    /// proxied whole. 0 = no bound.
+    #[arg(long, env = "MYELIN_TOKENIZE_MAX_BYTES", value_name = "BYTES",
+          default_value_t = crate::route_tokens::DEFAULT_MAX_TOKENIZED_BYTES)]
+    pub tokenize_max_bytes: usize,
 
     /// A run of one character class (letters, digits, whitespace, other) longer than this
     /// ends routing's tokenization where it starts (one pre-token that long costs more per byte
-    /// the longer it is). 0 = no bound. [default: 2048]
-    #[arg(long, env = "MYELIN_TOKENIZE_MAX_PIECE_BYTES", value_name = "BYTES")]
-    pub tokenize_max_piece_bytes: Option<usize>,
+    /// the longer it is). 0 = no bound.
+    #[arg(long, env = "MYELIN_TOKENIZE_MAX_PIECE_BYTES", value_name = "BYTES",
+          default_value_t = crate::route_tokens::DEFAULT_MAX_PIECE_BYTES)]
+    pub tokenize_max_piece_bytes: usize,
 
     /// Always tokenize with HuggingFace `tokenizers`, never with the built-in fast byte-level
     /// BPE path (same ids, checked at startup; used when the tokenizer is one it reproduces).
@@ -313,163 +363,104 @@ pub struct ServeArgs {
     pub no_fast_tokenizer: bool,
 
     /// Fault injection for tests: the control core drops every Nth message it sends to a data
-    /// core, as if that core's queue were full. [default: 0, never]
+    /// core, as if that core's queue were full; 0 = never. Not a config-file key.
     #[arg(
         long,
         env = "MYELIN_FAULT_DROP_CONTROL_MESSAGES",
         value_name = "N",
+        default_value_t = 0,
         hide = true
     )]
-    pub fault_drop_control_messages: Option<u64>,
+    pub fault_drop_control_messages: u64,
 
     /// Prefix policy: load differences up to this many tokens are treated as noise (a
     /// backend's load counts only beyond the least-loaded one's plus this); 0 means pure
-    /// expected-cost scoring. [default: 2048]
-    #[arg(long, env = "MYELIN_LOAD_BOUND_TOKENS", value_name = "TOKENS")]
-    pub load_bound_tokens: Option<u64>,
+    /// expected-cost scoring.
+    #[arg(long, env = "MYELIN_LOAD_BOUND_TOKENS", value_name = "TOKENS",
+          default_value_t = myelin_routing::DEFAULT_LOAD_BOUND_TOKENS)]
+    pub load_bound_tokens: u64,
 
     /// Prefix policy: what one decode step of an engine costs, in prompt tokens prefilled in the
     /// same time; the unit of the expected wait for KV memory on an engine whose memory is full
-    /// (docs/routing.md, "KV memory"); 0 ignores KV memory. [default: 300]
-    #[arg(long, env = "MYELIN_DECODE_STEP_TOKENS", value_name = "TOKENS")]
-    pub decode_step_tokens: Option<u64>,
+    /// (docs/routing.md, "KV memory"); 0 ignores KV memory.
+    #[arg(long, env = "MYELIN_DECODE_STEP_TOKENS", value_name = "TOKENS",
+          default_value_t = myelin_routing::DEFAULT_DECODE_STEP_TOKENS)]
+    pub decode_step_tokens: u64,
 
     /// How often the control core reads every engine's metrics endpoint (KV capacity and
-    /// utilization, running and waiting requests). [default: 1000]
-    #[arg(long, env = "MYELIN_ENGINE_METRICS_INTERVAL_MS", value_name = "MS")]
-    pub engine_metrics_interval_ms: Option<u64>,
+    /// utilization, running and waiting requests).
+    #[arg(long, env = "MYELIN_ENGINE_METRICS_INTERVAL_MS", value_name = "MS",
+          default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..))]
+    pub engine_metrics_interval_ms: u64,
 
     /// Prefix policy: a backend routed a prompt's prefix this recently counts as holding it in
     /// every residency mode ("pending resident": it is prefilling it, or its KV events are on
-    /// the way); 0 turns it off. [default: 2000]
-    #[arg(long, env = "MYELIN_PENDING_RESIDENT_MS", value_name = "MS")]
-    pub pending_resident_ms: Option<u64>,
+    /// the way); 0 turns it off.
+    #[arg(
+        long,
+        env = "MYELIN_PENDING_RESIDENT_MS",
+        value_name = "MS",
+        default_value_t = 2000
+    )]
+    pub pending_resident_ms: u64,
 
     /// Prefix policy: most homes a prefix gets because engines holding it wait for KV memory
-    /// (backends holding at least half of its longest match); 0 = no bound. [default: 3]
-    #[arg(long, env = "MYELIN_MAX_PREFIX_HOMES", value_name = "N")]
-    pub max_prefix_homes: Option<u32>,
+    /// (backends holding at least half of its longest match); 0 = no bound.
+    #[arg(long, env = "MYELIN_MAX_PREFIX_HOMES", value_name = "N",
+          default_value_t = myelin_routing::DEFAULT_MAX_PREFIX_HOMES)]
+    pub max_prefix_homes: u32,
 
     /// Prefix policy, `--cost ttft`: the prefill an engine would do beyond the least any
     /// engine would (re-prefilling a prefix another engine still holds) is charged this percent
     /// of its prefill time again, for the requests that will queue behind that work
     /// (docs/routing.md, "Extra prefill"); 0 = the request's own predicted TTFT only.
-    /// [default: 100]
     #[arg(long, env = "MYELIN_EXTRA_PREFILL_PERCENT", value_name = "PERCENT",
+          default_value_t = myelin_routing::DEFAULT_EXTRA_PREFILL_PERCENT,
           value_parser = clap::value_parser!(u32).range(0..=1000))]
-    pub extra_prefill_percent: Option<u32>,
+    pub extra_prefill_percent: u32,
 
     /// Prefix policy: the extra-prefill charge applies in full once this percent of the
     /// prompt tokens the history matched (over recent decisions) were found evicted by the
     /// residency mode, in proportion below it, so that where the caches hold everything asked
     /// for again a hot prefix may spread to idle engines (docs/routing.md, "Extra prefill");
     /// 0 = always in full. With `--residency off` the charge is always in full.
-    /// [default: 25]
     #[arg(long, env = "MYELIN_EXTRA_PREFILL_RAMP_PERCENT", value_name = "PERCENT",
+          default_value_t = myelin_routing::DEFAULT_EXTRA_PREFILL_RAMP_PERCENT,
           value_parser = clap::value_parser!(u32).range(0..=100))]
-    pub extra_prefill_ramp_percent: Option<u32>,
+    pub extra_prefill_ramp_percent: u32,
 
     /// Prefix policy: what it minimises. `ttft`: the predicted time to first token on each
     /// engine, from the prefill queued there, the prompt's uncached part and the wait for KV
     /// memory, at each engine's rates fitted from its own first tokens (docs/routing.md, "The
     /// cost in seconds"); `tokens`: the earlier cost in tokens (uncached prefill + load beyond
-    /// --load-bound-tokens + KV wait at --decode-step-tokens). [default: ttft]
-    #[arg(long, env = "MYELIN_COST", value_name = "MODEL",
-          value_parser = |name: &str| name.parse::<myelin_routing::CostModel>())]
-    pub cost: Option<myelin_routing::CostModel>,
+    /// --load-bound-tokens + KV wait at --decode-step-tokens).
+    #[arg(long, env = "MYELIN_COST", value_name = "MODEL", default_value = "ttft",
+          value_parser = |name: &str| name.parse::<CostModel>())]
+    pub cost: CostModel,
 
     /// Tokens an engine schedules per step (vLLM's `--max-num-batched-tokens`: 2,048 on an
     /// A100's OpenAI server, 8,192 on H100-class GPUs), for the predicted time to first
-    /// token. [default: 2048]
+    /// token.
     #[arg(long, env = "MYELIN_ENGINE_STEP_TOKENS", value_name = "TOKENS",
+          default_value_t = myelin_routing::DEFAULT_ENGINE_TIMING.step_tokens,
           value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
-    pub engine_step_tokens: Option<u32>,
+    pub engine_step_tokens: u32,
 }
 
-/// The `--config` file: the same keys as the flags, kebab-case.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "kebab-case")]
-pub struct FileConfig {
-    pub listen: Option<SocketAddr>,
-    pub metrics_listen: Option<SocketAddr>,
-    pub metrics_on_client_port: Option<bool>,
-    pub decision_trace: Option<bool>,
-    pub admin_listen: Option<AdminListen>,
-    pub admin_token_file: Option<PathBuf>,
-    #[serde(default, alias = "backends")]
-    pub backend: Vec<FileBackend>,
-    pub sim: Option<usize>,
-    pub sim_speedup: Option<f64>,
-    pub gossip_listen: Option<SocketAddr>,
-    pub gossip_advertise: Option<SocketAddr>,
-    #[serde(default, alias = "peers")]
-    pub peer: Vec<SocketAddr>,
-    pub node_id: Option<String>,
-    pub cluster_key_file: Option<PathBuf>,
-    pub gossip_probe_interval_ms: Option<u64>,
-    pub gossip_max_members: Option<usize>,
-    pub routing: Option<String>,
-    pub residency: Option<String>,
-    pub tokenizer: Option<PathBuf>,
-    pub chat_template: Option<PathBuf>,
-    pub block_size: Option<usize>,
-    pub cores: Option<String>,
-    pub shards: Option<usize>,
-    pub control_core: Option<usize>,
-    pub no_pin: Option<bool>,
-    pub max_body_bytes: Option<usize>,
-    pub max_body_buffer_bytes_per_core: Option<usize>,
-    pub max_connections_per_core: Option<usize>,
-    pub max_in_flight_per_core: Option<usize>,
-    pub max_model_len: Option<u64>,
-    pub retry_after_seconds: Option<u64>,
-    pub max_retries: Option<u32>,
-    pub retry_backoff_ms: Option<u64>,
-    pub connect_timeout_ms: Option<u64>,
-    pub body_read_timeout_ms: Option<u64>,
-    pub upstream_header_timeout_ms: Option<u64>,
-    pub upstream_response_timeout_ms: Option<u64>,
-    pub stream_idle_timeout_ms: Option<u64>,
-    pub engine_stall_ms: Option<u64>,
-    pub health_interval_ms: Option<u64>,
-    pub health_timeout_ms: Option<u64>,
-    pub health_path: Option<String>,
-    pub healthy_threshold: Option<u32>,
-    pub unhealthy_threshold: Option<u32>,
-    pub breaker_failures: Option<u32>,
-    pub breaker_open_ms: Option<u64>,
-    pub drain_timeout_ms: Option<u64>,
-    pub tokenize_cache_bytes: Option<usize>,
-    pub tokenize_prefix_bytes: Option<usize>,
-    pub tokenize_max_bytes: Option<usize>,
-    pub tokenize_max_piece_bytes: Option<usize>,
-    pub no_fast_tokenizer: Option<bool>,
-    pub load_bound_tokens: Option<u64>,
-    pub decode_step_tokens: Option<u64>,
-    pub engine_metrics_interval_ms: Option<u64>,
-    pub pending_resident_ms: Option<u64>,
-    pub max_prefix_homes: Option<u32>,
-    pub extra_prefill_percent: Option<u32>,
-    pub extra_prefill_ramp_percent: Option<u32>,
-    pub cost: Option<String>,
-    pub engine_step_tokens: Option<u32>,
-}
-
-/// A backend in the config file: a spec string or a table.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum FileBackend {
-    Spec(String),
-    Table {
-        url: String,
-        #[serde(rename = "kv-events", alias = "kv_events")]
-        kv_events: Option<String>,
-        #[serde(default, rename = "kv-replay", alias = "kv_replay")]
-        kv_replay: Option<String>,
-        /// KV-cache capacity in tokens (residency estimate), when the engine's metrics lack it.
-        #[serde(default, rename = "capacity-tokens", alias = "capacity_tokens")]
-        capacity_tokens: Option<u64>,
-    },
+#[cfg(test)]
+impl ServeArgs {
+    /// `myelin serve FLAGS` as parsed, no config file (tests).
+    pub(crate) fn from_flags(flags: &[&str]) -> ServeArgs {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: ServeArgs,
+        }
+        Cli::try_parse_from(std::iter::once("myelin").chain(flags.iter().copied()))
+            .unwrap()
+            .args
+    }
 }
 
 /// Health checking and circuit breaking settings.
@@ -546,6 +537,9 @@ pub struct ServeConfig {
 /// Why the configuration was rejected.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    /// A flag or variable clap refused (or `--help`, `--version`): `exit()` prints it.
+    #[error(transparent)]
+    Cli(#[from] clap::Error),
     #[error("reading config file {path}: {source}")]
     ReadFile {
         path: PathBuf,
@@ -556,6 +550,12 @@ pub enum ConfigError {
         path: PathBuf,
         source: toml::de::Error,
     },
+    #[error("config file {path}, key {key}: {message}")]
+    FileKey {
+        path: PathBuf,
+        key: String,
+        message: String,
+    },
     #[error(transparent)]
     Backend(#[from] BackendSpecError),
     #[error(transparent)]
@@ -564,24 +564,6 @@ pub enum ConfigError {
     NoBackends,
     #[error("{0}")]
     Gossip(String),
-    #[error("config file key cost: {0}")]
-    Cost(myelin_routing::ParseNameError),
-    #[error("config file key routing: {0}")]
-    Routing(myelin_routing::ParseNameError),
-    #[error("config file key residency: {0}")]
-    Residency(myelin_routing::ParseNameError),
-    #[error("config file key engine-step-tokens must be 1 to 1048576")]
-    EngineStepTokens,
-    #[error("config file key extra-prefill-percent must be 0 to 1000")]
-    ExtraPrefillPercent,
-    #[error("config file key extra-prefill-ramp-percent must be 0 to 100")]
-    ExtraPrefillRampPercent,
-    #[error("{0} must be at least 1")]
-    MustBePositive(&'static str),
-    #[error("--sim-speedup must be a positive number")]
-    SimSpeedup,
-    #[error("--health-path must start with `/`")]
-    HealthPath,
     #[error(
         "--admin-listen {0} is not a loopback address: give --admin-token-file PATH (a bearer \
          token) or listen on 127.0.0.1 / [::1]"
@@ -637,13 +619,6 @@ impl std::fmt::Display for AdminListen {
     }
 }
 
-impl<'de> Deserialize<'de> for AdminListen {
-    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        let text = String::deserialize(deserializer)?;
-        text.parse().map_err(serde::de::Error::custom)
-    }
-}
-
 /// The admin API's bearer token. Its `Debug` never shows it.
 #[derive(Clone, PartialEq, Eq)]
 pub struct AdminToken(String);
@@ -687,370 +662,252 @@ impl AdminToken {
     }
 }
 
-impl FileConfig {
-    /// Reads and parses a config file.
-    pub fn load(path: &Path) -> Result<FileConfig, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::ReadFile {
+/// Parses the command line of `C`, whose subcommand `serve` (or, with `subcommand` `None`,
+/// the command itself) takes [`ServeArgs`], with the keys of its `--config` file as the
+/// flags' defaults: a flag or a `MYELIN_*` variable still overrides a file value, and a file
+/// value is checked by the flag's own parser (an error names the file and the key).
+pub fn parse_command_line<C: clap::Parser>(
+    argv: impl IntoIterator<Item = impl Into<OsString>>,
+    subcommand: Option<&str>,
+) -> Result<C, ConfigError> {
+    let argv: Vec<OsString> = argv.into_iter().map(Into::into).collect();
+    let matches = C::command().try_get_matches_from(&argv)?;
+    let serve = match subcommand {
+        Some(name) => matches.subcommand_matches(name),
+        None => Some(&matches),
+    };
+    let Some(path) = serve.and_then(|serve| serve.get_one::<PathBuf>("config")) else {
+        return Ok(C::from_arg_matches(&matches)?);
+    };
+    let file = load_file(path)?;
+    let mut command = C::command();
+    let serve = match subcommand {
+        Some(name) => command
+            .find_subcommand_mut(name)
+            .expect("the subcommand just matched"),
+        None => &mut command,
+    };
+    *serve = with_file_defaults(std::mem::take(serve), &file, path)?;
+    Ok(C::from_arg_matches(&command.try_get_matches_from(&argv)?)?)
+}
+
+/// Reads and parses a config file.
+fn load_file(path: &Path) -> Result<toml::Table, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::ReadFile {
+        path: path.into(),
+        source,
+    })?;
+    toml::from_str(&text).map_err(|source| ConfigError::ParseFile {
+        path: path.into(),
+        source,
+    })
+}
+
+/// `command` with each key of `file` as the default of the flag of that name.
+fn with_file_defaults(
+    mut command: clap::Command,
+    file: &toml::Table,
+    path: &Path,
+) -> Result<clap::Command, ConfigError> {
+    for (key, value) in file {
+        let error = |message: String| ConfigError::FileKey {
             path: path.into(),
-            source,
-        })?;
-        toml::from_str(&text).map_err(|source| ConfigError::ParseFile {
-            path: path.into(),
-            source,
-        })
+            key: key.clone(),
+            message,
+        };
+        let arg = command
+            .get_arguments()
+            .filter(|arg| !arg.is_hide_set() && arg.get_id() != "config")
+            .find(|arg| {
+                arg.get_long() == Some(key.as_str())
+                    || arg
+                        .get_all_aliases()
+                        .is_some_and(|aliases| aliases.contains(&key.as_str()))
+            })
+            .ok_or_else(|| error("no flag of `myelin serve` has this name".into()))?;
+        let values = match (arg.get_action(), value) {
+            (clap::ArgAction::SetTrue, toml::Value::Boolean(flag)) => vec![flag.to_string()],
+            (clap::ArgAction::SetTrue, _) => return Err(error("takes true or false".into())),
+            (clap::ArgAction::Append, toml::Value::Array(items)) => items
+                .iter()
+                .map(|item| file_value(key, item))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(error)?,
+            (_, toml::Value::Array(_)) => return Err(error("takes one value, not a list".into())),
+            (_, value) => vec![file_value(key, value).map_err(error)?],
+        };
+        if !matches!(arg.get_action(), clap::ArgAction::SetTrue) {
+            for value in &values {
+                check_value(arg, value).map_err(error)?;
+            }
+        }
+        let id = arg.get_id().clone();
+        command = command.mut_arg(id, |arg| arg.default_values(values));
+    }
+    Ok(command)
+}
+
+/// Whether `value` is one `arg` accepts: the flag's own parser and bounds, given the value on
+/// a command line of that flag alone.
+fn check_value(arg: &clap::Arg, value: &str) -> Result<(), String> {
+    let long = arg.get_long().unwrap_or_default();
+    clap::Command::new("myelin serve")
+        .no_binary_name(true)
+        .arg(arg.clone())
+        .try_get_matches_from([format!("--{long}={value}")])
+        .map(drop)
+        .map_err(|clap_error| first_line(&clap_error))
+}
+
+/// A clap error's message, without its `error: ` and the hint after it.
+fn first_line(error: &clap::Error) -> String {
+    let text = error.to_string();
+    let line = text.lines().next().unwrap_or_default();
+    line.strip_prefix("error: ").unwrap_or(line).to_string()
+}
+
+/// One TOML value as the text a flag would be given. A table is a backend (`{ url = ...,
+/// kv-events = ... }`), written as a spec.
+fn file_value(key: &str, value: &toml::Value) -> Result<String, String> {
+    match value {
+        toml::Value::String(text) => Ok(text.clone()),
+        toml::Value::Integer(number) => Ok(number.to_string()),
+        toml::Value::Float(number) => Ok(number.to_string()),
+        toml::Value::Boolean(flag) => Ok(flag.to_string()),
+        toml::Value::Table(table) if key == "backend" || key == "backends" => backend_spec(table),
+        toml::Value::Table(_) => Err("takes a value, not a table".into()),
+        toml::Value::Array(_) => Err("takes a list of values, not of lists".into()),
+        toml::Value::Datetime(_) => Err("takes no date".into()),
     }
 }
 
-impl ServeConfig {
-    /// Resolves flags (already merged with the environment by clap) over the config file.
-    pub fn resolve(args: ServeArgs) -> Result<ServeConfig, ConfigError> {
-        let file = match &args.config {
-            Some(path) => FileConfig::load(path)?,
-            None => FileConfig::default(),
+/// A backend table as a `--backend` spec: `url` and any of `kv-events`, `kv-replay` and
+/// `capacity-tokens` (also written with `_`).
+fn backend_spec(table: &toml::Table) -> Result<String, String> {
+    let mut url = None;
+    let mut options = String::new();
+    for (name, value) in table {
+        let text = match value {
+            toml::Value::String(text) => text.clone(),
+            toml::Value::Integer(number) => number.to_string(),
+            _ => return Err(format!("backend key {name} takes a string or a number")),
         };
-        Self::merge(args, file, &online_cpus())
+        match name.replace('_', "-").as_str() {
+            "url" => url = Some(text),
+            option @ ("kv-events" | "kv-replay" | "capacity-tokens") => {
+                options.push_str(&format!(",{option}={text}"));
+            }
+            _ => {
+                return Err(format!(
+                    "backend key {name} is none of url, kv-events, kv-replay, capacity-tokens"
+                ));
+            }
+        }
+    }
+    let url = url.ok_or("a backend table needs a url")?;
+    Ok(format!("{url}{options}"))
+}
+
+impl ServeConfig {
+    /// The configuration `args` describe, on this machine's CPUs.
+    pub fn resolve(args: ServeArgs) -> Result<ServeConfig, ConfigError> {
+        Self::from_args(args, &online_cpus())
     }
 
-    /// Merges flags over a parsed file; `online` is the list of usable CPUs.
-    pub fn merge(
-        args: ServeArgs,
-        file: FileConfig,
-        online: &[usize],
-    ) -> Result<ServeConfig, ConfigError> {
-        let backends = if args.backends.is_empty() {
-            file.backend
-                .iter()
-                .map(|backend| match backend {
-                    FileBackend::Spec(spec) => BackendSpec::parse(spec),
-                    FileBackend::Table {
-                        url,
-                        kv_events,
-                        kv_replay,
-                        capacity_tokens,
-                    } => BackendSpec::from_parts(url, url, kv_events.clone(), kv_replay.clone())
-                        .and_then(|mut spec| {
-                            spec.capacity_tokens = match *capacity_tokens {
-                                Some(tokens) => Some(parse_capacity(url, &tokens.to_string())?),
-                                None => None,
-                            };
-                            Ok(spec)
-                        }),
-                })
-                .collect::<Result<Vec<_>, _>>()?
-        } else {
-            args.backends
-                .iter()
-                .map(|spec| BackendSpec::parse(spec))
-                .collect::<Result<Vec<_>, _>>()?
-        };
-        let sim = args.sim.or(file.sim).unwrap_or(0);
-        if backends.is_empty() && sim == 0 {
+    /// The configuration `args` describe; `online` is the list of usable CPUs. Checks what
+    /// spans several flags (each flag's own value was checked as it was parsed).
+    pub fn from_args(args: ServeArgs, online: &[usize]) -> Result<ServeConfig, ConfigError> {
+        let backends = args
+            .backends
+            .iter()
+            .map(|spec| BackendSpec::parse(spec))
+            .collect::<Result<Vec<_>, _>>()?;
+        if backends.is_empty() && args.sim == 0 {
             return Err(ConfigError::NoBackends);
         }
-        let cores = args.cores.or(file.cores);
-        let shards = args.shards.or(file.shards);
-        let control_core = args.control_core.or(file.control_core);
-        let no_pin = args.no_pin || file.no_pin.unwrap_or(false);
-        let layout = decide_layout(cores.as_deref(), shards, control_core, no_pin, online)?;
-
-        let positive_usize = |value: usize, name: &'static str| {
-            if value == 0 {
-                Err(ConfigError::MustBePositive(name))
-            } else {
-                Ok(value)
-            }
-        };
-        let positive_u32 = |value: u32, name: &'static str| {
-            if value == 0 {
-                Err(ConfigError::MustBePositive(name))
-            } else {
-                Ok(value)
-            }
-        };
-        let health_path = args
-            .health_path
-            .or(file.health_path)
-            .unwrap_or_else(|| Defaults::HEALTH_PATH.into());
-        if !health_path.starts_with('/') {
-            return Err(ConfigError::HealthPath);
-        }
-        let sim_speedup = args
-            .sim_speedup
-            .or(file.sim_speedup)
-            .unwrap_or(Defaults::SIM_SPEEDUP);
-        if !(sim_speedup.is_finite() && sim_speedup > 0.0) {
-            return Err(ConfigError::SimSpeedup);
-        }
-        let gossip = crate::cluster::resolve(
-            args.gossip,
-            crate::cluster::GossipFile {
-                gossip_listen: file.gossip_listen,
-                gossip_advertise: file.gossip_advertise,
-                peers: file.peer.clone(),
-                node_id: file.node_id.clone(),
-                cluster_key_file: file.cluster_key_file.clone(),
-                gossip_probe_interval_ms: file.gossip_probe_interval_ms,
-                gossip_max_members: file.gossip_max_members,
-            },
-        )
-        .map_err(ConfigError::Gossip)?;
-        let millis = Duration::from_millis;
-        let listen = match args.listen.or(file.listen) {
-            Some(listen) => listen,
-            None => SocketAddr::from(([0, 0, 0, 0], 8080)),
-        };
-        let admin_listen = args
-            .admin_listen
-            .or(file.admin_listen)
-            .unwrap_or_else(|| AdminListen::Tcp(SocketAddr::from(([127, 0, 0, 1], 9090))));
-        let admin_token = match args.admin_token_file.or(file.admin_token_file) {
-            Some(path) => Some(AdminToken::from_file(&path)?),
+        let layout = decide_layout(
+            args.cores.as_deref(),
+            args.shards,
+            args.control_core,
+            args.no_pin,
+            online,
+        )?;
+        let gossip = crate::cluster::resolve(args.gossip).map_err(ConfigError::Gossip)?;
+        let admin_token = match &args.admin_token_file {
+            Some(path) => Some(AdminToken::from_file(path)?),
             None => None,
         };
-        if let AdminListen::Tcp(addr) = admin_listen
+        if let AdminListen::Tcp(addr) = args.admin_listen
             && admin_token.is_none()
             && !addr.ip().is_loopback()
         {
             return Err(ConfigError::AdminTokenRequired(addr));
         }
+        let millis = Duration::from_millis;
         Ok(ServeConfig {
-            listen,
-            metrics_listen: args.metrics_listen.or(file.metrics_listen),
-            metrics_on_client_port: args.metrics_on_client_port
-                || file.metrics_on_client_port.unwrap_or(false),
-            decision_trace: args.decision_trace || file.decision_trace.unwrap_or(false),
-            admin_listen,
+            listen: args.listen,
+            metrics_listen: args.metrics_listen,
+            metrics_on_client_port: args.metrics_on_client_port,
+            decision_trace: args.decision_trace,
+            admin_listen: args.admin_listen,
             admin_token,
             backends,
-            sim,
-            sim_speedup,
+            sim: args.sim,
+            sim_speedup: args.sim_speedup,
             gossip,
-            routing: match (args.routing, &file.routing) {
-                (Some(policy), _) => policy,
-                (None, Some(name)) => name.parse().map_err(ConfigError::Routing)?,
-                (None, None) => Policy::Prefix,
-            },
-            residency: match (args.residency, &file.residency) {
-                (Some(mode), _) => mode,
-                (None, Some(name)) => name.parse().map_err(ConfigError::Residency)?,
-                (None, None) => ResidencyMode::Auto,
-            },
-            tokenizer: args.tokenizer.or(file.tokenizer),
-            chat_template: args.chat_template.or(file.chat_template),
-            block_size: positive_usize(
-                args.block_size
-                    .or(file.block_size)
-                    .unwrap_or(Defaults::BLOCK_SIZE_TOKENS),
-                "--block-size",
-            )?,
+            routing: args.routing,
+            residency: args.residency,
+            tokenizer: args.tokenizer,
+            chat_template: args.chat_template,
+            block_size: args.block_size,
             layout,
-            max_body_bytes: positive_usize(
-                args.max_body_bytes
-                    .or(file.max_body_bytes)
-                    .unwrap_or(Defaults::MAX_BODY_BYTES),
-                "--max-body-bytes",
-            )?,
-            max_body_buffer_bytes_per_core: positive_usize(
-                args.max_body_buffer_bytes_per_core
-                    .or(file.max_body_buffer_bytes_per_core)
-                    .unwrap_or(Defaults::MAX_BODY_BUFFER_BYTES_PER_CORE),
-                "--max-body-buffer-bytes-per-core",
-            )?,
-            max_connections_per_core: positive_usize(
-                args.max_connections_per_core
-                    .or(file.max_connections_per_core)
-                    .unwrap_or(Defaults::MAX_CONNECTIONS_PER_CORE),
-                "--max-connections-per-core",
-            )?,
-            max_in_flight_per_core: positive_usize(
-                args.max_in_flight_per_core
-                    .or(file.max_in_flight_per_core)
-                    .unwrap_or(Defaults::MAX_IN_FLIGHT_PER_CORE),
-                "--max-in-flight-per-core",
-            )?,
-            max_model_len: match args.max_model_len.or(file.max_model_len) {
-                Some(0) => return Err(ConfigError::MustBePositive("--max-model-len")),
-                other => other,
-            },
-            retry_after_seconds: args
-                .retry_after_seconds
-                .or(file.retry_after_seconds)
-                .unwrap_or(Defaults::RETRY_AFTER_SECONDS),
-            max_retries: args
-                .max_retries
-                .or(file.max_retries)
-                .unwrap_or(Defaults::MAX_RETRIES),
-            retry_backoff: millis(
-                args.retry_backoff_ms
-                    .or(file.retry_backoff_ms)
-                    .unwrap_or(Defaults::RETRY_BACKOFF_MS),
-            ),
-            connect_timeout: millis(
-                args.connect_timeout_ms
-                    .or(file.connect_timeout_ms)
-                    .unwrap_or(Defaults::CONNECT_TIMEOUT_MS)
-                    .max(1),
-            ),
-            body_read_timeout: millis(
-                args.body_read_timeout_ms
-                    .or(file.body_read_timeout_ms)
-                    .unwrap_or(Defaults::BODY_READ_TIMEOUT_MS)
-                    .max(1),
-            ),
-            upstream_header_timeout: millis(
-                args.upstream_header_timeout_ms
-                    .or(file.upstream_header_timeout_ms)
-                    .unwrap_or(Defaults::UPSTREAM_HEADER_TIMEOUT_MS)
-                    .max(1),
-            ),
-            upstream_response_timeout: millis(
-                args.upstream_response_timeout_ms
-                    .or(file.upstream_response_timeout_ms)
-                    .unwrap_or(Defaults::UPSTREAM_RESPONSE_TIMEOUT_MS)
-                    .max(1),
-            ),
-            stream_idle_timeout: millis(
-                args.stream_idle_timeout_ms
-                    .or(file.stream_idle_timeout_ms)
-                    .unwrap_or(Defaults::STREAM_IDLE_TIMEOUT_MS)
-                    .max(1),
-            ),
-            engine_stall: Some(
-                args.engine_stall_ms
-                    .or(file.engine_stall_ms)
-                    .unwrap_or(Defaults::ENGINE_STALL_MS),
-            )
-            .filter(|&ms| ms > 0)
-            .map(millis),
+            max_body_bytes: args.max_body_bytes,
+            max_body_buffer_bytes_per_core: args.max_body_buffer_bytes_per_core,
+            max_connections_per_core: args.max_connections_per_core,
+            max_in_flight_per_core: args.max_in_flight_per_core,
+            max_model_len: args.max_model_len,
+            retry_after_seconds: args.retry_after_seconds,
+            max_retries: args.max_retries,
+            retry_backoff: millis(args.retry_backoff_ms),
+            connect_timeout: millis(args.connect_timeout_ms),
+            body_read_timeout: millis(args.body_read_timeout_ms),
+            upstream_header_timeout: millis(args.upstream_header_timeout_ms),
+            upstream_response_timeout: millis(args.upstream_response_timeout_ms),
+            stream_idle_timeout: millis(args.stream_idle_timeout_ms),
+            engine_stall: (args.engine_stall_ms > 0).then(|| millis(args.engine_stall_ms)),
             health: HealthConfig {
-                interval: millis(
-                    args.health_interval_ms
-                        .or(file.health_interval_ms)
-                        .unwrap_or(Defaults::HEALTH_INTERVAL_MS)
-                        .max(10),
-                ),
-                timeout: millis(
-                    args.health_timeout_ms
-                        .or(file.health_timeout_ms)
-                        .unwrap_or(Defaults::HEALTH_TIMEOUT_MS)
-                        .max(1),
-                ),
-                path: health_path,
-                healthy_threshold: positive_u32(
-                    args.healthy_threshold
-                        .or(file.healthy_threshold)
-                        .unwrap_or(Defaults::HEALTHY_THRESHOLD),
-                    "--healthy-threshold",
-                )?,
-                unhealthy_threshold: positive_u32(
-                    args.unhealthy_threshold
-                        .or(file.unhealthy_threshold)
-                        .unwrap_or(Defaults::UNHEALTHY_THRESHOLD),
-                    "--unhealthy-threshold",
-                )?,
-                breaker_failures: positive_u32(
-                    args.breaker_failures
-                        .or(file.breaker_failures)
-                        .unwrap_or(Defaults::BREAKER_FAILURES),
-                    "--breaker-failures",
-                )?,
-                breaker_open: millis(
-                    args.breaker_open_ms
-                        .or(file.breaker_open_ms)
-                        .unwrap_or(Defaults::BREAKER_OPEN_MS),
-                ),
+                interval: millis(args.health_interval_ms),
+                timeout: millis(args.health_timeout_ms),
+                path: args.health_path,
+                healthy_threshold: args.healthy_threshold,
+                unhealthy_threshold: args.unhealthy_threshold,
+                breaker_failures: args.breaker_failures,
+                breaker_open: millis(args.breaker_open_ms),
             },
-            drain_timeout: millis(
-                args.drain_timeout_ms
-                    .or(file.drain_timeout_ms)
-                    .unwrap_or(Defaults::DRAIN_TIMEOUT_MS),
-            ),
-            tokenize_cache_bytes: args
-                .tokenize_cache_bytes
-                .or(file.tokenize_cache_bytes)
-                .unwrap_or(Defaults::TOKENIZE_CACHE_BYTES),
-            tokenize_prefix_bytes: args
-                .tokenize_prefix_bytes
-                .or(file.tokenize_prefix_bytes)
-                .unwrap_or(Defaults::TOKENIZE_PREFIX_BYTES),
-            tokenize_max_bytes: args
-                .tokenize_max_bytes
-                .or(file.tokenize_max_bytes)
-                .unwrap_or(Defaults::TOKENIZE_MAX_BYTES),
-            tokenize_max_piece_bytes: args
-                .tokenize_max_piece_bytes
-                .or(file.tokenize_max_piece_bytes)
-                .unwrap_or(Defaults::TOKENIZE_MAX_PIECE_BYTES),
-            fast_tokenizer: !(args.no_fast_tokenizer || file.no_fast_tokenizer.unwrap_or(false)),
-            load_bound_tokens: args
-                .load_bound_tokens
-                .or(file.load_bound_tokens)
-                .unwrap_or(Defaults::LOAD_BOUND_TOKENS),
-            decode_step_tokens: args
-                .decode_step_tokens
-                .or(file.decode_step_tokens)
-                .unwrap_or(Defaults::DECODE_STEP_TOKENS),
-            engine_metrics_interval: Duration::from_millis(
-                args.engine_metrics_interval_ms
-                    .or(file.engine_metrics_interval_ms)
-                    .unwrap_or(Defaults::ENGINE_METRICS_INTERVAL_MS)
-                    .max(10),
-            ),
-            pending_resident_ms: args
-                .pending_resident_ms
-                .or(file.pending_resident_ms)
-                .unwrap_or(Defaults::PENDING_RESIDENT_MS),
-            max_prefix_homes: args
-                .max_prefix_homes
-                .or(file.max_prefix_homes)
-                .unwrap_or(Defaults::MAX_PREFIX_HOMES),
-            extra_prefill_percent: within(
-                args.extra_prefill_percent.or(file.extra_prefill_percent),
-                0..=1000,
-                myelin_routing::DEFAULT_EXTRA_PREFILL_PERCENT,
-                ConfigError::ExtraPrefillPercent,
-            )?,
-            extra_prefill_ramp_percent: within(
-                args.extra_prefill_ramp_percent
-                    .or(file.extra_prefill_ramp_percent),
-                0..=100,
-                myelin_routing::DEFAULT_EXTRA_PREFILL_RAMP_PERCENT,
-                ConfigError::ExtraPrefillRampPercent,
-            )?,
-
-            cost: match (args.cost, &file.cost) {
-                (Some(cost), _) => cost,
-                (None, Some(name)) => name.parse().map_err(ConfigError::Cost)?,
-                (None, None) => myelin_routing::CostModel::default(),
-            },
-            engine_step_tokens: within(
-                args.engine_step_tokens.or(file.engine_step_tokens),
-                1..=1_048_576,
-                Defaults::ENGINE_STEP_TOKENS,
-                ConfigError::EngineStepTokens,
-            )?,
-            fault_drop_control_messages: args.fault_drop_control_messages.unwrap_or(0),
+            drain_timeout: millis(args.drain_timeout_ms),
+            tokenize_cache_bytes: args.tokenize_cache_bytes,
+            tokenize_prefix_bytes: args.tokenize_prefix_bytes,
+            tokenize_max_bytes: args.tokenize_max_bytes,
+            tokenize_max_piece_bytes: args.tokenize_max_piece_bytes,
+            fast_tokenizer: !args.no_fast_tokenizer,
+            load_bound_tokens: args.load_bound_tokens,
+            decode_step_tokens: args.decode_step_tokens,
+            engine_metrics_interval: millis(args.engine_metrics_interval_ms),
+            pending_resident_ms: args.pending_resident_ms,
+            max_prefix_homes: args.max_prefix_homes,
+            extra_prefill_percent: args.extra_prefill_percent,
+            extra_prefill_ramp_percent: args.extra_prefill_ramp_percent,
+            cost: args.cost,
+            engine_step_tokens: args.engine_step_tokens,
+            fault_drop_control_messages: args.fault_drop_control_messages,
         })
-    }
-}
-
-/// `value` (flag or file key), or `default` when neither gave one; `error` when out of `range`.
-fn within(
-    value: Option<u32>,
-    range: std::ops::RangeInclusive<u32>,
-    default: u32,
-    error: ConfigError,
-) -> Result<u32, ConfigError> {
-    match value {
-        Some(value) if !range.contains(&value) => Err(error),
-        value => Ok(value.unwrap_or(default)),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
+    use clap::{CommandFactory, Parser};
 
     #[derive(Parser)]
     struct TestCli {
@@ -1058,36 +915,58 @@ mod tests {
         args: ServeArgs,
     }
 
-    fn parse(flags: &[&str]) -> ServeArgs {
-        let mut argv = vec!["myelin"];
-        argv.extend_from_slice(flags);
-        TestCli::try_parse_from(argv).unwrap().args
+    /// `flags` over the config file `text` (none when `None`), as `myelin serve` parses them.
+    fn parse_over(flags: &[&str], text: Option<&str>) -> Result<ServeArgs, ConfigError> {
+        let mut argv = vec!["myelin".to_string()];
+        argv.extend(flags.iter().map(|flag| flag.to_string()));
+        let dir = std::env::temp_dir().join(format!(
+            "myelin-config-{}-{}",
+            std::process::id(),
+            std::thread::current()
+                .name()
+                .unwrap_or("t")
+                .replace("::", "-")
+        ));
+        if let Some(text) = text {
+            std::fs::create_dir_all(&dir).unwrap();
+            let path = dir.join("myelin.toml");
+            std::fs::write(&path, text).unwrap();
+            argv.extend(["--config".to_string(), path.display().to_string()]);
+        }
+        let parsed = parse_command_line::<TestCli>(argv, None).map(|cli| cli.args);
+        std::fs::remove_dir_all(&dir).ok();
+        parsed
     }
 
-    fn file(text: &str) -> FileConfig {
-        toml::from_str(text).unwrap()
+    fn parse(flags: &[&str]) -> ServeArgs {
+        ServeArgs::from_flags(flags)
     }
 
     /// One backend, then `flags`, over the config file `text`.
     fn merge(flags: &[&str], text: &str) -> Result<ServeConfig, ConfigError> {
         let mut argv = vec!["--backend", "http://a:1"];
         argv.extend_from_slice(flags);
-        ServeConfig::merge(parse(&argv), file(text), &[0])
+        ServeConfig::from_args(parse_over(&argv, Some(text))?, &[0])
+    }
+
+    /// The key and message of a config-file error.
+    fn file_error(result: Result<ServeConfig, ConfigError>) -> (String, String) {
+        match result {
+            Err(ConfigError::FileKey { key, message, .. }) => (key, message),
+            other => panic!("not a file key error: {other:?}"),
+        }
     }
 
     #[test]
     fn defaults() {
-        let config = ServeConfig::merge(
-            parse(&["--backend", "http://a:1"]),
-            FileConfig::default(),
-            &[0, 1, 2],
-        )
-        .unwrap();
-        assert_eq!(config.listen.to_string(), Defaults::LISTEN);
-        assert_eq!(config.admin_listen.to_string(), Defaults::ADMIN_LISTEN);
+        let config =
+            ServeConfig::from_args(parse(&["--backend", "http://a:1"]), &[0, 1, 2]).unwrap();
+        assert_eq!(config.listen.to_string(), "0.0.0.0:8080");
+        assert_eq!(config.admin_listen.to_string(), "127.0.0.1:9090");
         assert_eq!(config.admin_token, None);
         assert_eq!(config.routing, Policy::Prefix);
         assert_eq!(config.residency, ResidencyMode::Auto);
+        assert_eq!(config.cost, CostModel::default());
         assert_eq!(config.block_size, 16);
         assert_eq!(config.layout.data_cpus, vec![Some(1), Some(2)]);
         assert_eq!(config.layout.control_cpu, Some(0));
@@ -1097,21 +976,37 @@ mod tests {
         assert_eq!(config.upstream_response_timeout, Duration::from_secs(600));
         assert_eq!(config.stream_idle_timeout, Duration::from_secs(60));
         assert_eq!(config.engine_stall, Some(Duration::from_secs(30)));
+        assert_eq!(config.tokenize_cache_bytes, DEFAULT_TOKENIZE_CACHE_BYTES);
+        assert_eq!(config.extra_prefill_percent, 100);
+        assert_eq!(config.extra_prefill_ramp_percent, 25);
+        assert_eq!(config.engine_step_tokens, 2048);
+        assert!(config.fast_tokenizer && !config.decision_trace && config.gossip.is_none());
+        assert_eq!(config.fault_drop_control_messages, 0);
+        assert_eq!(
+            merge(&["--engine-stall-ms", "0"], "").unwrap().engine_stall,
+            None
+        );
     }
 
     #[test]
     fn flags_override_file() {
-        let config = ServeConfig::merge(
-            parse(&["--routing", "least-load", "--shards", "2"]),
-            file(
-                r#"
-                listen = "127.0.0.1:9000"
-                routing = "round-robin"
-                residency = "verified"
-                backend = ["http://a:1", { url = "http://b:2", kv-events = "tcp://b:5557" }]
-                max-body-bytes = 1000
-                "#,
-            ),
+        let config = ServeConfig::from_args(
+            parse_over(
+                &["--routing", "least-load", "--shards", "2"],
+                Some(
+                    r#"
+                    listen = "127.0.0.1:9000"
+                    routing = "round-robin"
+                    residency = "verified"
+                    backend = ["http://a:1", { url = "http://b:2", kv-events = "tcp://b:5557" }]
+                    max-body-bytes = 1000
+                    sim-speedup = 2.5
+                    no-pin = true
+                    decision-trace = true
+                    "#,
+                ),
+            )
+            .unwrap(),
             &[0],
         )
         .unwrap();
@@ -1119,12 +1014,21 @@ mod tests {
         assert_eq!(config.residency, ResidencyMode::Verified);
         assert_eq!(config.listen.to_string(), "127.0.0.1:9000");
         assert_eq!(config.max_body_bytes, 1000);
+        assert_eq!(config.sim_speedup, 2.5);
+        assert!(config.decision_trace);
         assert_eq!(config.backends.len(), 2);
         assert_eq!(
             config.backends[1].kv_events.as_deref(),
             Some("tcp://b:5557")
         );
         assert_eq!(config.layout.shard_count(), 2);
+        // A boolean key can say false, and the flag still turns it on.
+        assert!(!merge(&[], "decision-trace = false").unwrap().decision_trace);
+        assert!(
+            merge(&["--decision-trace"], "decision-trace = false")
+                .unwrap()
+                .decision_trace
+        );
     }
 
     #[test]
@@ -1140,13 +1044,17 @@ mod tests {
             (config.routing, config.residency),
             (Policy::RoundRobin, ResidencyMode::Off)
         );
-        let error = merge(&[], "routing = \"fastest\"").unwrap_err();
-        assert!(matches!(error, ConfigError::Routing(_)), "{error}");
-        assert!(error.to_string().contains("routing") && error.to_string().contains("fastest"));
-        let error = merge(&[], "residency = \"maybe\"").unwrap_err();
-        assert!(matches!(error, ConfigError::Residency(_)), "{error}");
-        let argv = ["myelin", "--routing", "fastest", "--backend", "http://a:1"];
-        let Err(error) = TestCli::try_parse_from(argv) else {
+        let (key, message) = file_error(merge(&[], "routing = \"fastest\""));
+        assert_eq!(key, "routing");
+        assert!(
+            message.contains("fastest") && message.contains("least-load"),
+            "{message}"
+        );
+        let (key, _) = file_error(merge(&[], "residency = \"maybe\""));
+        assert_eq!(key, "residency");
+        let (key, _) = file_error(merge(&[], "cost = \"cheapest\""));
+        assert_eq!(key, "cost");
+        let Err(ConfigError::Cli(error)) = parse_over(&["--routing", "fastest"], None) else {
             panic!("--routing fastest parsed");
         };
         let error = error.to_string();
@@ -1154,60 +1062,88 @@ mod tests {
     }
 
     #[test]
-    fn extra_prefill_charge_from_defaults_file_and_flags_within_bounds() {
-        assert_eq!(merge(&[], "").unwrap().extra_prefill_percent, 100);
+    fn bounds_hold_for_flags_and_file_keys_alike() {
         let text = "extra-prefill-percent = 250";
         assert_eq!(merge(&[], text).unwrap().extra_prefill_percent, 250);
         let config = merge(&["--extra-prefill-percent", "0"], text).unwrap();
         assert_eq!(config.extra_prefill_percent, 0);
-        assert!(matches!(
-            merge(&[], "extra-prefill-percent = 5000"),
-            Err(ConfigError::ExtraPrefillPercent)
-        ));
-        let mut argv = vec!["myelin", "--extra-prefill-percent", "1001"];
-        argv.extend(["--backend", "http://a:1"]);
-        assert!(TestCli::try_parse_from(argv).is_err());
-
-        assert_eq!(merge(&[], "").unwrap().extra_prefill_ramp_percent, 25);
-        let text = "extra-prefill-ramp-percent = 40";
-        assert_eq!(merge(&[], text).unwrap().extra_prefill_ramp_percent, 40);
-        let config = merge(&["--extra-prefill-ramp-percent", "0"], text).unwrap();
-        assert_eq!(config.extra_prefill_ramp_percent, 0);
-        assert!(matches!(
-            merge(&[], "extra-prefill-ramp-percent = 101"),
-            Err(ConfigError::ExtraPrefillRampPercent)
-        ));
-        let mut argv = vec!["myelin", "--extra-prefill-ramp-percent", "101"];
-        argv.extend(["--backend", "http://a:1"]);
-        assert!(TestCli::try_parse_from(argv).is_err());
+        for (text, key) in [
+            ("extra-prefill-percent = 5000", "extra-prefill-percent"),
+            (
+                "extra-prefill-ramp-percent = 101",
+                "extra-prefill-ramp-percent",
+            ),
+            ("engine-step-tokens = 0", "engine-step-tokens"),
+            ("block-size = 0", "block-size"),
+            ("max-in-flight-per-core = -1", "max-in-flight-per-core"),
+            ("sim-speedup = 0", "sim-speedup"),
+            ("health-path = \"health\"", "health-path"),
+            ("health-interval-ms = 5", "health-interval-ms"),
+            ("gossip-max-members = 1", "gossip-max-members"),
+        ] {
+            let (got, message) = file_error(merge(&[], text));
+            assert_eq!(got, key, "{text}: {message}");
+        }
+        for flags in [
+            ["--extra-prefill-percent", "1001"],
+            ["--extra-prefill-ramp-percent", "101"],
+            ["--block-size", "0"],
+            ["--sim-speedup", "inf"],
+            ["--health-path", "health"],
+        ] {
+            assert!(
+                matches!(parse_over(&flags, None), Err(ConfigError::Cli(_))),
+                "{flags:?}"
+            );
+        }
     }
 
     #[test]
     fn flag_backends_replace_file_backends() {
-        let config = ServeConfig::merge(
-            parse(&["--backend", "http://x:1;http://y:2", "--shards", "1"]),
-            file(r#"backend = ["http://a:1"]"#),
+        let config = ServeConfig::from_args(
+            parse_over(
+                &["--backend", "http://x:1;http://y:2", "--shards", "1"],
+                Some(r#"backend = ["http://a:1"]"#),
+            )
+            .unwrap(),
             &[0],
         )
         .unwrap();
         let urls: Vec<_> = config.backends.iter().map(|b| b.url.as_str()).collect();
         assert_eq!(urls, ["http://x:1", "http://y:2"]);
+        // The file's list alone, tables included, under either spelling of the key.
+        let text = "backends = [{ url = \"http://b:2\", kv-events = \"tcp://b:5557\", \
+                    kv_replay = \"tcp://b:5558\", capacity-tokens = 4096 }]";
+        let config = ServeConfig::from_args(parse_over(&[], Some(text)).unwrap(), &[0]).unwrap();
+        assert_eq!(config.backends[0].url, "http://b:2");
+        assert_eq!(
+            config.backends[0].kv_replay.as_deref(),
+            Some("tcp://b:5558")
+        );
+        assert_eq!(config.backends[0].capacity_tokens, Some(4096));
     }
 
     #[test]
-    fn rejects_unknown_file_keys_and_missing_backends() {
-        assert!(toml::from_str::<FileConfig>("lisen = \"x\"").is_err());
+    fn rejects_unknown_hidden_and_misshapen_file_keys_and_missing_backends() {
+        for (text, needle) in [
+            ("lisen = \"x\"", "no flag"),
+            ("config = \"other.toml\"", "no flag"),
+            ("fault-drop-control-messages = 3", "no flag"),
+            ("listen = [\"127.0.0.1:1\"]", "not a list"),
+            ("listen = { url = \"x\" }", "not a table"),
+            ("backend = [{ url = \"http://a:1\", weight = 2 }]", "weight"),
+            ("backend = [{ kv-events = \"tcp://a:1\" }]", "needs a url"),
+        ] {
+            let (_, message) = file_error(merge(&[], text));
+            assert!(message.contains(needle), "{text}: {message}");
+        }
         assert!(matches!(
-            ServeConfig::merge(parse(&[]), FileConfig::default(), &[0]),
-            Err(ConfigError::NoBackends)
+            merge(&[], "listen = "),
+            Err(ConfigError::ParseFile { .. })
         ));
         assert!(matches!(
-            ServeConfig::merge(
-                parse(&["--backend", "http://a:1", "--health-path", "health"]),
-                FileConfig::default(),
-                &[0]
-            ),
-            Err(ConfigError::HealthPath)
+            ServeConfig::from_args(parse(&[]), &[0]),
+            Err(ConfigError::NoBackends)
         ));
     }
 
@@ -1216,7 +1152,7 @@ mod tests {
         let merge = |flags: &[&str]| {
             let mut all = vec!["--backend", "http://a:1", "--shards", "1"];
             all.extend_from_slice(flags);
-            ServeConfig::merge(parse(&all), FileConfig::default(), &[0])
+            ServeConfig::from_args(parse_over(&all, None)?, &[0])
         };
         assert!(merge(&["--admin-listen", "[::1]:0"]).is_ok());
         // A Unix socket is local: no token needed.
@@ -1229,10 +1165,10 @@ mod tests {
         for bad in ["unix:", "localhost", &format!("unix:/{}", "a".repeat(120))] {
             assert!(bad.parse::<AdminListen>().is_err(), "{bad}");
         }
-        let file: FileConfig = toml::from_str(r#"admin-listen = "unix:/run/m.sock""#).unwrap();
+        let from_file = parse_over(&[], Some(r#"admin-listen = "unix:/run/m.sock""#)).unwrap();
         assert_eq!(
-            file.admin_listen,
-            Some(AdminListen::Unix("/run/m.sock".into()))
+            from_file.admin_listen,
+            AdminListen::Unix("/run/m.sock".into())
         );
         let error = merge(&["--admin-listen", "0.0.0.0:9090"]).unwrap_err();
         assert!(matches!(error, ConfigError::AdminTokenRequired(_)));
@@ -1271,9 +1207,46 @@ mod tests {
 
     #[test]
     fn sim_alone_is_enough() {
-        let config =
-            ServeConfig::merge(parse(&["--sim", "2"]), FileConfig::default(), &[0]).unwrap();
+        let config = ServeConfig::from_args(parse(&["--sim", "2"]), &[0]).unwrap();
         assert_eq!(config.sim, 2);
         assert!(config.backends.is_empty());
+    }
+
+    /// docs/reference/flags.md lists every flag with the default its definition gives (the
+    /// definition in [`ServeArgs`] is the one source; this keeps the page in step with it).
+    #[test]
+    fn the_flags_page_lists_every_flag_with_its_default() {
+        let page = std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/reference/flags.md"),
+        )
+        .unwrap();
+        let command = TestCli::command();
+        for arg in command.get_arguments().filter(|arg| !arg.is_hide_set()) {
+            let Some(long) = arg.get_long() else { continue };
+            if long == "help" {
+                continue;
+            }
+            let row = page
+                .lines()
+                .find(|line| {
+                    line.strip_prefix(&format!("| `--{long}"))
+                        .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('`'))
+                })
+                .unwrap_or_else(|| panic!("docs/reference/flags.md has no row for --{long}"));
+            let defaults = arg.get_default_values();
+            if matches!(arg.get_action(), clap::ArgAction::SetTrue) || defaults.is_empty() {
+                continue;
+            }
+            let default = defaults[0].to_string_lossy();
+            let cells: Vec<String> = row
+                .split('|')
+                .map(|cell| cell.trim().trim_matches('`').to_string())
+                .collect();
+            assert!(
+                cells.iter().any(|cell| *cell == default),
+                "docs/reference/flags.md: the row of --{long} does not give its default \
+                 {default}: {row}"
+            );
+        }
     }
 }

@@ -715,7 +715,7 @@ pub(crate) fn sent_memory(
 pub(crate) mod tests {
     use super::*;
     use crate::backend_spec::BackendSpec;
-    use crate::config::{FileConfig, ServeArgs};
+    use crate::config::ServeArgs;
     use myelin_routing::Policy;
 
     fn shard(routing: Policy, shards: usize) -> RoutingShard {
@@ -724,24 +724,25 @@ pub(crate) mod tests {
 
     /// A data core's routing state (one of `shards` cores) over backends `0..backends`, all up.
     pub(crate) fn shard_over(routing: Policy, shards: usize, backends: u32) -> RoutingShard {
-        let args = ServeArgs {
-            routing: Some(routing),
-            shards: Some(shards),
-            ..ServeArgs::default()
-        };
-        shard_from(args, shards, backends, "")
+        let shard_count = shards.to_string();
+        let args = ["--routing", routing.as_str(), "--shards", &shard_count];
+        shard_from(&args, shards, backends, "")
     }
 
-    /// [`shard_over`] configured by `args`, every backend spec ending in `spec_options`
+    /// [`shard_over`] configured by `flags`, every backend spec ending in `spec_options`
     /// (`",capacity-tokens=N"`).
     fn shard_from(
-        mut args: ServeArgs,
+        flags: &[&str],
         shards: usize,
         backends: u32,
         spec_options: &str,
     ) -> RoutingShard {
-        args.backends = vec!["http://a:1".into()];
-        let config = ServeConfig::merge(args, FileConfig::default(), &[0]).unwrap();
+        let flags: Vec<&str> = ["--backend", "http://a:1"]
+            .iter()
+            .chain(flags)
+            .copied()
+            .collect();
+        let config = ServeConfig::from_args(ServeArgs::from_flags(&flags), &[0]).unwrap();
         let mut shard = RoutingShard::new(&config, shards, Instant::now()).unwrap();
         for id in 0..backends {
             shard.add_backend(&BackendInfo {
@@ -779,13 +780,8 @@ pub(crate) mod tests {
     /// [`shard_over`] with the cost in tokens (`--cost tokens`), whose KV-memory rules the
     /// tests below check.
     fn tokens_shard(spec_options: &str) -> RoutingShard {
-        let args = ServeArgs {
-            routing: Some(Policy::Prefix),
-            shards: Some(1),
-            cost: Some(myelin_routing::CostModel::Tokens),
-            ..ServeArgs::default()
-        };
-        shard_from(args, 1, 3, spec_options)
+        let args = ["--routing", "prefix", "--shards", "1", "--cost", "tokens"];
+        shard_from(&args, 1, 3, spec_options)
     }
 
     #[test]
@@ -842,12 +838,8 @@ pub(crate) mod tests {
         // The default cost: three 8,000-token requests in flight on backend 0 (24,000 tokens
         // pinned, 600 of output so far) leave no room for a 9,000-token prompt among 32,768;
         // backend 1 runs five short ones. Scored in tokens both loads are within the bound.
-        let args = ServeArgs {
-            routing: Some(Policy::Prefix),
-            shards: Some(1),
-            ..ServeArgs::default()
-        };
-        let mut shard = shard_from(args, 1, 2, ",capacity-tokens=32768");
+        let args = ["--routing", "prefix", "--shards", "1"];
+        let mut shard = shard_from(&args, 1, 2, ",capacity-tokens=32768");
         let long = |requests, pinned_prompt_tokens| Load {
             requests,
             tokens: u64::from(requests) * 400,
@@ -878,12 +870,8 @@ pub(crate) mod tests {
 
     #[test]
     fn a_scrape_taken_while_the_engine_was_full_does_not_outlive_the_requests_that_filled_it() {
-        let args = ServeArgs {
-            routing: Some(Policy::Prefix),
-            shards: Some(1),
-            ..ServeArgs::default()
-        };
-        let mut shard = shard_from(args, 1, 1, ",capacity-tokens=10000");
+        let args = ["--routing", "prefix", "--shards", "1"];
+        let mut shard = shard_from(&args, 1, 1, ",capacity-tokens=10000");
         let prompt: Vec<u32> = (0..3900).collect();
         let query = shard.query(&prompt);
         let answer = shard.lookup(&query);
@@ -1068,13 +1056,9 @@ pub(crate) mod tests {
 
     #[test]
     fn estimate_stamps_learns_with_the_admitted_counter_and_learns_from_reuse_reports() {
-        let args = ServeArgs {
-            residency: Some(ResidencyMode::Estimate),
-            // The estimate alone: a prefix routed moments ago would count as pending resident.
-            pending_resident_ms: Some(0),
-            ..ServeArgs::default()
-        };
-        let mut shard = shard_from(args, 2, 2, ",capacity-tokens=10000");
+        // The estimate alone: a prefix routed moments ago would count as pending resident.
+        let args = ["--residency", "estimate", "--pending-resident-ms", "0"];
+        let mut shard = shard_from(&args, 2, 2, ",capacity-tokens=10000");
         let admitted = |tokens| Load {
             admitted_tokens: tokens,
             ..Load::default()

@@ -15,7 +15,7 @@ use clap::{Args, ValueEnum};
 use serde_json::json;
 
 use crate::TokenizerParts;
-use crate::config::Defaults;
+use crate::config::DEFAULT_TOKENIZE_CACHE_BYTES;
 use crate::openai::{Endpoint, parse_generation_request};
 use crate::route_tokens::RouteTokenizer;
 
@@ -97,7 +97,7 @@ pub fn run(args: TokenizeArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         parts.fast,
         Arc::clone(&parts.template),
         parts.added_tokens,
-        Defaults::TOKENIZE_CACHE_BYTES,
+        DEFAULT_TOKENIZE_CACHE_BYTES,
         1,
     )
     .with_limits(0, 0);

@@ -46,10 +46,6 @@ fn licenses() -> String {
 }
 
 #[derive(Subcommand)]
-#[expect(
-    clippy::large_enum_variant,
-    reason = "one value, parsed once at startup: boxing the flags would save nothing"
-)]
 enum Command {
     /// Run the router in front of inference engines.
     Serve(myelin_server::ServeArgs),
@@ -63,7 +59,16 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // `myelin serve --config FILE`: the file's keys are the serve flags' defaults.
+    let cli: Cli =
+        match myelin_server::config::parse_command_line(std::env::args_os(), Some("serve")) {
+            Ok(cli) => cli,
+            Err(myelin_server::config::ConfigError::Cli(error)) => error.exit(),
+            Err(error) => {
+                eprintln!("myelin: error: {error}");
+                return ExitCode::FAILURE;
+            }
+        };
     let result = match cli.command {
         Some(Command::Serve(args)) => myelin_server::run(args),
         Some(Command::Sim(args)) => myelin_sim::run(args),

@@ -1523,15 +1523,20 @@ fn a_traced_request_gets_its_decisions_evidence_only_when_the_flag_allows() {
     // blocks count once the engine's KV events reached the mirror (asynchronous: asked again
     // until then).
     let mut again = (serde_json::Value::Null, 0);
-    wait_until("a repeat's trace shows the 20 blocks its engine holds", || {
-        let (trace, backend) = traced_completion(&router, &prompt);
-        again = (trace.unwrap(), backend.parse().unwrap());
-        again.0["candidates"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|candidate| candidate["backend"] == again.1 && candidate["matched_blocks"] == 20)
-    });
+    wait_until(
+        "a repeat's trace shows the 20 blocks its engine holds",
+        || {
+            let (trace, backend) = traced_completion(&router, &prompt);
+            again = (trace.unwrap(), backend.parse().unwrap());
+            again.0["candidates"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|candidate| {
+                    candidate["backend"] == again.1 && candidate["matched_blocks"] == 20
+                })
+        },
+    );
     let (again, backend) = again;
     assert_eq!(again["chosen"], backend);
     let candidates = again["candidates"].as_array().unwrap();
