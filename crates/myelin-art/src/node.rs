@@ -11,13 +11,15 @@ pub(crate) type NodeId = u32;
 /// "No node" in parent and LRU links.
 pub(crate) const NIL: NodeId = u32::MAX;
 
-/// A backend (inference engine) as the router numbers it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// A backend (inference engine) as the router numbers it: stable within one router process,
+/// never reused after removal. Shown as its number, as the router names backends everywhere
+/// (metrics labels, the `x-myelin-backend` header, the admin API).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct BackendId(pub u32);
 
 impl std::fmt::Display for BackendId {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(formatter, "backend-{}", self.0)
+        write!(formatter, "{}", self.0)
     }
 }
 

@@ -39,7 +39,7 @@ use kv_workload::{
     subscriber_side,
 };
 use myelin_kv_events::{DecodedEvent, WireVersion, decode_live};
-use myelin_routing::{BackendId, MirrorChange, WriteOp};
+use myelin_routing::{MirrorChange, WriteOp};
 use myelin_server::kv_subscriber::FeedEvent;
 
 /// Measured batches per engine (about 190k block events in all).
@@ -76,7 +76,10 @@ fn describe(name: &str, workload: &Workload, messages: &[Message]) {
 }
 
 /// The subscriber side's output for the whole stream, from the warm state.
-fn updates_of(workload: &Workload, messages: &[Message]) -> Vec<(u32, Vec<MirrorChange>)> {
+fn updates_of(
+    workload: &Workload,
+    messages: &[Message],
+) -> Vec<(myelin_routing::BackendId, Vec<MirrorChange>)> {
     let mut feeds = workload.warm_feeds.clone();
     messages
         .iter()
@@ -230,7 +233,7 @@ fn benches<M: Measurement>(
         .iter()
         .map(|(backend, updates)| {
             std::sync::Arc::from(vec![WriteOp::Mirror {
-                backend: BackendId(*backend),
+                backend: *backend,
                 changes: updates.as_slice().into(),
             }])
         })

@@ -155,7 +155,7 @@ fn admin_route_of(method: &Method, path: &str) -> Result<AdminRoute, ApiError> {
         Some(id_text) => (id_text, true),
         None => (rest, false),
     };
-    let Ok(id) = id_text.parse::<BackendId>() else {
+    let Ok(id) = id_text.parse::<u32>().map(BackendId) else {
         return Err(ApiError::not_found(method.as_str(), path));
     };
     let (route, allowed) = if drain {
@@ -292,7 +292,7 @@ struct AddBackend {
 /// A backend's identity and state as the control core knows it.
 fn info_json(info: &BackendInfo) -> Value {
     json!({
-        "id": info.id,
+        "id": info.id.0,
         "url": info.spec.url,
         "kv_events": info.spec.kv_events,
         "kv_replay": info.spec.kv_replay,
@@ -361,7 +361,7 @@ async fn list(control: &Rc<Control>) -> Response<Body> {
             let residency = reference
                 .and_then(|first| first.backends.iter().find(|entry| entry.id == info.id))
                 .map_or(fallback_residency, |entry| entry.residency);
-            let backend = myelin_routing::BackendId(info.id);
+            let backend = info.id;
             let routed = reference.map_or(0, |first| first.counts.routed_of(backend));
             // What routing believes the engine holds: its own KV events when they are in
             // effect (a partial mirror: what they show for sure), else the learned routes
@@ -533,11 +533,11 @@ mod tests {
         );
         assert_eq!(
             admin_route_of(&Method::DELETE, "/admin/backends/3"),
-            Ok(AdminRoute::Remove(3))
+            Ok(AdminRoute::Remove(BackendId(3)))
         );
         assert_eq!(
             admin_route_of(&Method::POST, "/admin/backends/3/drain"),
-            Ok(AdminRoute::Drain(3))
+            Ok(AdminRoute::Drain(BackendId(3)))
         );
         let status = |method: Method, path: &str| admin_route_of(&method, path).unwrap_err().status;
         assert_eq!(

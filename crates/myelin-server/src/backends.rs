@@ -9,8 +9,9 @@ use myelin_routing::PinnedBlocks;
 use crate::backend_spec::BackendSpec;
 use crate::metrics::BackendMetrics;
 
-/// Stable id of a backend within one router process (never reused after removal).
-pub type BackendId = u32;
+/// Stable id of a backend within one router process (never reused after removal): the routing
+/// core's own type, used throughout.
+pub use myelin_routing::BackendId;
 
 /// Whether a backend takes new requests: up, draining (removed by the operator, in-flight
 /// requests finish) or down (failing health checks, or its circuit breaker is open).
@@ -373,9 +374,9 @@ mod tests {
         }
     }
 
-    fn info(id: BackendId) -> BackendInfo {
+    fn info(id: u32) -> BackendInfo {
         BackendInfo {
-            id,
+            id: BackendId(id),
             spec: BackendSpec::parse("http://127.0.0.1:1").unwrap(),
             state: BackendState::Up,
         }
@@ -385,14 +386,14 @@ mod tests {
     fn total_load_sums_local_and_peers() {
         let mut table = BackendTable::new(3);
         table.upsert(info(7));
-        table.get_mut(7).unwrap().local = Load {
+        table.get_mut(BackendId(7)).unwrap().local = Load {
             requests: 1,
             tokens: 100,
             ..Load::default()
         };
         table.apply_peer_load(
             1,
-            7,
+            BackendId(7),
             Load {
                 requests: 2,
                 tokens: 50,
@@ -401,7 +402,7 @@ mod tests {
         );
         table.apply_peer_load(
             2,
-            7,
+            BackendId(7),
             Load {
                 requests: 1,
                 tokens: 10,
@@ -410,7 +411,7 @@ mod tests {
         );
         table.apply_peer_load(
             1,
-            7,
+            BackendId(7),
             Load {
                 requests: 0,
                 tokens: 0,
@@ -418,7 +419,7 @@ mod tests {
             },
         );
         assert_eq!(
-            table.get(7).unwrap().total_load(),
+            table.get(BackendId(7)).unwrap().total_load(),
             Load {
                 requests: 2,
                 tokens: 110,
@@ -427,7 +428,7 @@ mod tests {
         );
         table.apply_peer_load(
             9,
-            7,
+            BackendId(7),
             Load {
                 requests: 5,
                 tokens: 5,
@@ -436,25 +437,31 @@ mod tests {
         );
         table.apply_peer_load(
             1,
-            99,
+            BackendId(99),
             Load {
                 requests: 5,
                 tokens: 5,
                 ..Load::default()
             },
         );
-        assert_eq!(table.get(7).unwrap().total_load().requests, 2);
+        assert_eq!(table.get(BackendId(7)).unwrap().total_load().requests, 2);
     }
 
     #[test]
     fn states() {
         let mut table = BackendTable::new(1);
         table.upsert(info(1));
-        table.set_state_versioned(1, BackendState::Draining, 0);
-        assert_eq!(table.get(1).unwrap().info.state, BackendState::Draining);
+        table.set_state_versioned(BackendId(1), BackendState::Draining, 0);
+        assert_eq!(
+            table.get(BackendId(1)).unwrap().info.state,
+            BackendState::Draining
+        );
         table.upsert(info(1));
-        assert_eq!(table.get(1).unwrap().info.state, BackendState::Up);
-        assert!(table.remove(1).is_some());
+        assert_eq!(
+            table.get(BackendId(1)).unwrap().info.state,
+            BackendState::Up
+        );
+        assert!(table.remove(BackendId(1)).is_some());
         assert_eq!(table.len(), 0);
     }
 
@@ -469,11 +476,17 @@ mod tests {
         // A newer add already arrived (v7, after the sync was sent at v5).
         assert!(table.upsert_versioned(info(4), 7));
         let (changed, gone) = table.sync(&[down.clone(), info(3)], 5);
-        assert_eq!(changed, vec![1, 3]);
-        assert_eq!(gone, vec![2]);
-        assert_eq!(table.get(1).unwrap().info.state, BackendState::Down);
-        assert!(table.get(4).is_some(), "newer than the sync: kept");
-        assert!(table.get(2).is_none());
+        assert_eq!(changed, vec![BackendId(1), BackendId(3)]);
+        assert_eq!(gone, vec![BackendId(2)]);
+        assert_eq!(
+            table.get(BackendId(1)).unwrap().info.state,
+            BackendState::Down
+        );
+        assert!(
+            table.get(BackendId(4)).is_some(),
+            "newer than the sync: kept"
+        );
+        assert!(table.get(BackendId(2)).is_none());
         // The same sync again changes nothing.
         assert_eq!(table.sync(&[down, info(3), info(4)], 5), (vec![], vec![]));
     }
@@ -482,14 +495,17 @@ mod tests {
     fn older_and_resent_changes_never_undo_newer_ones() {
         let mut table = BackendTable::new(1);
         assert!(table.upsert_versioned(info(1), 5));
-        assert!(!table.set_state_versioned(1, BackendState::Down, 4));
-        assert!(table.set_state_versioned(1, BackendState::Draining, 7));
+        assert!(!table.set_state_versioned(BackendId(1), BackendState::Down, 4));
+        assert!(table.set_state_versioned(BackendId(1), BackendState::Draining, 7));
         // The add re-sent after the drain: ignored.
         assert!(!table.upsert_versioned(info(1), 5));
-        assert_eq!(table.get(1).unwrap().info.state, BackendState::Draining);
-        assert!(table.remove(1).is_some());
+        assert_eq!(
+            table.get(BackendId(1)).unwrap().info.state,
+            BackendState::Draining
+        );
+        assert!(table.remove(BackendId(1)).is_some());
         // A re-sent add of a removed backend does not bring it back.
         assert!(!table.upsert_versioned(info(1), 9));
-        assert!(table.get(1).is_none());
+        assert!(table.get(BackendId(1)).is_none());
     }
 }

@@ -219,7 +219,7 @@ pub async fn run_control(
 ) {
     let (mesh, receivers) = mesh_ends.connect().await;
     let (feed_sender, feed_receiver) = crossbeam_channel::bounded(KV_FEED_QUEUE);
-    let next_backend_id = initial.iter().map(|info| info.id + 1).max().unwrap_or(0);
+    let next_backend_id = BackendId(initial.iter().map(|info| info.id.0 + 1).max().unwrap_or(0));
     let backends = initial
         .into_iter()
         .map(|info| {
@@ -428,7 +428,7 @@ async fn feed_loop(control: Rc<Control>, receiver: crossbeam_channel::Receiver<F
             match event {
                 FeedEvent::Updates { backend, updates } => {
                     let op = WriteOp::Mirror {
-                        backend: myelin_routing::BackendId(backend),
+                        backend,
                         changes: updates.into(),
                     };
                     control.broadcast_write(op);
@@ -450,10 +450,7 @@ async fn feed_loop(control: Rc<Control>, receiver: crossbeam_channel::Receiver<F
                             },
                         );
                     }
-                    control.broadcast_write(WriteOp::MirrorLive {
-                        backend: myelin_routing::BackendId(backend),
-                        trust,
-                    });
+                    control.broadcast_write(WriteOp::MirrorLive { backend, trust });
                 }
                 FeedEvent::Snapshot {
                     backend,
@@ -618,7 +615,7 @@ impl Control {
         if waiting.is_empty() {
             return;
         }
-        let id = myelin_routing::BackendId(backend);
+        let id = backend;
         let batch: Arc<[WriteOp]> = Arc::from(vec![
             WriteOp::Mirror {
                 backend: id,
@@ -995,7 +992,7 @@ impl Control {
                     )
                 } else {
                     let id = state.next_backend_id;
-                    state.next_backend_id += 1;
+                    state.next_backend_id.0 += 1;
                     let version = state.take_version();
                     let info = BackendInfo {
                         id,

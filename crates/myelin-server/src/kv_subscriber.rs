@@ -708,7 +708,7 @@ mod tests {
     fn follower(capacity_blocks: u64) -> (Follower, Receiver<FeedEvent>) {
         let (sender, receiver) = crossbeam_channel::unbounded();
         let follower = Follower::new(
-            3,
+            BackendId(3),
             KvFeed::new(NonZeroU32::new(BLOCK).unwrap()),
             sender,
             Arc::new(AtomicBool::new(false)),

@@ -50,7 +50,7 @@ use myelin_tokenize::{ChatTemplate, FastBpe, Tokenizer, TokenizerSource};
 
 pub use config::{ServeArgs, ServeConfig};
 
-use crate::backends::{BackendInfo, BackendState};
+use crate::backends::{BackendId, BackendInfo, BackendState};
 use crate::data_core::{CoreReady, DataCoreSetup, run_data_core};
 use crate::mesh::build_mesh;
 use crate::route_tokens::AddedTokens;
@@ -240,7 +240,7 @@ pub fn start(config: ServeConfig, stop: Arc<AtomicBool>) -> Result<Server, Serve
         .iter()
         .enumerate()
         .map(|(index, spec)| BackendInfo {
-            id: index as u32,
+            id: BackendId(index as u32),
             spec: spec.clone(),
             state: BackendState::Up,
         })

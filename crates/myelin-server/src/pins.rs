@@ -159,18 +159,27 @@ mod tests {
     #[test]
     fn reconciling_drops_only_the_listed_cores_pins_it_did_not_list() {
         let mut owned = OwnedPins::default();
-        assert!(owned.pin(1, 10, 0, prompt(32)));
-        assert!(!owned.pin(1, 10, 0, prompt(32)), "a key is pinned once");
-        assert!(owned.pin(1, 11, 2, prompt(32)));
-        assert!(owned.pin(2, 10, 0, prompt(32)));
+        assert!(owned.pin(1, 10, BackendId(0), prompt(32)));
+        assert!(
+            !owned.pin(1, 10, BackendId(0), prompt(32)),
+            "a key is pinned once"
+        );
+        assert!(owned.pin(1, 11, BackendId(2), prompt(32)));
+        assert!(owned.pin(2, 10, BackendId(0), prompt(32)));
         // Core 1 lists only key 11 as live: its key 10 lost its unpin.
         let dropped = owned.reconcile(1, &BTreeSet::from([11]));
         assert_eq!(dropped.len(), 1);
-        assert_eq!(dropped[0].0, 0);
+        assert_eq!(dropped[0].0, BackendId(0));
         assert_eq!(owned.len(), 2);
         assert!(owned.unpin(1, 10).is_none());
-        assert_eq!(owned.unpin(1, 11).map(|(backend, _)| backend), Some(2));
-        assert_eq!(owned.unpin(2, 10).map(|(backend, _)| backend), Some(0));
+        assert_eq!(
+            owned.unpin(1, 11).map(|(backend, _)| backend),
+            Some(BackendId(2))
+        );
+        assert_eq!(
+            owned.unpin(2, 10).map(|(backend, _)| backend),
+            Some(BackendId(0))
+        );
         assert_eq!(owned.len(), 0);
     }
 }

@@ -770,7 +770,7 @@ fn relay_response(
     }
     client_response
         .headers_mut()
-        .insert(BACKEND_HEADER, HeaderValue::from(backend));
+        .insert(BACKEND_HEADER, HeaderValue::from(backend.0));
     if let Some(seconds) = predicted_ttft.filter(|seconds| seconds.is_finite()) {
         client_response.headers_mut().insert(
             PREDICTED_TTFT_HEADER,

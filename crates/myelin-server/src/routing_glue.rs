@@ -218,7 +218,7 @@ impl RoutingShard {
     pub fn learn(&mut self, query: &LookupQuery, backend: BackendId) -> WriteOp {
         let op = WriteOp::Learn {
             chain: query.chain.clone(),
-            backend: myelin_routing::BackendId(backend),
+            backend,
             at_ms: self.now_ms(),
             residency_stamp: self.admitted_tokens(backend),
         };
@@ -231,7 +231,7 @@ impl RoutingShard {
     pub fn learn_peer(&mut self, chain: Arc<BlockChain>, backend: BackendId, stamp: u64) {
         let op = WriteOp::Learn {
             chain,
-            backend: myelin_routing::BackendId(backend),
+            backend,
             at_ms: self.now_ms(),
             residency_stamp: stamp,
         };
@@ -245,7 +245,7 @@ impl RoutingShard {
             WriteOp::Learn { backend, .. }
             | WriteOp::Mirror { backend, .. }
             | WriteOp::MirrorLive { backend, .. }
-            | WriteOp::Evicted { backend, .. } => backend.0,
+            | WriteOp::Evicted { backend, .. } => *backend,
         };
         if self.backends.contains_key(&backend) {
             self.shard.apply(op);
@@ -256,8 +256,7 @@ impl RoutingShard {
     /// it is cleared and rebuilt (the snapshots of a mirror resync begin with a clear).
     pub fn distrust_mirrors(&mut self) {
         for &id in self.backends.keys() {
-            self.shard
-                .mark_mirror_untrusted(myelin_routing::BackendId(id));
+            self.shard.mark_mirror_untrusted(id);
         }
     }
 
@@ -335,7 +334,7 @@ impl RoutingShard {
     fn estimates(&self, id: BackendId) -> bool {
         match self.residency {
             ResidencyMode::Estimate => true,
-            ResidencyMode::Auto => !self.shard.mirror_live(myelin_routing::BackendId(id)),
+            ResidencyMode::Auto => !self.shard.mirror_live(id),
             ResidencyMode::Off | ResidencyMode::Verified => false,
         }
     }
@@ -354,16 +353,15 @@ impl RoutingShard {
         }
         let entry = self.backends.get(&id)?;
         let load_tokens = entry.load_by_core.iter().map(|load| load.tokens).sum();
-        let view = BackendView::new(
-            myelin_routing::BackendId(id),
-            myelin_routing::BackendState::Up,
-            load_tokens,
-        )
-        .with_cache(entry.calibration.effective_capacity(), 0, 0);
+        let view = BackendView::new(id, myelin_routing::BackendState::Up, load_tokens).with_cache(
+            entry.calibration.effective_capacity(),
+            0,
+            0,
+        );
         let block_size = answer.block_size.max(1);
         let room_tokens = self.router.estimator().room_tokens(&view, block_size);
         let mut stamps = Vec::new();
-        if let Some(matched) = answer.backend(myelin_routing::BackendId(id)) {
+        if let Some(matched) = answer.backend(id) {
             myelin_routing::block_stamps(matched, &answer.segments, &mut stamps);
         }
         Some(ReuseProbe {
@@ -396,10 +394,9 @@ impl RoutingShard {
                 probe.block_size,
             );
         }
-        let write = observation.evicted_stamp.map(|stamp| WriteOp::Evicted {
-            backend: myelin_routing::BackendId(id),
-            stamp,
-        });
+        let write = observation
+            .evicted_stamp
+            .map(|stamp| WriteOp::Evicted { backend: id, stamp });
         if let Some(write) = &write {
             self.apply(write);
         }
@@ -419,13 +416,13 @@ impl RoutingShard {
             reports,
             corrections,
             admitted_tokens: self.admitted_tokens(id),
-            evicted_below: self.shard.evicted_below(myelin_routing::BackendId(id)),
+            evicted_below: self.shard.evicted_below(id),
         }
     }
 
     pub fn remove_backend(&mut self, id: BackendId) {
         self.backends.remove(&id);
-        self.shard.remove_backend(myelin_routing::BackendId(id));
+        self.shard.remove_backend(id);
     }
 
     pub fn set_state(&mut self, id: BackendId, state: BackendState) {
@@ -463,8 +460,8 @@ impl RoutingShard {
 
     /// Residency in effect for a backend (admin API).
     pub fn residency_of(&self, id: BackendId) -> &'static str {
-        let live = self.shard.mirror_live(myelin_routing::BackendId(id));
-        let partial = self.shard.mirror_partial(myelin_routing::BackendId(id));
+        let live = self.shard.mirror_live(id);
+        let partial = self.shard.mirror_partial(id);
         match self.residency {
             ResidencyMode::Auto if partial => "partial",
             ResidencyMode::Auto if live => "verified",
@@ -502,7 +499,6 @@ impl RoutingShard {
             let scrape = backend.fresh_scrape(now, max_age);
             let memory = memory_pressure(backend, &total, scrape);
             let queue = engine_queue(backend, &total, scrape.is_some(), shared_tokens);
-            let id = myelin_routing::BackendId(id);
             BackendView::new(id, state, total.tokens)
                 .with_cache(
                     backend.calibration.effective_capacity(),
@@ -516,7 +512,7 @@ impl RoutingShard {
         self.views = views;
         let decision = decision.ok()?;
         Some(RouteChoice {
-            backend: decision.backend.0,
+            backend: decision.backend,
             matched_blocks: decision.matched_blocks,
             // Whole tokens: the expectation is a sum of block sizes weighted by probabilities.
             expected_cached_tokens: decision.expected_cached_tokens.max(0.0).round() as u64,
@@ -560,7 +556,7 @@ impl RoutingShard {
             "policy": self.router.policy().as_str(),
             "residency": self.router.residency().as_str(),
             "cost_unit": unit,
-            "chosen": chosen,
+            "chosen": chosen.map(|id| id.0),
             "candidates": candidates,
         })
         .to_string()
@@ -746,7 +742,7 @@ pub(crate) mod tests {
         let mut shard = RoutingShard::new(&config, shards, Instant::now()).unwrap();
         for id in 0..backends {
             shard.add_backend(&BackendInfo {
-                id,
+                id: BackendId(id),
                 spec: BackendSpec::parse(&format!("http://b{id}:1{spec_options}")).unwrap(),
                 state: BackendState::Up,
             });
@@ -763,7 +759,7 @@ pub(crate) mod tests {
             .decide(&shard.lookup(&query), prompt.len(), &[], &[])
             .unwrap();
         let write = shard.learn(&query, first.backend);
-        assert!(matches!(write, WriteOp::Learn { backend, .. } if backend.0 == first.backend));
+        assert!(matches!(write, WriteOp::Learn { backend, .. } if backend == first.backend));
         let again = shard
             .decide(&shard.lookup(&query), prompt.len(), &[], &[])
             .unwrap();
@@ -773,7 +769,12 @@ pub(crate) mod tests {
             .decide(&shard.lookup(&query), prompt.len(), &[first.backend], &[])
             .unwrap();
         assert_ne!(retry.backend, first.backend);
-        let none = shard.decide(&shard.lookup(&query), prompt.len(), &[0, 1, 2], &[]);
+        let none = shard.decide(
+            &shard.lookup(&query),
+            prompt.len(),
+            &[BackendId(0), BackendId(1), BackendId(2)],
+            &[],
+        );
         assert_eq!(none, None);
     }
 
@@ -815,13 +816,13 @@ pub(crate) mod tests {
         assert!(choice.prefix_replication && choice.backend != home);
         // Every engine waiting as long: waiting is no reason to leave the cache.
         for id in 0..3 {
-            shard.set_scraped_memory(id, full(3), scraped_at);
+            shard.set_scraped_memory(BackendId(id), full(3), scraped_at);
         }
         let choice = shard
             .decide(&shard.lookup(&query), prompt.len(), &[], &[])
             .unwrap();
         assert_eq!((choice.backend, choice.prefix_replication), (home, false));
-        for id in (0..3).filter(|&id| id != home) {
+        for id in (0..3).map(BackendId).filter(|&id| id != home) {
             shard.set_scraped_memory(id, full(0), scraped_at);
         }
         // Figures older than three scrape intervals are not trusted: home again.
@@ -847,23 +848,30 @@ pub(crate) mod tests {
             pinned_prompt_tokens,
             ..Load::default()
         };
-        shard.set_load(0, 0, long(3, 24_000));
-        shard.set_load(1, 0, long(5, 5_000));
+        shard.set_load(BackendId(0), 0, long(3, 24_000));
+        shard.set_load(BackendId(1), 0, long(5, 5_000));
         let prompt: Vec<u32> = (0..9000).collect();
         let query = shard.query(&prompt);
         let answer = shard.lookup(&query);
         for _ in 0..3 {
             let choice = shard.decide(&answer, prompt.len(), &[], &[]).unwrap();
-            assert_eq!(choice.backend, 1);
+            assert_eq!(choice.backend, BackendId(1));
             assert_eq!(choice.predicted_ttft.memory_wait_steps, 0.0);
         }
         // Alone, backend 0 is predicted to wait for one of its requests to finish.
-        let waits = shard.decide(&answer, prompt.len(), &[1], &[]).unwrap();
-        assert_eq!(waits.backend, 0);
+        let waits = shard
+            .decide(&answer, prompt.len(), &[BackendId(1)], &[])
+            .unwrap();
+        assert_eq!(waits.backend, BackendId(0));
         assert!(waits.predicted_ttft.memory_wait_steps > 0.0, "{waits:?}");
         // Unless its requests in flight hold the prompt's first 8,000 tokens already.
         let shared = shard
-            .decide(&answer, prompt.len(), &[1], &[(0, 8_000)])
+            .decide(
+                &answer,
+                prompt.len(),
+                &[BackendId(1)],
+                &[(BackendId(0), 8_000)],
+            )
             .unwrap();
         assert_eq!(shared.predicted_ttft.memory_wait_steps, 0.0);
     }
@@ -890,16 +898,16 @@ pub(crate) mod tests {
             pinned_prompt_tokens: 7_800,
             ..Load::default()
         };
-        shard.set_load(0, 0, full);
+        shard.set_load(BackendId(0), 0, full);
         let scraped = ScrapedMemory {
             utilization: 0.8,
             running: 2,
             waiting: 0,
         };
-        shard.set_scraped_memory(0, scraped, Instant::now());
+        shard.set_scraped_memory(BackendId(0), scraped, Instant::now());
         assert!(wait(&mut shard) > 0.0, "3,900 more do not fit");
         // They finish: the scrape is still fresh, but what it saw was the routers' own.
-        shard.set_load(0, 0, Load::default());
+        shard.set_load(BackendId(0), 0, Load::default());
         assert_eq!(wait(&mut shard), 0.0);
         // What the engine holds beyond the routers' requests (another frontend's) counts.
         let busy_elsewhere = ScrapedMemory {
@@ -907,9 +915,9 @@ pub(crate) mod tests {
             running: 3,
             waiting: 0,
         };
-        shard.set_scraped_memory(0, busy_elsewhere, Instant::now());
+        shard.set_scraped_memory(BackendId(0), busy_elsewhere, Instant::now());
         shard.set_load(
-            0,
+            BackendId(0),
             0,
             Load {
                 requests: 1,
@@ -922,7 +930,7 @@ pub(crate) mod tests {
         assert!(wait(&mut shard) > 0.0);
         // ... until the scrape is too old to trust.
         let old = Instant::now() - shard.memory_max_age - Duration::from_millis(1);
-        shard.set_scraped_memory(0, busy_elsewhere, old);
+        shard.set_scraped_memory(BackendId(0), busy_elsewhere, old);
         assert_eq!(wait(&mut shard), 0.0);
     }
 
@@ -932,7 +940,7 @@ pub(crate) mod tests {
         let prompt: Vec<u32> = (0..4000).collect();
         let query = shard.query(&prompt);
         let before: Vec<EngineTiming> = (0..3)
-            .map(|id| shard.timing_figures(id).unwrap().timing)
+            .map(|id| shard.timing_figures(BackendId(id)).unwrap().timing)
             .collect();
         assert!(
             before
@@ -943,20 +951,26 @@ pub(crate) mod tests {
         // (a simulated engine at speedup 10).
         for _ in 0..100 {
             let choice = shard
-                .decide(&shard.lookup(&query), prompt.len(), &[1, 2], &[])
+                .decide(
+                    &shard.lookup(&query),
+                    prompt.len(),
+                    &[BackendId(1), BackendId(2)],
+                    &[],
+                )
                 .unwrap();
-            assert_eq!(choice.backend, 0);
+            assert_eq!(choice.backend, BackendId(0));
             let observed = choice.predicted_ttft.seconds / 10.0;
             let error = shard
-                .observe_ttft(0, &choice.predicted_ttft, observed)
+                .observe_ttft(BackendId(0), &choice.predicted_ttft, observed)
                 .unwrap();
             assert!(error.is_finite());
         }
-        let fitted = shard.timing_figures(0).unwrap();
+        let fitted = shard.timing_figures(BackendId(0)).unwrap();
         assert_eq!(fitted.observations, 100);
         assert_eq!(fitted.error.count, 100);
         let mut seconds = |id: BackendId| {
-            let others: Vec<BackendId> = (0..3).filter(|&other| other != id).collect();
+            let others: Vec<BackendId> =
+                (0..3).map(BackendId).filter(|&other| other != id).collect();
             shard
                 .decide(&shard.lookup(&query), prompt.len(), &others, &[])
                 .unwrap()
@@ -971,13 +985,16 @@ pub(crate) mod tests {
         )
         .seconds;
         // Learned: within 20% of a tenth of the default's prediction.
-        assert!((seconds(0) / (default_seconds / 10.0) - 1.0).abs() < 0.2);
+        assert!((seconds(BackendId(0)) / (default_seconds / 10.0) - 1.0).abs() < 0.2);
         // Backends 1 and 2 saw nothing: they follow the pool, not the default.
-        let own = seconds(0);
-        assert!((seconds(1) / own - 1.0).abs() < 0.2);
-        assert!((seconds(2) / own - 1.0).abs() < 0.2);
+        let own = seconds(BackendId(0));
+        assert!((seconds(BackendId(1)) / own - 1.0).abs() < 0.2);
+        assert!((seconds(BackendId(2)) / own - 1.0).abs() < 0.2);
         // A backend gone has no figures to learn into.
-        assert_eq!(shard.observe_ttft(7, &fitted_prediction(), 1.0), None);
+        assert_eq!(
+            shard.observe_ttft(BackendId(7), &fitted_prediction(), 1.0),
+            None
+        );
     }
 
     fn fitted_prediction() -> TtftPrediction {
@@ -1064,11 +1081,11 @@ pub(crate) mod tests {
             ..Load::default()
         };
         // Backend 0 has taken 1_000 tokens from core 0 and 500 from core 1.
-        shard.set_load(0, 0, admitted(1_000));
-        shard.set_load(0, 1, admitted(500));
+        shard.set_load(BackendId(0), 0, admitted(1_000));
+        shard.set_load(BackendId(0), 1, admitted(500));
         let prompt: Vec<u32> = (0..160).collect();
         let query = shard.query(&prompt);
-        let write = shard.learn(&query, 0);
+        let write = shard.learn(&query, BackendId(0));
         assert!(matches!(
             write,
             WriteOp::Learn {
@@ -1077,30 +1094,32 @@ pub(crate) mod tests {
             }
         ));
         // Little pressure since: backend 0 keeps it.
-        shard.set_load(0, 0, admitted(2_000));
+        shard.set_load(BackendId(0), 0, admitted(2_000));
         let answer = shard.lookup(&query);
         let choice = shard.decide(&answer, prompt.len(), &[], &[]).unwrap();
-        assert_eq!(choice.backend, 0);
+        assert_eq!(choice.backend, BackendId(0));
         assert_eq!(choice.expected_cached_tokens, 160);
         // 40_000 tokens later (4x the cache) the estimate no longer counts it cached.
-        shard.set_load(0, 0, admitted(41_500));
+        shard.set_load(BackendId(0), 0, admitted(41_500));
         let answer = shard.lookup(&query);
-        let choice = shard.decide(&answer, prompt.len(), &[1], &[]).unwrap();
+        let choice = shard
+            .decide(&answer, prompt.len(), &[BackendId(1)], &[])
+            .unwrap();
         assert!(choice.expected_cached_tokens < 5, "{choice:?}");
         let probe = shard.probe(&answer, &choice, 170).unwrap();
         assert_eq!(probe.stamps, vec![1_500; 10]);
         assert_eq!(probe.admitted_tokens, 42_000);
         // The engine reports 2 blocks reused: an eviction every replica hears of.
-        let (observation, write) = shard.observe_reuse(0, &probe, 32);
+        let (observation, write) = shard.observe_reuse(BackendId(0), &probe, 32);
         assert_eq!(observation.reported_blocks, 2);
         assert_eq!(
             write,
             Some(WriteOp::Evicted {
-                backend: myelin_routing::BackendId(0),
+                backend: BackendId(0),
                 stamp: 1_500
             })
         );
-        let figures = shard.cache_figures(0);
+        let figures = shard.cache_figures(BackendId(0));
         assert_eq!(figures.reports, 1);
         assert_eq!(figures.admitted_tokens, 42_000);
         // Its first two blocks survived 40_500 tokens of pressure: the cache is larger than
@@ -1111,14 +1130,14 @@ pub(crate) mod tests {
         );
         assert!(figures.correction > 1.0);
         // A scraped capacity replaces the configured one.
-        shard.set_scraped_capacity(0, Some(24_000));
+        shard.set_scraped_capacity(BackendId(0), Some(24_000));
         assert_eq!(
-            shard.cache_figures(0).effective_capacity_tokens,
+            shard.cache_figures(BackendId(0)).effective_capacity_tokens,
             Some(24_000)
         );
-        shard.set_scraped_capacity(0, None);
+        shard.set_scraped_capacity(BackendId(0), None);
         assert_eq!(
-            shard.cache_figures(0).effective_capacity_tokens,
+            shard.cache_figures(BackendId(0)).effective_capacity_tokens,
             Some(10_000)
         );
     }
@@ -1126,13 +1145,13 @@ pub(crate) mod tests {
     #[test]
     fn down_and_draining_backends_are_not_chosen() {
         let mut shard = shard(Policy::RoundRobin, 1);
-        shard.set_state(0, BackendState::Down);
-        shard.set_state(1, BackendState::Draining);
+        shard.set_state(BackendId(0), BackendState::Down);
+        shard.set_state(BackendId(1), BackendState::Draining);
         for _ in 0..5 {
             let choice = shard
                 .decide(&LookupAnswer::default(), 10, &[], &[])
                 .unwrap();
-            assert_eq!(choice.backend, 2);
+            assert_eq!(choice.backend, BackendId(2));
         }
     }
 
@@ -1140,7 +1159,7 @@ pub(crate) mod tests {
     fn least_load_reads_every_cores_load() {
         let mut shard = shard(Policy::LeastLoad, 2);
         shard.set_load(
-            0,
+            BackendId(0),
             0,
             Load {
                 requests: 1,
@@ -1149,7 +1168,7 @@ pub(crate) mod tests {
             },
         );
         shard.set_load(
-            1,
+            BackendId(1),
             1,
             Load {
                 requests: 1,
@@ -1158,7 +1177,7 @@ pub(crate) mod tests {
             },
         );
         shard.set_load(
-            2,
+            BackendId(2),
             0,
             Load {
                 requests: 1,
@@ -1167,7 +1186,7 @@ pub(crate) mod tests {
             },
         );
         shard.set_load(
-            2,
+            BackendId(2),
             1,
             Load {
                 requests: 1,
@@ -1178,6 +1197,6 @@ pub(crate) mod tests {
         let choice = shard
             .decide(&LookupAnswer::default(), 10, &[], &[])
             .unwrap();
-        assert_eq!(choice.backend, 1);
+        assert_eq!(choice.backend, BackendId(1));
     }
 }

@@ -217,18 +217,24 @@ mod tests {
     #[test]
     fn mismatches_are_counted_per_backend_and_the_last_is_kept() {
         let (backend, url) = (9_001, "http://parity-test:1");
-        assert!(!check(backend, url, 50, 50, PromptKind::Chat));
-        assert_eq!(of(backend), BackendParity::default());
-        assert!(check(backend, url, 50, 58, PromptKind::Chat));
-        assert!(check(backend, url, 70, 71, PromptKind::Completion));
-        let parity = of(backend);
+        assert!(!check(BackendId(backend), url, 50, 50, PromptKind::Chat));
+        assert_eq!(of(BackendId(backend)), BackendParity::default());
+        assert!(check(BackendId(backend), url, 50, 58, PromptKind::Chat));
+        assert!(check(
+            BackendId(backend),
+            url,
+            70,
+            71,
+            PromptKind::Completion
+        ));
+        let parity = of(BackendId(backend));
         assert_eq!(parity.mismatches, 2);
         let last = parity.last.unwrap();
         assert_eq!((last.router_tokens, last.engine_tokens), (70, 71));
         let json = last.to_json();
         assert_eq!(json["api"], "completions");
         assert!(json["likely_cause"].as_str().unwrap().contains("BOS"));
-        assert_eq!(of(9_002).mismatches, 0);
+        assert_eq!(of(BackendId(9_002)).mismatches, 0);
     }
 
     #[test]
@@ -239,7 +245,7 @@ mod tests {
                 std::thread::spawn(move || {
                     for _ in 0..250 {
                         assert!(check(
-                            backend,
+                            BackendId(backend),
                             "http://parity-threads:1",
                             10,
                             11,
@@ -252,7 +258,7 @@ mod tests {
         for thread in threads {
             thread.join().unwrap();
         }
-        let parity = of(backend);
+        let parity = of(BackendId(backend));
         assert_eq!(parity.mismatches, 1000);
         assert_eq!(parity.last.map(|last| last.engine_tokens), Some(11));
     }

@@ -137,16 +137,16 @@ mod tests {
         let start = Instant::now();
         let at = |seconds: u64| start + Duration::from_secs(seconds);
         let mut watchdog = Watchdog::new(Some(STALL));
-        watchdog.started(1, true, at(0));
-        watchdog.started(2, false, at(0));
+        watchdog.started(BackendId(1), true, at(0));
+        watchdog.started(BackendId(2), false, at(0));
         assert!(watchdog.check(at(9)).is_empty());
         // Engine 1 answers now and then; engine 2 never does.
-        watchdog.progressed(1, at(8));
+        watchdog.progressed(BackendId(1), at(8));
         let stalls = watchdog.check(at(10));
         assert_eq!(
             stalls,
             vec![Stall {
-                backend: 2,
+                backend: BackendId(2),
                 streaming: false,
             }]
         );
@@ -155,25 +155,25 @@ mod tests {
         // Engine 1 went silent too (streaming: proof enough).
         let stalls = watchdog.check(at(18));
         assert_eq!(stalls.len(), 1);
-        assert_eq!(stalls[0].backend, 1);
+        assert_eq!(stalls[0].backend, BackendId(1));
         assert!(stalls[0].streaming);
         // Engine 2 again, a stall time after its first report.
         let stalls = watchdog.check(at(20));
         assert_eq!(stalls.len(), 1);
-        assert_eq!(stalls[0].backend, 2);
+        assert_eq!(stalls[0].backend, BackendId(2));
         // A byte ends the stall; silence again starts a new one.
-        watchdog.progressed(2, at(21));
+        watchdog.progressed(BackendId(2), at(21));
         assert!(
             watchdog
                 .check(at(30))
                 .iter()
-                .all(|stall| stall.backend != 2)
+                .all(|stall| stall.backend != BackendId(2))
         );
         assert!(
             watchdog
                 .check(at(31))
                 .iter()
-                .any(|stall| stall.backend == 2)
+                .any(|stall| stall.backend == BackendId(2))
         );
     }
 
@@ -182,11 +182,11 @@ mod tests {
         let start = Instant::now();
         let at = |seconds: u64| start + Duration::from_secs(seconds);
         let mut watchdog = Watchdog::new(Some(STALL));
-        watchdog.started(3, true, at(0));
-        watchdog.ended(3, true);
+        watchdog.started(BackendId(3), true, at(0));
+        watchdog.ended(BackendId(3), true);
         assert!(watchdog.check(at(100)).is_empty(), "nothing in flight");
         // Its next request, long after the last byte: silent only from when it was sent.
-        watchdog.started(3, false, at(100));
+        watchdog.started(BackendId(3), false, at(100));
         assert!(watchdog.check(at(105)).is_empty());
         let stalls = watchdog.check(at(110));
         assert_eq!(stalls.len(), 1);
@@ -195,9 +195,9 @@ mod tests {
             "only a non-streaming request in flight"
         );
         // Ends balance starts; unknown ends are ignored.
-        watchdog.ended(3, false);
-        watchdog.ended(3, false);
-        watchdog.ended(9, true);
+        watchdog.ended(BackendId(3), false);
+        watchdog.ended(BackendId(3), false);
+        watchdog.ended(BackendId(9), true);
         assert!(watchdog.check(at(200)).is_empty());
     }
 
@@ -206,7 +206,7 @@ mod tests {
         let start = Instant::now();
         let mut watchdog = Watchdog::new(None);
         assert_eq!(watchdog.check_interval(), None);
-        watchdog.started(1, true, start);
+        watchdog.started(BackendId(1), true, start);
         assert!(watchdog.check(start + Duration::from_secs(3600)).is_empty());
         let on = Watchdog::new(Some(Duration::from_millis(100)));
         assert_eq!(on.check_interval(), Some(Duration::from_millis(50)));

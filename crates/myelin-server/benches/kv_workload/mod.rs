@@ -319,7 +319,7 @@ pub fn subscriber_side(feeds: &mut [KvFeed], message: &Message) -> Option<FeedEv
         feed.apply(event, &mut updates);
     }
     (!updates.is_empty()).then_some(FeedEvent::Updates {
-        backend: message.engine,
+        backend: BackendId(message.engine),
         updates,
     })
 }
@@ -331,7 +331,7 @@ pub fn subscriber_side(feeds: &mut [KvFeed], message: &Message) -> Option<FeedEv
 pub fn control_side(event: FeedEvent, data_cores: &[Sender<WriteBatch>]) {
     if let FeedEvent::Updates { backend, updates } = event {
         let op = WriteOp::Mirror {
-            backend: BackendId(backend),
+            backend,
             changes: updates.into(),
         };
         let batch: WriteBatch = Arc::from(vec![op]);

@@ -360,7 +360,7 @@ impl Gossip {
         for write in writes {
             if let WriteOp::Evicted { backend, stamp } = write {
                 let mut evicted = self.own_evicted.borrow_mut();
-                let known = evicted.entry(backend.0).or_default();
+                let known = evicted.entry(*backend).or_default();
                 *known = (*known).max(*stamp);
                 continue;
             }
@@ -376,7 +376,7 @@ impl Gossip {
             if chain.is_empty() || chain.block_size() != self.block_size {
                 continue;
             }
-            let Some(engine) = self.key_of(control, backend.0) else {
+            let Some(engine) = self.key_of(control, *backend) else {
                 continue;
             };
             metrics::counter!(ROUTES_LEARNED_TOTAL).increment(1);
@@ -504,10 +504,7 @@ impl Gossip {
                     return None;
                 }
                 *known = stamp;
-                Some(WriteOp::Evicted {
-                    backend: myelin_routing::BackendId(id),
-                    stamp,
-                })
+                Some(WriteOp::Evicted { backend: id, stamp })
             })
             .collect();
         if writes.is_empty() {
@@ -711,7 +708,7 @@ pub(crate) fn cluster_admin(control: &Control, method: &Method) -> Response<Body
 
 #[cfg(test)]
 mod tests {
-    use crate::backends::Load;
+    use crate::backends::{BackendId, Load};
     use crate::routing_glue::RoutingShard;
     use myelin_routing::Policy;
 
@@ -724,18 +721,27 @@ mod tests {
     fn peer_load_is_scored_like_the_cores_own() {
         let mut shard = shard(Policy::LeastLoad);
         let nothing = crate::routing_glue::LookupAnswer::default();
-        assert_eq!(shard.decide(&nothing, 10, &[], &[]).unwrap().backend, 0);
+        assert_eq!(
+            shard.decide(&nothing, 10, &[], &[]).unwrap().backend,
+            BackendId(0)
+        );
         // The slot after the data cores' (here: 1) is the other nodes' load.
         let peers = Load {
             requests: 3,
             tokens: 3_000,
             ..Load::default()
         };
-        shard.set_load(0, 1, peers);
-        assert_eq!(shard.decide(&nothing, 10, &[], &[]).unwrap().backend, 1);
-        shard.set_load(0, 1, Load::default());
-        shard.set_load(1, 1, peers);
-        assert_eq!(shard.decide(&nothing, 10, &[], &[]).unwrap().backend, 0);
+        shard.set_load(BackendId(0), 1, peers);
+        assert_eq!(
+            shard.decide(&nothing, 10, &[], &[]).unwrap().backend,
+            BackendId(1)
+        );
+        shard.set_load(BackendId(0), 1, Load::default());
+        shard.set_load(BackendId(1), 1, peers);
+        assert_eq!(
+            shard.decide(&nothing, 10, &[], &[]).unwrap().backend,
+            BackendId(0)
+        );
     }
 
     #[test]
@@ -746,7 +752,7 @@ mod tests {
         let before = shard
             .decide(&shard.lookup(&query), prompt.len(), &[], &[])
             .unwrap();
-        let other = 1 - before.backend;
+        let other = BackendId(1 - before.backend.0);
         shard.learn_peer(query.chain.clone(), other, 0);
         let after = shard
             .decide(&shard.lookup(&query), prompt.len(), &[], &[])
