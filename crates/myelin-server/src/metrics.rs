@@ -340,7 +340,7 @@ pub struct BackendMetrics {
 
 impl BackendMetrics {
     /// Registers the handles of backend `id` ([`backend_label`]).
-    pub fn new(id: crate::backends::BackendId) -> Self {
+    pub fn new(id: myelin_routing::BackendId) -> Self {
         BackendMetrics {
             selected: metrics::counter!(BACKEND_SELECTED_TOTAL, "backend" => backend_label(id)),
             in_flight: metrics::gauge!(BACKEND_IN_FLIGHT, "backend" => backend_label(id)),
@@ -458,14 +458,14 @@ pub const KV_SKIP_REASONS: &[&str] = &[
 
 /// The `backend` label of a backend's series: its id, as `GET /admin/backends` and the
 /// `x-myelin-backend` header show it (engine addresses stay on the admin API).
-pub fn backend_label(id: crate::backends::BackendId) -> String {
+pub fn backend_label(id: myelin_routing::BackendId) -> String {
     id.to_string()
 }
 
 /// Exports a backend's labelled counters and gauges at 0 from when it is added (Prometheus'
 /// advice: an alert on `rate(...)` or `> 0` over a series that does not exist yet never
 /// fires); the KV-event series too when it publishes KV events.
-pub fn export_backend_series(id: crate::backends::BackendId, kv_events: bool) {
+pub fn export_backend_series(id: myelin_routing::BackendId, kv_events: bool) {
     let label = backend_label(id);
     metrics::counter!(TOKENIZATION_MISMATCH_TOTAL, "backend" => label.clone()).increment(0);
     for to in ["up", "down"] {
