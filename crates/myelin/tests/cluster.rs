@@ -38,12 +38,36 @@ fn wait_for(what: &str, mut condition: impl FnMut() -> bool) {
     }
 }
 
-fn key_file() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("myelin-cluster-test-{}", std::process::id()));
+/// A cluster key file of one test, removed with its directory when the test ends.
+struct KeyFile {
+    path: PathBuf,
+}
+
+impl std::ops::Deref for KeyFile {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for KeyFile {
+    fn drop(&mut self) {
+        if let Some(dir) = self.path.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+fn key_file() -> KeyFile {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let test = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir =
+        std::env::temp_dir().join(format!("myelin-cluster-test-{}-{test}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let path = dir.join("cluster.key");
     std::fs::write(&path, format!("{KEY}\n")).expect("key file");
-    path
+    KeyFile { path }
 }
 
 fn free_udp_port() -> u16 {
