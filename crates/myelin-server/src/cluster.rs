@@ -238,13 +238,8 @@ mod tests {
             ),
         )
         .unwrap();
-        #[derive(Parser)]
-        struct ServeCli {
-            #[command(flatten)]
-            args: crate::config::ServeArgs,
-        }
         let argv = ["myelin", "--config", file.to_str().unwrap()];
-        let args = crate::config::parse_command_line::<ServeCli>(argv, None)
+        let args = crate::config::parse_command_line::<crate::config::ServeCli>(argv, None)
             .unwrap()
             .args;
         let config = crate::config::ServeConfig::resolve(args).unwrap();

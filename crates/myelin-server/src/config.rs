@@ -447,17 +447,20 @@ pub struct ServeArgs {
     pub engine_step_tokens: u32,
 }
 
+/// A command of the serve flags alone, for tests (`parse_command_line::<ServeCli>(argv, None)`).
+#[cfg(test)]
+#[derive(clap::Parser)]
+pub(crate) struct ServeCli {
+    #[command(flatten)]
+    pub(crate) args: ServeArgs,
+}
+
 #[cfg(test)]
 impl ServeArgs {
     /// `myelin serve FLAGS` as parsed, no config file (tests).
     pub(crate) fn from_flags(flags: &[&str]) -> ServeArgs {
         use clap::Parser;
-        #[derive(clap::Parser)]
-        struct Cli {
-            #[command(flatten)]
-            args: ServeArgs,
-        }
-        Cli::try_parse_from(std::iter::once("myelin").chain(flags.iter().copied()))
+        ServeCli::try_parse_from(std::iter::once("myelin").chain(flags.iter().copied()))
             .unwrap()
             .args
     }
@@ -907,13 +910,7 @@ impl ServeConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::{CommandFactory, Parser};
-
-    #[derive(Parser)]
-    struct TestCli {
-        #[command(flatten)]
-        args: ServeArgs,
-    }
+    use clap::CommandFactory;
 
     /// `flags` over the config file `text` (none when `None`), as `myelin serve` parses them.
     fn parse_over(flags: &[&str], text: Option<&str>) -> Result<ServeArgs, ConfigError> {
@@ -933,7 +930,7 @@ mod tests {
             std::fs::write(&path, text).unwrap();
             argv.extend(["--config".to_string(), path.display().to_string()]);
         }
-        let parsed = parse_command_line::<TestCli>(argv, None).map(|cli| cli.args);
+        let parsed = parse_command_line::<ServeCli>(argv, None).map(|cli| cli.args);
         std::fs::remove_dir_all(&dir).ok();
         parsed
     }
@@ -1220,7 +1217,7 @@ mod tests {
             Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/reference/flags.md"),
         )
         .unwrap();
-        let command = TestCli::command();
+        let command = ServeCli::command();
         for arg in command.get_arguments().filter(|arg| !arg.is_hide_set()) {
             let Some(long) = arg.get_long() else { continue };
             if long == "help" {

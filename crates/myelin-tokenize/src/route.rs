@@ -142,6 +142,7 @@ impl AddedTokens {
                         .is_some_and(Vec::is_empty)
             }
         };
+        // No `added_tokens` list at all: not a tokenizer.json this split can be sure of.
         json.get("added_tokens")?.as_array()?;
         let mut tokens = Vec::new();
         for spec in crate::fast_bpe::added::added_token_specs(&json).ok()? {
