@@ -615,13 +615,12 @@ impl Control {
         if waiting.is_empty() {
             return;
         }
-        let id = backend;
         let batch: Arc<[WriteOp]> = Arc::from(vec![
             WriteOp::Mirror {
-                backend: id,
+                backend,
                 changes: changes.into(),
             },
-            WriteOp::MirrorLive { backend: id, trust },
+            WriteOp::MirrorLive { backend, trust },
         ]);
         for shard in waiting {
             if self.send_mirror(shard, batch.clone()) {
