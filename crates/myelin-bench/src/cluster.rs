@@ -159,6 +159,7 @@ impl CacheOracle for SimOracle {
                 // and the output they still owe.
                 queue: Some(EngineQueue {
                     prefill_tokens_ahead: probe.load.pending_prefill_tokens as u64,
+                    prefill_pairs_ahead: probe.load.pending_prefill_pairs,
                     requests: (probe.load.running + probe.load.waiting) as u32,
                     decoding: probe.load.decoding as u32,
                     mean_remaining_output_tokens: probe.load.pending_decode_tokens as f64

@@ -8,7 +8,7 @@ use std::collections::VecDeque;
 
 use myelin_routing::{
     BackendId, BackendMatch, BackendState, BackendView, EngineQueue, EngineTiming, KvMemory,
-    MemoryPressure, Policy, PrefixMatch, ResidencyMode, Router, RouterConfig,
+    MemoryPressure, Policy, PrefixMatch, ResidencyMode, Router, RouterConfig, prefill_pairs,
 };
 
 /// What an engine truly holds and owes at one instant.
@@ -161,10 +161,15 @@ impl Oracle {
                         prompt: sum.prompt + sent.prompt,
                         load: sum.load + sent.load,
                     });
+                let transit_pairs: f64 = self
+                    .in_transit_requests(engine, truth.requests_received)
+                    .map(|sent| prefill_pairs(sent.prompt, sent.uncached as f64))
+                    .sum();
                 // Requests in transit join the queue: their prefill ahead, their prompts in
                 // KV memory.
                 let queue = truth.queue.map(|queue| EngineQueue {
                     prefill_tokens_ahead: queue.prefill_tokens_ahead + transit.uncached,
+                    prefill_pairs_ahead: queue.prefill_pairs_ahead + transit_pairs,
                     requests: queue.requests + in_transit,
                     memory: queue.memory.map(|memory| KvMemory {
                         held_tokens: memory.held_tokens + transit.prompt as f64,

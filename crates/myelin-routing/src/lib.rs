@@ -89,6 +89,6 @@ pub use router::{
 pub use shard::{BackendMatch, BlockCounts, PrefixMatch, Shard, ShardConfig};
 pub use ttft::{
     DEFAULT_ENGINE_TIMING, EngineQueue, EngineTiming, KvMemory, PredictionError,
-    TIMING_BOUND_FACTOR, TIMING_FORGETTING, TIMING_PRIOR_WEIGHT, TimingFit, TtftPrediction,
-    memory_wait_steps, predict_ttft,
+    TIMING_BOUND_FACTOR, TIMING_FORGETTING, TIMING_PRIOR_WEIGHT, TIMING_PROPORTION_WEIGHT,
+    TimingFit, TtftPrediction, memory_wait_steps, predict_ttft, prefill_pairs,
 };

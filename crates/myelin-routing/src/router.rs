@@ -9,7 +9,7 @@ use crate::residency::{
     EstimateInput, PressureEstimator, ResidencyEstimator, ResidencyMode, expected_cached_tokens,
 };
 use crate::shard::{BackendMatch, PrefixMatch};
-use crate::ttft::{TtftPrediction, predict_ttft};
+use crate::ttft::{EngineTiming, TtftPrediction, predict_ttft};
 
 /// Load differences up to this many tokens are treated as noise by the prefix policy unless
 /// configured (about one 2k-token prompt of prefill).
@@ -228,8 +228,8 @@ pub struct Candidate {
     /// Prompt tokens to prefill there, expected and undiscounted.
     pub uncached_tokens: f64,
     pub undiscounted_uncached_tokens: f64,
-    /// Seconds per prefilled token there.
-    pub prefill_s_per_token: f64,
+    /// The timing it is priced with there (its prefill's seconds for the extra-prefill charge).
+    pub timing: EngineTiming,
     /// Prompt tokens its historical match covers.
     pub history_cached_tokens: f64,
 }
@@ -441,7 +441,7 @@ impl<E: ResidencyEstimator> Router<E> {
                 predicted_ttft,
                 uncached_tokens: prompt - expected_cached,
                 undiscounted_uncached_tokens: prompt - undiscounted_cached,
-                prefill_s_per_token: view.timing.prefill_s_per_token,
+                timing: view.timing,
                 history_cached_tokens: history_cached,
             });
         }
@@ -506,6 +506,7 @@ impl<E: ResidencyEstimator> Router<E> {
         if extra_prefill_scale > 0.0 {
             charge_extra_prefill(
                 &mut candidates,
+                prompt_tokens,
                 f64::from(self.config.extra_prefill_percent) / 100.0 * extra_prefill_scale,
             );
         }
@@ -644,8 +645,9 @@ impl<E: ResidencyEstimator> Router<E> {
 
 /// Adds to each candidate's costs `weight` times the time it would spend prefilling beyond the
 /// fewest uncached tokens of any candidate (each cost against its own fewest: the expected and
-/// the undiscounted one).
-fn charge_extra_prefill(candidates: &mut [Candidate], weight: f64) {
+/// the undiscounted one), at its own prefill rates (tokens and attention pairs: the extra
+/// tokens are the prompt's leading ones, attending to less context than the rest).
+fn charge_extra_prefill(candidates: &mut [Candidate], prompt_tokens: u64, weight: f64) {
     let fewest = |of: fn(&Candidate) -> f64| {
         candidates
             .iter()
@@ -656,10 +658,15 @@ fn charge_extra_prefill(candidates: &mut [Candidate], weight: f64) {
     let fewest_expected = fewest(|c| c.uncached_tokens);
     let fewest_undiscounted = fewest(|c| c.undiscounted_uncached_tokens);
     for candidate in candidates {
-        let rate = weight * candidate.prefill_s_per_token;
-        candidate.cost_tokens += rate * (candidate.uncached_tokens - fewest_expected);
+        let extra = |uncached: f64, fewest: f64| {
+            let timing = &candidate.timing;
+            weight
+                * (timing.prefill_seconds(prompt_tokens, uncached)
+                    - timing.prefill_seconds(prompt_tokens, fewest))
+        };
+        candidate.cost_tokens += extra(candidate.uncached_tokens, fewest_expected);
         candidate.undiscounted_cost_tokens +=
-            rate * (candidate.undiscounted_uncached_tokens - fewest_undiscounted);
+            extra(candidate.undiscounted_uncached_tokens, fewest_undiscounted);
     }
 }
 

@@ -9,6 +9,7 @@ use myelin_routing::{
     EstimateInput, KvMemory, MEMORY_FULL_UTILIZATION, MemoryPressure, MirrorTrust, NoBackend,
     PlaceholderEstimator, Policy, PrefixMatch, ResidencyEstimator, ResidencyMode, Router,
     RouterConfig, RoutingError, Shard, ShardConfig, admission_wait_tokens, expected_cached_tokens,
+    prefill_pairs,
 };
 use proptest::prelude::*;
 
@@ -1112,6 +1113,7 @@ fn engine(id: u32, requests: u32, held: f64, timing: EngineTiming) -> BackendVie
         timing,
         EngineQueue {
             prefill_tokens_ahead: 0,
+            prefill_pairs_ahead: 0.0,
             requests,
             decoding: requests,
             mean_remaining_output_tokens: 200.0,
@@ -1219,9 +1221,10 @@ fn a_cache_hit_stays_home_while_the_queue_there_costs_less_than_prefilling_elsew
     assert_eq!(home.backend, BackendId(0));
     let moved = decide(&mut router, &shard, &tokens, &[queued(13_000), idle]);
     assert_eq!(moved.backend, BackendId(1));
-    // The charge is the extra prefill only: the cold engine's cost is its own prefill twice.
+    // The charge is the extra prefill only: the cold engine's cost is its own prefill twice
+    // (its tokens and their attention).
     let expected =
-        moved.predicted_ttft.seconds + 6000.0 * DEFAULT_ENGINE_TIMING.prefill_s_per_token;
+        moved.predicted_ttft.seconds + DEFAULT_ENGINE_TIMING.prefill_seconds(6000, 6000.0);
     assert!(
         (moved.expected_cost_tokens - expected).abs() < 1e-9,
         "{moved:?}"
@@ -1372,6 +1375,37 @@ fn a_slower_engine_is_priced_by_its_own_fitted_timing() {
             BackendId(1)
         );
     }
+}
+
+#[test]
+fn one_long_prompt_queued_ahead_costs_more_than_the_same_tokens_in_short_ones() {
+    // Both engines have 60,000 prompt tokens to prefill before a new request: engine 0 as one
+    // prompt (its attention: 1.8e9 pairs, 5.4 s at the default timing), engine 1 as six of
+    // 10,000 (3e8 pairs, 0.9 s). Counted in tokens alone they tie.
+    let shard = shard();
+    let tokens = prompt(100, 5);
+    let behind = |id, prompts: u32, tokens_each: u64| {
+        up(id, 60_000).with_ttft(
+            DEFAULT_ENGINE_TIMING,
+            EngineQueue {
+                prefill_tokens_ahead: u64::from(prompts) * tokens_each,
+                prefill_pairs_ahead: f64::from(prompts)
+                    * prefill_pairs(tokens_each, tokens_each as f64),
+                requests: prompts,
+                mean_remaining_output_tokens: 200.0,
+                ..EngineQueue::default()
+            },
+        )
+    };
+    let views = [behind(0, 1, 60_000), behind(1, 6, 10_000)];
+    let mut router = ttft_router(ResidencyMode::Off);
+    for _ in 0..3 {
+        let decision = decide(&mut router, &shard, &tokens, &views);
+        assert_eq!(decision.backend, BackendId(1));
+    }
+    let candidates = router.candidates();
+    let gap = candidates[0].predicted_ttft.seconds - candidates[1].predicted_ttft.seconds;
+    assert!((gap - 1.5e9 * 3e-9).abs() < 0.01, "{candidates:?}");
 }
 
 #[test]

@@ -347,6 +347,8 @@ async fn list(control: &Rc<Control>) -> Response<Body> {
                             "step_ms": figures.timing.step_s * 1e3,
                             "step_ms_per_sequence": figures.timing.step_s_per_sequence * 1e3,
                             "prefill_ms_per_1k_tokens": figures.timing.prefill_s_per_token * 1e6,
+                            // Attention: ms per million (query, key) pairs of prefill.
+                            "prefill_ms_per_1m_pairs": figures.timing.prefill_s_per_token_pair * 1e9,
                             "step_tokens": figures.timing.step_tokens,
                             "observations": figures.observations,
                             "predictions_scored": figures.error.count,

@@ -45,6 +45,10 @@ pub struct Load {
     pub pinned_prompt_tokens: u64,
     /// Requests in flight that have not had their first token yet (the rest are decoding).
     pub prefilling: u32,
+    /// The attention pairs of the prefill in `tokens` (`myelin_routing::prefill_pairs` of each
+    /// request that has not had its first token): what makes a long prompt queued ahead cost
+    /// more than its tokens.
+    pub prefill_pairs: u64,
 }
 
 /// Output tokens assumed for load accounting when a request sets no `max_tokens`.
@@ -65,17 +69,19 @@ pub fn accounted_output_tokens(max_tokens: Option<u64>, max_model_len: Option<u6
 }
 
 impl Load {
-    /// A request starts on the backend: `prefill_tokens` queued until its first token,
+    /// A request starts on the backend: `prefill` queued until its first token,
     /// `decode_tokens` until it ends; the admitted-tokens clock grows by
     /// `admitted_prefill_tokens + decode_tokens`. Saturating: nothing wraps.
     pub fn start_request(
         &mut self,
         admitted_prefill_tokens: u64,
-        prefill_tokens: u64,
+        prefill: Prefill,
         decode_tokens: u64,
     ) {
+        let prefill_tokens = prefill.tokens;
         self.requests = self.requests.saturating_add(1);
         self.prefilling = self.prefilling.saturating_add(1);
+        self.prefill_pairs = self.prefill_pairs.saturating_add(prefill.pairs);
         self.tokens = self
             .tokens
             .saturating_add(prefill_tokens.saturating_add(decode_tokens));
@@ -85,22 +91,27 @@ impl Load {
         self.decode_tokens = self.decode_tokens.saturating_add(decode_tokens);
     }
 
-    /// The request's first token: its `prefilled` tokens leave the queue (and it stops
+    /// The request's first token: its `prefilled` work leaves the queue (and it stops
     /// prefilling, when `was_prefilling`).
-    pub fn first_token(&mut self, prefilled: u64, was_prefilling: bool) {
-        self.tokens = self.tokens.saturating_sub(prefilled);
+    pub fn first_token(&mut self, prefilled: Prefill, was_prefilling: bool) {
+        self.tokens = self.tokens.saturating_sub(prefilled.tokens);
+        self.prefill_pairs = self.prefill_pairs.saturating_sub(prefilled.pairs);
         if was_prefilling {
             self.prefilling = self.prefilling.saturating_sub(1);
         }
     }
 
-    /// The request ended with `remaining` tokens still queued, `decode` of them its output.
-    pub fn end_request(&mut self, remaining: u64, decode: u64, prefilling: bool) {
+    /// The request ended with `prefill` still queued (none once it had its first token) and
+    /// `decode` output tokens.
+    pub fn end_request(&mut self, prefill: Prefill, decode: u64, prefilling: bool) {
         self.requests = self.requests.saturating_sub(1);
         if prefilling {
             self.prefilling = self.prefilling.saturating_sub(1);
         }
-        self.tokens = self.tokens.saturating_sub(remaining);
+        self.tokens = self
+            .tokens
+            .saturating_sub(prefill.tokens.saturating_add(decode));
+        self.prefill_pairs = self.prefill_pairs.saturating_sub(prefill.pairs);
         self.decode_tokens = self.decode_tokens.saturating_sub(decode);
     }
 
@@ -118,6 +129,27 @@ impl Load {
             .pinned_prompt_tokens
             .saturating_add(other.pinned_prompt_tokens);
         self.prefilling = self.prefilling.saturating_add(other.prefilling);
+        self.prefill_pairs = self.prefill_pairs.saturating_add(other.prefill_pairs);
+    }
+}
+
+/// A request's prompt still to prefill on a backend, net of its expected cached prefix: the
+/// tokens and their attention pairs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Prefill {
+    pub tokens: u64,
+    pub pairs: u64,
+}
+
+impl Prefill {
+    /// The last `uncached_tokens` of a `prompt_tokens`-token prompt.
+    pub fn of(prompt_tokens: u64, uncached_tokens: u64) -> Self {
+        let tokens = uncached_tokens.min(prompt_tokens);
+        Self {
+            tokens,
+            // At most 5e17 for the longest prompt the function takes: fits.
+            pairs: myelin_routing::prefill_pairs(prompt_tokens, tokens as f64) as u64,
+        }
     }
 }
 
@@ -304,26 +336,37 @@ mod tests {
     fn any_load() -> impl Strategy<Value = Load> {
         let figure = || prop_oneof![0..1_000_000u64, u64::MAX - 1_000..=u64::MAX, any::<u64>()];
         let count = || prop_oneof![0..1_000u32, u32::MAX - 10..=u32::MAX];
-        (figure(), figure(), figure(), figure(), count(), count()).prop_map(
-            |(
-                tokens,
-                admitted_tokens,
-                decode_tokens,
-                pinned_prompt_tokens,
-                requests,
-                prefilling,
-            )| {
-                Load {
-                    requests,
+        (
+            figure(),
+            figure(),
+            figure(),
+            figure(),
+            count(),
+            count(),
+            figure(),
+        )
+            .prop_map(
+                |(
                     tokens,
                     admitted_tokens,
                     decode_tokens,
-                    prefix_replications: 0,
                     pinned_prompt_tokens,
+                    requests,
                     prefilling,
-                }
-            },
-        )
+                    prefill_pairs,
+                )| {
+                    Load {
+                        requests,
+                        tokens,
+                        admitted_tokens,
+                        decode_tokens,
+                        prefix_replications: 0,
+                        pinned_prompt_tokens,
+                        prefilling,
+                        prefill_pairs,
+                    }
+                },
+            )
     }
 
     proptest! {
@@ -345,18 +388,19 @@ mod tests {
             prop_assert!(decode <= MAX_ACCOUNTED_OUTPUT_TOKENS);
             prop_assert!(max_model_len.is_none_or(|len| decode <= len));
             let prefill = prompt.saturating_sub(cached);
+            let queued = Prefill::of(prompt, prefill);
             let mut load = before;
-            load.start_request(prefill, prefill, decode);
+            load.start_request(prefill, queued, decode);
             prop_assert!(load.admitted_tokens >= before.admitted_tokens);
             prop_assert!(load.admitted_tokens - before.admitted_tokens <= prompt.saturating_add(decode));
             prop_assert!(load.tokens - before.tokens <= prompt.saturating_add(decode));
             prop_assert!(load.requests - before.requests <= 1);
             let admitted = load.admitted_tokens;
-            let mut remaining = prefill.saturating_add(decode);
+            let mut remaining = queued;
             let mut prefilling = true;
             if first_token {
-                load.first_token(prefill, true);
-                remaining = decode;
+                load.first_token(queued, true);
+                remaining = Prefill::default();
                 prefilling = false;
             }
             load.end_request(remaining, decode, prefilling);
@@ -364,8 +408,10 @@ mod tests {
             let saturated = before.tokens.checked_add(prefill.saturating_add(decode)).is_none()
                 || before.requests == u32::MAX
                 || before.prefilling == u32::MAX
-                || before.decode_tokens.checked_add(decode).is_none();
+                || before.decode_tokens.checked_add(decode).is_none()
+                || before.prefill_pairs.checked_add(queued.pairs).is_none();
             if !saturated {
+                prop_assert_eq!(load.prefill_pairs, before.prefill_pairs);
                 prop_assert_eq!(load.tokens, before.tokens);
                 prop_assert_eq!(load.requests, before.requests);
                 prop_assert_eq!(load.prefilling, before.prefilling);

@@ -22,7 +22,7 @@ use myelin_http::server::{ServeReport, ServerConfig, Shutdown};
 use myelin_routing::PinnedBlocks;
 use myelin_tokenize::{ChatTemplate, FastBpe, Tokenizer};
 
-use crate::backends::{BackendId, BackendInfo, BackendTable, Load, LoadUpdate};
+use crate::backends::{BackendId, BackendInfo, BackendTable, Load, LoadUpdate, Prefill};
 use crate::config::ServeConfig;
 use crate::engine_metrics::ServedModels;
 use crate::mesh::{Mesh, MeshEnds, SendError};
@@ -369,8 +369,8 @@ impl Drop for InFlightPermit {
 pub struct LoadGuard {
     core: Rc<DataCore>,
     backend: BackendId,
-    /// Uncached prompt tokens still counted as queued prefill (0 once the first token came).
-    prefill_tokens: u64,
+    /// Uncached prompt still counted as queued prefill (none once the first token came).
+    prefill: Prefill,
     decode_tokens: u64,
     /// The backend's `myelin_backend_in_flight_requests` (none: the backend was gone).
     in_flight: Option<metrics::Gauge>,
@@ -436,9 +436,9 @@ impl LoadGuard {
     /// so this moment is the first token's, and the engine's timing learns from it (a
     /// non-streaming answer's first byte comes with the whole completion).
     pub fn first_token(&mut self, streamed: bool) {
-        let prefilled = std::mem::take(&mut self.prefill_tokens);
+        let prefilled = std::mem::take(&mut self.prefill);
         let was_prefilling = std::mem::take(&mut self.prefilling);
-        if prefilled > 0 || was_prefilling {
+        if prefilled != Prefill::default() || was_prefilling {
             self.core.change_load(self.backend, |load| {
                 load.first_token(prefilled, was_prefilling);
             });
@@ -465,8 +465,7 @@ impl Drop for LoadGuard {
                 .borrow_mut()
                 .ended(self.backend, streaming);
         }
-        let remaining = self.prefill_tokens.saturating_add(self.decode_tokens);
-        let (decode, prefilling) = (self.decode_tokens, self.prefilling);
+        let (remaining, decode, prefilling) = (self.prefill, self.decode_tokens, self.prefilling);
         self.core.change_load(self.backend, |load| {
             load.end_request(remaining, decode, prefilling);
         });
@@ -858,7 +857,7 @@ impl DataCore {
         );
     }
 
-    /// Adds a request's load to a backend: `prefill_tokens` until [`LoadGuard::prefill_done`],
+    /// Adds a request's load to a backend: `prefill` until [`LoadGuard::first_token`],
     /// `decode_tokens` until the guard drops. The backend's admitted-tokens counter grows by
     /// `admitted_prefill_tokens + decode_tokens` (the prompt's uncached part as history has it:
     /// an estimate that discounted a prefix still resident must not count its tokens as new
@@ -868,7 +867,7 @@ impl DataCore {
         self: &Rc<Self>,
         backend: BackendId,
         admitted_prefill_tokens: u64,
-        prefill_tokens: u64,
+        prefill: Prefill,
         decode_tokens: u64,
         prompt: PromptBlocks,
     ) -> LoadGuard {
@@ -878,7 +877,7 @@ impl DataCore {
             .get(backend)
             .map(|entry| entry.metrics.in_flight.clone());
         self.change_load(backend, |load| {
-            load.start_request(admitted_prefill_tokens, prefill_tokens, decode_tokens);
+            load.start_request(admitted_prefill_tokens, prefill, decode_tokens);
         });
         let key = self.next_pin_key.get();
         self.next_pin_key.set(key + 1);
@@ -894,7 +893,7 @@ impl DataCore {
         LoadGuard {
             core: self.clone(),
             backend,
-            prefill_tokens,
+            prefill,
             decode_tokens,
             in_flight,
             probe: None,

@@ -15,7 +15,7 @@ use hyper::body::Incoming;
 use myelin_http::body::{Body, full};
 use serde_json::Value;
 
-use crate::backends::{BackendId, BackendState};
+use crate::backends::{BackendId, BackendState, Prefill};
 use crate::body_budget::Reservation;
 use crate::data_core::{DataCore, InFlightPermit, LoadGuard};
 use crate::openai::{ApiError, Endpoint, GenerationRequest, parse_generation_request};
@@ -401,7 +401,7 @@ async fn generate(
         let mut load = core.start_load(
             chosen.backend,
             admitted_prefill,
-            prefill_tokens,
+            Prefill::of(prompt_tokens as u64, prefill_tokens),
             decode_tokens,
             PromptBlocks::new(query.chain.clone(), prompt_tokens as u64),
         );

@@ -626,6 +626,7 @@ fn engine_queue(
     });
     EngineQueue {
         prefill_tokens_ahead: total.tokens.saturating_sub(total.decode_tokens),
+        prefill_pairs_ahead: total.prefill_pairs as f64,
         requests: total.requests,
         decoding: total.requests.saturating_sub(total.prefilling),
         mean_remaining_output_tokens,

@@ -191,6 +191,7 @@ fn sim_state(engine: &LocalEngine) -> Response<Body> {
             "waiting": load.waiting,
             "kv_usage": load.kv_usage,
             "pending_prefill_tokens": load.pending_prefill_tokens,
+            "pending_prefill_pairs": load.pending_prefill_pairs,
             "pending_decode_tokens": load.pending_decode_tokens,
             "prefix_cache_queries": counters.prefix_cache_queries,
             "prefix_cache_hits": counters.prefix_cache_hits,

@@ -206,6 +206,10 @@ pub struct EngineLoad {
     /// Prompt (or recompute) tokens still to prefill across all requests, net of what the
     /// prefix cache would serve right now.
     pub pending_prefill_tokens: usize,
+    /// The (query, key) pairs of causal attention in that prefill: each uncomputed token
+    /// attends to the tokens before it (the cached or computed ones and the new ones ahead of
+    /// it), what makes a long prompt's prefill cost more than its tokens.
+    pub pending_prefill_pairs: f64,
     /// Output tokens still to generate across all requests.
     pub pending_decode_tokens: usize,
     /// Running requests whose prompt is computed (decoding).
@@ -508,6 +512,7 @@ impl EngineModel {
     /// Current load.
     pub fn load(&self) -> EngineLoad {
         let mut pending_prefill_tokens = 0;
+        let mut pending_prefill_pairs = 0.0;
         let mut pending_decode_tokens = 0;
         let mut decoding = 0;
         for request in self.requests.values() {
@@ -518,17 +523,26 @@ impl EngineModel {
                 decoding += 1;
             }
             let uncomputed = request.num_tokens() - request.num_computed_tokens;
-            pending_prefill_tokens += match request.state {
+            let (pending, context) = match request.state {
                 // A decoding request has exactly its last sampled token uncomputed.
-                RequestState::Running => uncomputed.saturating_sub(1),
-                RequestState::Waiting => request.num_tokens() - self.lookup_prefix(request).1,
+                RequestState::Running => {
+                    (uncomputed.saturating_sub(1), request.num_computed_tokens)
+                }
+                RequestState::Waiting => {
+                    let cached = self.lookup_prefix(request).1;
+                    (request.num_tokens() - cached, cached)
+                }
             };
+            pending_prefill_tokens += pending;
+            let pending = pending as f64;
+            pending_prefill_pairs += pending * (context as f64 + pending / 2.0);
         }
         EngineLoad {
             running: self.running.len(),
             waiting: self.waiting.len(),
             kv_usage: self.pool.usage(),
             pending_prefill_tokens,
+            pending_prefill_pairs,
             pending_decode_tokens,
             decoding,
         }

@@ -1455,7 +1455,8 @@ fn streamed_first_tokens_teach_the_ttft_model_and_every_answer_carries_its_predi
     let model = &router.backends()[0]["ttft_model"];
     for core in model.as_array().unwrap() {
         assert!(
-            core["prefill_ms_per_1k_tokens"].as_f64().unwrap() > 0.0,
+            core["prefill_ms_per_1k_tokens"].as_f64().unwrap() > 0.0
+                && core["prefill_ms_per_1m_pairs"].as_f64().unwrap() > 0.0,
             "{core}"
         );
         assert!(core["step_ms"].as_f64().unwrap() > 0.0, "{core}");
