@@ -310,6 +310,7 @@ mod tests {
                 &DEFAULT_ENGINE_TIMING,
                 &EngineQueue {
                     prefill_tokens_ahead: in_transit * 100,
+                    prefill_pairs_ahead: in_transit as f64 * prefill_pairs(4100, 100.0),
                     requests: in_transit as u32,
                     ..EngineQueue::default()
                 },
@@ -319,7 +320,8 @@ mod tests {
             .seconds
         };
         // At equal predictions engine 0, which holds the prompt, keeps it (the tie rule).
-        let charge = 4000.0 * DEFAULT_ENGINE_TIMING.prefill_s_per_token;
+        let charge = DEFAULT_ENGINE_TIMING.prefill_seconds(4100, 4100.0)
+            - DEFAULT_ENGINE_TIMING.prefill_seconds(4100, 100.0);
         let crossing = (0..120)
             .find(|&n| behind(n) > cold.seconds + charge)
             .unwrap();
