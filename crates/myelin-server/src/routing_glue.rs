@@ -948,8 +948,17 @@ pub(crate) mod tests {
                 .iter()
                 .all(|timing| *timing == EngineTiming::default())
         );
+        let default_seconds = myelin_routing::predict_ttft(
+            &EngineTiming::default(),
+            &myelin_routing::EngineQueue::default(),
+            4000,
+            4000.0,
+        )
+        .seconds;
         // Backend 0's first tokens come ten times faster than the default timing predicts
-        // (a simulated engine at speedup 10).
+        // (a simulated engine at speedup 10): the truth is fixed, whatever the fit predicts
+        // meanwhile.
+        let observed = default_seconds / 10.0;
         for _ in 0..100 {
             let choice = shard
                 .decide(
@@ -960,7 +969,6 @@ pub(crate) mod tests {
                 )
                 .unwrap();
             assert_eq!(choice.backend, BackendId(0));
-            let observed = choice.predicted_ttft.seconds / 10.0;
             let error = shard
                 .observe_ttft(BackendId(0), &choice.predicted_ttft, observed)
                 .unwrap();
@@ -978,13 +986,6 @@ pub(crate) mod tests {
                 .predicted_ttft
                 .seconds
         };
-        let default_seconds = myelin_routing::predict_ttft(
-            &EngineTiming::default(),
-            &myelin_routing::EngineQueue::default(),
-            4000,
-            4000.0,
-        )
-        .seconds;
         // Learned: within 20% of a tenth of the default's prediction.
         assert!((seconds(BackendId(0)) / (default_seconds / 10.0) - 1.0).abs() < 0.2);
         // Backends 1 and 2 saw nothing: they follow the pool, not the default.
