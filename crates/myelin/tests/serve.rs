@@ -1549,12 +1549,19 @@ fn a_traced_request_gets_its_decisions_evidence_only_when_the_flag_allows() {
         chosen["expected_cached_tokens"].as_f64().unwrap() >= 304.0,
         "{again}"
     );
-    let other = candidates
-        .iter()
-        .find(|candidate| candidate["backend"] != backend)
-        .unwrap();
-    assert_eq!(other["matched_blocks"], 0, "{again}");
-    assert!(other["cost"].as_f64().unwrap() >= chosen["cost"].as_f64().unwrap());
+    // The chosen engine is the cheapest and matches the most. The other may hold the prompt
+    // too (a repeat sent before the mirror caught up can land there); if it holds none, it
+    // must cost strictly more.
+    let chosen_cost = chosen["cost"].as_f64().unwrap();
+    for candidate in candidates {
+        assert!(
+            candidate["cost"].as_f64().unwrap() >= chosen_cost,
+            "{again}"
+        );
+        if candidate["matched_blocks"] == 0 {
+            assert!(candidate["cost"].as_f64().unwrap() > chosen_cost, "{again}");
+        }
+    }
     // No header asked: no trace.
     let plain = router.post_json(
         "/v1/completions",
