@@ -49,6 +49,13 @@ pub struct Load {
     /// request that has not had its first token): what makes a long prompt queued ahead cost
     /// more than its tokens.
     pub prefill_pairs: u64,
+    /// When the engine began the prefill now at the head of its queue, as far as this core can
+    /// tell (milliseconds on the routing clock shared by the cores): this core's last first
+    /// token there, or when its first request without one was sent to an idle queue. Summed
+    /// over cores as the latest: the engine serves its queue first come, first served, so the
+    /// head started at the last first token anywhere. The predicted TTFT deducts the prefill
+    /// done since (`routing_glue::engine_queue`). 0: never.
+    pub prefill_clock_ms: u64,
 }
 
 /// Output tokens assumed for load accounting when a request sets no `max_tokens`.
@@ -71,14 +78,19 @@ pub fn accounted_output_tokens(max_tokens: Option<u64>, max_model_len: Option<u6
 impl Load {
     /// A request starts on the backend: `prefill` queued until its first token,
     /// `decode_tokens` until it ends; the admitted-tokens clock grows by
-    /// `admitted_prefill_tokens + decode_tokens`. Saturating: nothing wraps.
+    /// `admitted_prefill_tokens + decode_tokens`. Saturating: nothing wraps. `now_ms`: the
+    /// routing clock (starts [`Self::prefill_clock_ms`] when no request was prefilling).
     pub fn start_request(
         &mut self,
         admitted_prefill_tokens: u64,
         prefill: Prefill,
         decode_tokens: u64,
+        now_ms: u64,
     ) {
         let prefill_tokens = prefill.tokens;
+        if self.prefilling == 0 {
+            self.prefill_clock_ms = self.prefill_clock_ms.max(now_ms);
+        }
         self.requests = self.requests.saturating_add(1);
         self.prefilling = self.prefilling.saturating_add(1);
         self.prefill_pairs = self.prefill_pairs.saturating_add(prefill.pairs);
@@ -92,12 +104,14 @@ impl Load {
     }
 
     /// The request's first token: its `prefilled` work leaves the queue (and it stops
-    /// prefilling, when `was_prefilling`).
-    pub fn first_token(&mut self, prefilled: Prefill, was_prefilling: bool) {
+    /// prefilling, when `was_prefilling`, and the engine moves on to the next prefill at
+    /// `now_ms`).
+    pub fn first_token(&mut self, prefilled: Prefill, was_prefilling: bool, now_ms: u64) {
         self.tokens = self.tokens.saturating_sub(prefilled.tokens);
         self.prefill_pairs = self.prefill_pairs.saturating_sub(prefilled.pairs);
         if was_prefilling {
             self.prefilling = self.prefilling.saturating_sub(1);
+            self.prefill_clock_ms = self.prefill_clock_ms.max(now_ms);
         }
     }
 
@@ -130,6 +144,7 @@ impl Load {
             .saturating_add(other.pinned_prompt_tokens);
         self.prefilling = self.prefilling.saturating_add(other.prefilling);
         self.prefill_pairs = self.prefill_pairs.saturating_add(other.prefill_pairs);
+        self.prefill_clock_ms = self.prefill_clock_ms.max(other.prefill_clock_ms);
     }
 }
 
@@ -344,6 +359,7 @@ mod tests {
             count(),
             count(),
             figure(),
+            figure(),
         )
             .prop_map(
                 |(
@@ -354,6 +370,7 @@ mod tests {
                     requests,
                     prefilling,
                     prefill_pairs,
+                    prefill_clock_ms,
                 )| {
                     Load {
                         requests,
@@ -364,6 +381,7 @@ mod tests {
                         pinned_prompt_tokens,
                         prefilling,
                         prefill_pairs,
+                        prefill_clock_ms,
                     }
                 },
             )
@@ -390,7 +408,7 @@ mod tests {
             let prefill = prompt.saturating_sub(cached);
             let queued = Prefill::of(prompt, prefill);
             let mut load = before;
-            load.start_request(prefill, queued, decode);
+            load.start_request(prefill, queued, decode, 5);
             prop_assert!(load.admitted_tokens >= before.admitted_tokens);
             prop_assert!(load.admitted_tokens - before.admitted_tokens <= prompt.saturating_add(decode));
             prop_assert!(load.tokens - before.tokens <= prompt.saturating_add(decode));
@@ -399,7 +417,8 @@ mod tests {
             let mut remaining = queued;
             let mut prefilling = true;
             if first_token {
-                load.first_token(queued, true);
+                load.first_token(queued, true, 9);
+                prop_assert_eq!(load.prefill_clock_ms, before.prefill_clock_ms.max(9));
                 remaining = Prefill::default();
                 prefilling = false;
             }

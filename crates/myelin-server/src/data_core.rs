@@ -439,8 +439,9 @@ impl LoadGuard {
         let prefilled = std::mem::take(&mut self.prefill);
         let was_prefilling = std::mem::take(&mut self.prefilling);
         if prefilled != Prefill::default() || was_prefilling {
+            let now_ms = self.core.routing.borrow().now_ms();
             self.core.change_load(self.backend, |load| {
-                load.first_token(prefilled, was_prefilling);
+                load.first_token(prefilled, was_prefilling, now_ms);
             });
         }
         // Learned from once: the first call is the first token's (later ones change nothing).
@@ -876,8 +877,9 @@ impl DataCore {
             .borrow()
             .get(backend)
             .map(|entry| entry.metrics.in_flight.clone());
+        let now_ms = self.routing.borrow().now_ms();
         self.change_load(backend, |load| {
-            load.start_request(admitted_prefill_tokens, prefill, decode_tokens);
+            load.start_request(admitted_prefill_tokens, prefill, decode_tokens, now_ms);
         });
         let key = self.next_pin_key.get();
         self.next_pin_key.set(key + 1);

@@ -186,7 +186,7 @@ impl RoutingShard {
     }
 
     /// Milliseconds since the server started (same origin on every core): the routing clock.
-    fn now_ms(&self) -> u64 {
+    pub fn now_ms(&self) -> u64 {
         u64::try_from(self.clock_origin.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
@@ -484,6 +484,7 @@ impl RoutingShard {
         views.clear();
         let shard = &self.shard;
         let now = Instant::now();
+        let now_ms = self.now_ms();
         let max_age = self.memory_max_age;
         views.extend(self.backends.iter().map(|(&id, backend)| {
             let state = if excluded.contains(&id) {
@@ -498,7 +499,9 @@ impl RoutingShard {
                 .map_or(0, |&(_, tokens)| tokens);
             let scrape = backend.fresh_scrape(now, max_age);
             let memory = memory_pressure(backend, &total, scrape);
-            let queue = engine_queue(backend, &total, scrape.is_some(), shared_tokens);
+            let timing = backend.timing.timing();
+            let mut queue = engine_queue(backend, &total, scrape.is_some(), shared_tokens);
+            deduct_prefill_progress(&mut queue, &timing, &total, now_ms);
             BackendView::new(id, state, total.tokens)
                 .with_cache(
                     backend.calibration.effective_capacity(),
@@ -506,7 +509,7 @@ impl RoutingShard {
                     shard.evicted_below(id),
                 )
                 .with_memory(memory)
-                .with_ttft(backend.timing.timing(), queue)
+                .with_ttft(timing, queue)
         }));
         let decision = self.router.decide(prompt_tokens as u64, answer, &views);
         self.views = views;
@@ -632,6 +635,45 @@ fn engine_queue(
         mean_remaining_output_tokens,
         memory: kv,
     }
+}
+
+/// The least share of the prefill ahead taken to remain while none of it has had its first
+/// token: past its predicted time the queue ahead is late, not done.
+const MIN_PREFILL_AHEAD_LEFT: f64 = 0.1;
+
+/// Takes off the prefill ahead what the engine has done of it since the head of its queue
+/// began ([`Load::prefill_clock_ms`]): at the engine's `timing`, the seconds since then are
+/// that share of the seconds the queue ahead takes. The tokens and pairs ahead shrink by the
+/// share (at most to [`MIN_PREFILL_AHEAD_LEFT`] of them). Without it a request ahead counts in
+/// full until its first token, and an engine half through a long prompt looked as busy as
+/// one that just took it.
+fn deduct_prefill_progress(
+    queue: &mut EngineQueue,
+    timing: &EngineTiming,
+    total: &Load,
+    now_ms: u64,
+) {
+    if total.prefilling == 0 || queue.prefill_tokens_ahead == 0 {
+        return;
+    }
+    let elapsed = now_ms.saturating_sub(total.prefill_clock_ms) as f64 / 1000.0;
+    let alone = EngineQueue {
+        memory: None,
+        ..*queue
+    };
+    let idle = EngineQueue {
+        prefill_tokens_ahead: 0,
+        prefill_pairs_ahead: 0.0,
+        ..alone
+    };
+    let ahead_seconds = myelin_routing::predict_ttft(timing, &alone, 0, 0.0).seconds
+        - myelin_routing::predict_ttft(timing, &idle, 0, 0.0).seconds;
+    if ahead_seconds.is_nan() || ahead_seconds <= 0.0 {
+        return;
+    }
+    let left = (1.0 - elapsed / ahead_seconds).clamp(MIN_PREFILL_AHEAD_LEFT, 1.0);
+    queue.prefill_tokens_ahead = (queue.prefill_tokens_ahead as f64 * left).round() as u64;
+    queue.prefill_pairs_ahead *= left;
 }
 
 /// KV tokens the routers' requests in flight hold on a backend: their distinct prompt blocks
@@ -1028,6 +1070,44 @@ pub(crate) mod tests {
         // Nothing in flight, or a zero capacity from a broken engine: finite and idle.
         let idle = sent_memory(&Load::default(), 0, 128.0);
         assert_eq!((idle.utilization, idle.waiting_requests), (0.0, 0));
+    }
+
+    #[test]
+    fn the_prefill_ahead_counts_less_the_longer_the_engine_has_been_at_it() {
+        let mut shard = shard_over(Policy::Prefix, 1, 2);
+        // The routing clock has run a minute.
+        shard.clock_origin = Instant::now().checked_sub(Duration::from_secs(60)).unwrap();
+        let now_ms = shard.now_ms();
+        let prompt: Vec<u32> = (0..512).collect();
+        let query = shard.query(&prompt);
+        let prefilling_since = |clock_ms| Load {
+            requests: 1,
+            prefilling: 1,
+            tokens: 20_000,
+            prefill_pairs: myelin_routing::prefill_pairs(20_000, 20_000.0) as u64,
+            prefill_clock_ms: clock_ms,
+            ..Load::default()
+        };
+        let mut predicted = Vec::new();
+        for (started, fresh) in [(BackendId(0), BackendId(1)), (BackendId(1), BackendId(0))] {
+            // Both hold a 20,000-token prompt ahead: one took it a minute ago (long enough
+            // for it to be nearly done), the other just now.
+            shard.set_load(started, 0, prefilling_since(0));
+            shard.set_load(fresh, 0, prefilling_since(now_ms));
+            let choice = shard
+                .decide(&shard.lookup(&query), prompt.len(), &[], &[])
+                .unwrap();
+            assert_eq!(choice.backend, started);
+            predicted.push(choice.predicted_ttft.seconds);
+        }
+        // Not done before its first token: a tenth of it still counts, more than none.
+        shard.set_load(BackendId(0), 0, prefilling_since(0));
+        shard.set_load(BackendId(1), 0, Load::default());
+        let choice = shard
+            .decide(&shard.lookup(&query), prompt.len(), &[], &[])
+            .unwrap();
+        assert_eq!(choice.backend, BackendId(1));
+        assert!(choice.predicted_ttft.seconds < predicted[0]);
     }
 
     #[test]
