@@ -426,6 +426,18 @@ pub struct RegimeArgs {
     #[arg(long, default_value_t = 300)]
     pub request_timeout: u64,
 
+    /// Residency calibration in every cell, as `myelin bench --calibration` [default: off, the
+    /// verdict does not read it]; with `--legs prefix+estimate` and several `--seed`s, the
+    /// cells' report.json pool in `myelin bench calibration` (a recalibration fit across
+    /// regimes).
+    #[arg(long, value_enum, default_value_t = crate::calibration::CalibrationMode::Off)]
+    pub calibration: crate::calibration::CalibrationMode,
+
+    /// Calibration samples one request in this many, as `myelin bench --calibration-every`.
+    #[arg(long, default_value_t = crate::calibration::SAMPLE_EVERY,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub calibration_every: u64,
+
     /// No progress bars.
     #[arg(long)]
     pub no_progress: bool,

@@ -147,7 +147,12 @@ impl RegimeArgs {
             "--repeat".into(),
             self.repeat.max(1).to_string(),
             "--calibration".into(),
-            "off".into(),
+            clap::ValueEnum::to_possible_value(&self.calibration)
+                .expect("every calibration mode has a name")
+                .get_name()
+                .to_string(),
+            "--calibration-every".into(),
+            self.calibration_every.to_string(),
             "--request-timeout".into(),
             self.request_timeout.to_string(),
         ];
@@ -652,6 +657,20 @@ mod tests {
         assert_eq!(parsed.out.as_deref(), Some(Path::new("/o/cells/c")));
         assert!(parsed.no_progress);
         assert_eq!(parsed.calibration, crate::calibration::CalibrationMode::Off);
+        let calibrated = parse(&["--quick", "--calibration", "auto", "--calibration-every", "1"]);
+        let (flags, _) = calibrated.cell_args(
+            Path::new("/o/cells/c"),
+            Path::new("/o/cells/c/workload.json"),
+        );
+        let argv = std::iter::once("bench".to_string())
+            .chain(["--workload".into(), "/o/cells/c/workload.json".into()])
+            .chain(flags);
+        let parsed_calibrated = BenchCommandLine::try_parse_from(argv).unwrap().args;
+        assert_eq!(
+            parsed_calibrated.calibration,
+            crate::calibration::CalibrationMode::Auto
+        );
+        assert_eq!(parsed_calibrated.calibration_every, 1);
         assert!(
             reproduce.starts_with(
                 "myelin bench --workload /o/cells/c/workload.json --legs least-load,prefix+off,prefix+auto --repeat 3"
