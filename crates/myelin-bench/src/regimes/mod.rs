@@ -657,7 +657,13 @@ mod tests {
         assert_eq!(parsed.out.as_deref(), Some(Path::new("/o/cells/c")));
         assert!(parsed.no_progress);
         assert_eq!(parsed.calibration, crate::calibration::CalibrationMode::Off);
-        let calibrated = parse(&["--quick", "--calibration", "auto", "--calibration-every", "1"]);
+        let calibrated = parse(&[
+            "--quick",
+            "--calibration",
+            "auto",
+            "--calibration-every",
+            "1",
+        ]);
         let (flags, _) = calibrated.cell_args(
             Path::new("/o/cells/c"),
             Path::new("/o/cells/c/workload.json"),
