@@ -34,6 +34,14 @@ fn speedup(text: &str) -> Result<f64, String> {
     }
 }
 
+/// `--trace-sample`: a ratio from 0 to 1.
+fn sample_ratio(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(value) if (0.0..=1.0).contains(&value) => Ok(value),
+        _ => Err(format!("{text:?} is not a ratio from 0 to 1")),
+    }
+}
+
 /// `--health-path`: an absolute path.
 fn health_path(text: &str) -> Result<String, String> {
     if text.starts_with('/') {
@@ -81,6 +89,29 @@ pub struct ServeArgs {
     /// address). [default: off: the request header is ignored]
     #[arg(long, env = "MYELIN_DECISION_TRACE")]
     pub decision_trace: bool,
+
+    /// Export OpenTelemetry traces of generation requests to this collector, over OTLP/HTTP
+    /// with the JSON encoding: `http://HOST:PORT[/PATH]` (path `/v1/traces` when none; plain
+    /// HTTP: run the collector beside the router). A client's W3C `traceparent` is continued
+    /// and the engine gets one naming the router's span. [default: none: no traces, no cost]
+    #[arg(long, env = "MYELIN_OTLP_ENDPOINT", value_name = "URL",
+          value_parser = |text: &str| text.parse::<crate::otel::OtlpEndpoint>())]
+    pub otlp_endpoint: Option<crate::otel::OtlpEndpoint>,
+
+    /// Share of requests traced when the client sends no `traceparent` (0 to 1; a client's
+    /// sampled flag always decides for its own requests). Needs --otlp-endpoint.
+    #[arg(long, env = "MYELIN_TRACE_SAMPLE", value_name = "RATIO", default_value = "1",
+          value_parser = sample_ratio)]
+    pub trace_sample: f64,
+
+    /// `service.name` of the exported traces (with --otlp-endpoint).
+    #[arg(
+        long,
+        env = "MYELIN_OTEL_SERVICE_NAME",
+        value_name = "NAME",
+        default_value = "myelin"
+    )]
+    pub otel_service_name: String,
 
     /// Address of the admin API (`/admin/backends`), served by the control core and never on
     /// --listen: HOST:PORT, or `unix:PATH` for a Unix socket (created mode 0600, a stale one
@@ -487,6 +518,8 @@ pub struct ServeConfig {
     pub metrics_on_client_port: bool,
     /// `x-myelin-trace: 1` gets the decision's evidence (`--decision-trace`).
     pub decision_trace: bool,
+    /// OpenTelemetry traces (`--otlp-endpoint`, `--trace-sample`, `--otel-service-name`).
+    pub otlp: Option<crate::otel::OtlpConfig>,
     pub admin_listen: AdminListen,
     /// Bearer token the admin API requires (always set when `admin_listen` is not loopback).
     pub admin_token: Option<AdminToken>,
@@ -852,6 +885,14 @@ impl ServeConfig {
             metrics_listen: args.metrics_listen,
             metrics_on_client_port: args.metrics_on_client_port,
             decision_trace: args.decision_trace,
+            otlp: args
+                .otlp_endpoint
+                .clone()
+                .map(|endpoint| crate::otel::OtlpConfig {
+                    endpoint,
+                    sample_ratio: args.trace_sample,
+                    service_name: args.otel_service_name.clone(),
+                }),
             admin_listen: args.admin_listen,
             admin_token,
             backends,

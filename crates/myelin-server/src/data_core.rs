@@ -74,6 +74,8 @@ pub struct DataCoreSetup {
     pub ready: std::sync::mpsc::Sender<CoreReady>,
     /// The routing clock's origin, the same on every core (learned routes carry its times).
     pub clock_origin: Instant,
+    /// The OTLP exporter's queue (`--otlp-endpoint`; `None`: no traces).
+    pub tracing: Option<crate::otel::ExporterHandle>,
 }
 
 /// A data core's state, shared by its tasks (same thread, no locks; borrows never span an
@@ -122,6 +124,8 @@ pub struct DataCore {
     mirror_seq: Cell<u64>,
     /// Bytes of request bodies this core holds while reading them (before admission).
     pub body_budget: Rc<crate::body_budget::BodyBudget>,
+    /// This core's tracer (`--otlp-endpoint`; `None`: tracing off, nothing else to pay).
+    pub tracer: Option<crate::otel::Tracer>,
 }
 
 /// Runs a data core until shutdown and drain complete, answering every client request with
@@ -226,6 +230,10 @@ where
         body_budget: crate::body_budget::BodyBudget::new(
             setup.config.max_body_buffer_bytes_per_core,
         ),
+        tracer: setup
+            .tracing
+            .as_ref()
+            .map(|exporter| crate::otel::Tracer::new(exporter, setup.shard as u64)),
         config: setup.config.clone(),
     });
     for (_, receiver) in receivers {

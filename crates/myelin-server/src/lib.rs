@@ -24,6 +24,7 @@ mod mesh;
 mod messages;
 pub mod metrics;
 pub mod openai;
+pub mod otel;
 mod pins;
 mod proxy;
 mod relay;
@@ -91,6 +92,8 @@ pub struct Server {
     control_stop: Arc<AtomicBool>,
     data_cores: Vec<ExecutorJoinHandle<ServeReport>>,
     control_core: Option<ExecutorJoinHandle<()>>,
+    /// The OTLP exporter thread (`--otlp-endpoint`): ends when the data cores' tracers are gone.
+    exporter: Option<std::thread::JoinHandle<()>>,
     _sim: Option<sim::SimEngines>,
 }
 
@@ -118,6 +121,11 @@ impl Server {
                     failure = Some(ServeError::Startup(format!("data core failed: {error}")))
                 }
             }
+        }
+        // The data cores held the exporter's queue: it sends what is left and ends (each step of
+        // an export has its own deadline).
+        if let Some(exporter) = self.exporter.take() {
+            let _ = exporter.join();
         }
         self.control_stop.store(true, Ordering::Release);
         if let Some(handle) = self.control_core.take()
@@ -233,6 +241,15 @@ pub fn start(config: ServeConfig, stop: Arc<AtomicBool>) -> Result<Server, Serve
     };
     let config = Arc::new(config);
     let metrics = metrics::install();
+    let (tracing, exporter) = match &config.otlp {
+        Some(otlp) => {
+            let (handle, thread) = otel::start(otlp.clone()).map_err(|source| {
+                ServeError::Startup(format!("cannot start the OTLP exporter thread: {source}"))
+            })?;
+            (Some(handle), Some(thread))
+        }
+        None => (None, None),
+    };
 
     let shards = config.layout.shard_count();
     let initial_backends: Vec<BackendInfo> = config
@@ -286,6 +303,7 @@ pub fn start(config: ServeConfig, stop: Arc<AtomicBool>) -> Result<Server, Serve
             stop: stop.clone(),
             ready: ready_sender.clone(),
             clock_origin,
+            tracing: tracing.clone(),
         };
         let handle = spawn_executor(spec, move || run_data_core(setup, request_path::handle))
             .map_err(|source| ServeError::Executor { name, source })?;
@@ -306,6 +324,7 @@ pub fn start(config: ServeConfig, stop: Arc<AtomicBool>) -> Result<Server, Serve
 
     // Only the cores hold senders now: a core that dies during startup ends the wait below.
     drop(ready_sender);
+    drop(tracing);
     let (control_ready_sender, control_ready) = mpsc::channel();
     let control_spec = match config.layout.control_cpu {
         Some(cpu) => ExecutorSpec::pinned("myelin-control", cpu),
@@ -363,6 +382,7 @@ pub fn start(config: ServeConfig, stop: Arc<AtomicBool>) -> Result<Server, Serve
         control_stop,
         data_cores,
         control_core: Some(control_core),
+        exporter,
         _sim: sim,
     };
     if let Some(message) = startup_error {

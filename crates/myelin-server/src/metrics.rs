@@ -71,6 +71,11 @@ pub const HISTORY_MATCHED_TOKENS_TOTAL: &str = "myelin_router_history_matched_to
 /// Of those, the tokens the residency mode found evicted: their ratio is the share of what
 /// clients ask for again that the caches no longer hold (it scales the extra-prefill charge).
 pub const HISTORY_EVICTED_TOKENS_TOTAL: &str = "myelin_router_history_evicted_tokens_total";
+/// Spans the OTLP exporter delivered to the collector (`--otlp-endpoint`).
+pub const OTLP_SPANS_EXPORTED_TOTAL: &str = "myelin_otlp_spans_exported_total";
+/// Spans not delivered, by `reason`: `queue_full` (the exporter fell behind; a data core never
+/// waits for it) or `export_failed` (the collector was unreachable, slow or refused the batch).
+pub const OTLP_SPANS_DROPPED_TOTAL: &str = "myelin_otlp_spans_dropped_total";
 /// Attempts sent to another backend before the first response byte, by `reason`.
 pub const RETRIES_TOTAL: &str = "myelin_retries_total";
 /// Circuit-breaker transitions, by `backend`, `from` and `to` (closed, open, half_open).
@@ -494,6 +499,14 @@ pub fn export_backend_series(id: myelin_routing::BackendId, kv_events: bool) {
 fn describe() {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
     describe_counter!(REQUESTS_TOTAL, "Requests answered, by route and status.");
+    describe_counter!(
+        OTLP_SPANS_EXPORTED_TOTAL,
+        "Spans the OTLP exporter delivered to the collector."
+    );
+    describe_counter!(
+        OTLP_SPANS_DROPPED_TOTAL,
+        "Spans not delivered, by reason (queue_full, export_failed)."
+    );
     describe_counter!(
         TOKENIZATION_MISMATCH_TOTAL,
         "Answers whose usage.prompt_tokens differs from the router's own token count of the \

@@ -19,6 +19,7 @@ use crate::backends::{BackendId, BackendState, Prefill};
 use crate::body_budget::Reservation;
 use crate::data_core::{DataCore, InFlightPermit, LoadGuard};
 use crate::openai::{ApiError, Endpoint, GenerationRequest, parse_generation_request};
+use crate::otel::{RequestTrace, TRACEPARENT, TraceParent};
 use crate::pins::PromptBlocks;
 use crate::proxy::{
     self, Attempt, BACKEND_HEADER, FailedAttempt, PREDICTED_TTFT_HEADER, TRACE_REQUEST_HEADER,
@@ -105,7 +106,25 @@ pub async fn handle(core: Rc<DataCore>, request: Request<Incoming>) -> Response<
                     let abandoned = AbandonGuard {
                         counter: Some(core.meters.client_disconnects.clone()),
                     };
-                    let response = generate(&core, endpoint, request, arrived).await;
+                    // Sampled (`--otlp-endpoint`): the span goes with the relayed body, or
+                    // ends here when the router answered itself.
+                    let mut trace = core.tracer.as_ref().and_then(|tracer| {
+                        let parent = request
+                            .headers()
+                            .get(TRACEPARENT)
+                            .and_then(|value| TraceParent::parse(value.as_bytes()));
+                        let mut trace = tracer.start(parent, arrived)?;
+                        trace.set_name(format!("POST {}", endpoint.path()));
+                        Some(trace)
+                    });
+                    let response = generate(&core, endpoint, request, arrived, &mut trace).await;
+                    if let Some(trace) = trace.as_mut() {
+                        let status = response.status();
+                        trace.set("http.response.status_code", u64::from(status.as_u16()));
+                        if status.is_client_error() || status.is_server_error() {
+                            trace.fail(status.to_string());
+                        }
+                    }
                     abandoned.disarm();
                     response
                 }
@@ -178,6 +197,7 @@ async fn generate(
     endpoint: Endpoint,
     request: Request<Incoming>,
     arrived: Instant,
+    trace: &mut Option<RequestTrace>,
 ) -> Response<Body> {
     if core.shutdown.is_triggered() {
         return with_retry_after(error_response(&ApiError::draining()), 1);
@@ -226,6 +246,9 @@ async fn generate(
         Ok(generation) => generation,
         Err(error) => return error_response(&error),
     };
+    if let Some(trace) = trace.as_mut() {
+        describe_request(trace, &generation);
+    }
 
     // Tokenize: render the chat template, then tokenize only the prompt's leading
     // `--tokenize-prefix-bytes` (with the per-core segment cache): a prefix that matches
@@ -286,6 +309,21 @@ async fn generate(
         query = core.routing.borrow().query_in(namespace, &tokens.ids);
         answer = core.lookup(&query);
     }
+    if let Some(trace) = trace.as_mut() {
+        trace.child(
+            "tokenize",
+            tokenize_started,
+            tokenize_started + tokenize_time,
+            vec![
+                ("myelin.tokenize.extent", extent.into()),
+                ("myelin.tokenize.bytes", tokenized_bytes.into()),
+                (
+                    "myelin.prompt_tokens",
+                    (tokens.estimated_total as u64).into(),
+                ),
+            ],
+        );
+    }
     let meters = &core.meters;
     meters.tokenize_seconds.record(tokenize_time.as_secs_f64());
     meters.tokenize_prompts.get(extent).increment(1);
@@ -343,7 +381,7 @@ async fn generate(
                 .decision_trace(choice.as_ref().map(|chosen| chosen.backend))
         })
     };
-    let mut trace = trace_of(&choice);
+    let mut decision_trace = trace_of(&choice);
     let decision_time = lookup_started
         .elapsed()
         .saturating_sub(if extent == "prefix_then_whole" {
@@ -356,7 +394,7 @@ async fn generate(
         .record(decision_time.as_secs_f64());
 
     // Proxy: retried on another backend only before the first response byte.
-    let upstream = UpstreamRequest {
+    let mut upstream = UpstreamRequest {
         method: Method::POST,
         // The canonical path (a trailing slash was accepted), the client's query kept.
         path_and_query: match parts.uri.query() {
@@ -408,6 +446,14 @@ async fn generate(
         load.set_probe(probe);
         load.set_prediction(chosen.predicted_ttft);
         load.watch(generation.stream);
+        if let Some(trace) = trace.as_mut() {
+            describe_decision(trace, &chosen, tried.len());
+            let traceparent =
+                trace.begin_attempt(vec![("myelin.backend", u64::from(chosen.backend.0).into())]);
+            upstream
+                .headers
+                .insert(http::HeaderName::from_static(TRACEPARENT), traceparent);
+        }
         // A streaming answer's head comes before the first token; a non-streaming one's comes
         // with the whole completion, so it gets the longer deadline.
         let head_timeout = if generation.stream {
@@ -452,6 +498,11 @@ async fn generate(
         let failure = match attempted {
             Attempt::Failed(failure) => failure,
             Attempt::Answered(response) => {
+                if let Some(trace) = trace.as_mut() {
+                    let status = u64::from(response.status().as_u16());
+                    trace.set_attempt("http.response.status_code", status);
+                    trace.set("http.response.status_code", status);
+                }
                 core.engine_progressed(chosen.backend);
                 core.report_outcome(chosen.backend, !response.status().is_server_error());
                 // Learn: the engine is working on this prompt now; every replica records it.
@@ -485,8 +536,9 @@ async fn generate(
                         permit,
                         core,
                         parity,
+                        trace.take(),
                     ),
-                    trace,
+                    decision_trace,
                 );
             }
         };
@@ -499,6 +551,9 @@ async fn generate(
         core.report_outcome(chosen.backend, false);
         tried.push(chosen.backend);
         let reason = failure.retry_reason();
+        if let Some(trace) = trace.as_mut() {
+            trace.end_attempt(Some(reason.into()), Instant::now());
+        }
         let retryable = generation.stream
             || match &failure {
                 FailedAttempt::Status(_) => true,
@@ -514,7 +569,7 @@ async fn generate(
                 &excluded(&tried),
                 &shared,
             );
-            trace = trace_of(&choice).or(trace);
+            decision_trace = trace_of(&choice).or(decision_trace);
         }
         if choice.is_none() {
             return match failure {
@@ -529,8 +584,9 @@ async fn generate(
                         permit,
                         core,
                         None,
+                        trace.take(),
                     ),
-                    trace,
+                    decision_trace,
                 ),
                 // Named by id: clients never learn the engines' addresses.
                 FailedAttempt::Timeout(limit) => error_response(&ApiError {
@@ -659,11 +715,19 @@ struct ResponseObserver {
     parity: Option<(u64, PromptKind)>,
     /// The answer is an event stream: its first byte is the first token's.
     streamed: bool,
+    /// The request's spans (`--otlp-endpoint`, sampled), exported when the relay ends.
+    trace: Option<RequestTrace>,
 }
 
 impl RelayObserver for ResponseObserver {
     fn first_byte(&mut self) {
         self.load.first_token(self.streamed);
+        if let Some(trace) = self.trace.as_mut() {
+            trace.set(
+                "myelin.time_to_first_byte_ms",
+                self.arrived.elapsed().as_secs_f64() * 1e3,
+            );
+        }
         self.core
             .meters
             .ttft
@@ -672,7 +736,7 @@ impl RelayObserver for ResponseObserver {
     }
 
     fn wants_usage(&self) -> bool {
-        self.load.has_probe() || self.parity.is_some()
+        self.load.has_probe() || self.parity.is_some() || self.trace.is_some()
     }
 
     fn frame(&mut self) {
@@ -680,6 +744,14 @@ impl RelayObserver for ResponseObserver {
     }
 
     fn usage(&mut self, usage: Usage) {
+        if let Some(trace) = self.trace.as_mut() {
+            if let Some(prompt_tokens) = usage.prompt_tokens {
+                trace.set("gen_ai.usage.input_tokens", prompt_tokens);
+            }
+            if let Some(cached_tokens) = usage.cached_tokens {
+                trace.set("myelin.engine_cached_tokens", cached_tokens);
+            }
+        }
         if let Some(cached_tokens) = usage.cached_tokens {
             self.load.reuse_reported(cached_tokens);
         }
@@ -700,6 +772,11 @@ impl RelayObserver for ResponseObserver {
     }
 
     fn finished(&mut self, end: StreamEnd) {
+        if let Some(trace) = self.trace.as_mut()
+            && end != StreamEnd::Complete
+        {
+            trace.fail(format!("{end:?}"));
+        }
         let meters = &self.core.meters;
         meters
             .duration
@@ -719,6 +796,44 @@ impl RelayObserver for ResponseObserver {
             StreamEnd::ClientGone => meters.client_disconnects.increment(1),
         }
     }
+}
+
+/// The request's GenAI attributes on its server span (`{operation} {model}`).
+fn describe_request(trace: &mut RequestTrace, generation: &GenerationRequest) {
+    let operation = match generation.endpoint {
+        Endpoint::ChatCompletions => "chat",
+        Endpoint::Completions => "text_completion",
+    };
+    trace.set_name(format!("{operation} {}", generation.model));
+    trace.set("gen_ai.operation.name", operation);
+    trace.set("gen_ai.request.model", generation.model.as_str());
+    trace.set("http.request.method", "POST");
+    trace.set("url.path", generation.endpoint.path());
+    trace.set("myelin.stream", generation.stream);
+    if let Some(max_tokens) = generation.max_tokens {
+        trace.set("gen_ai.request.max_tokens", max_tokens);
+    }
+}
+
+/// The routing decision's evidence on the server span (the last attempt's, after retries).
+fn describe_decision(
+    trace: &mut RequestTrace,
+    chosen: &crate::routing_glue::RouteChoice,
+    retries: usize,
+) {
+    trace.set("myelin.backend", u64::from(chosen.backend.0));
+    trace.set("myelin.matched_blocks", u64::from(chosen.matched_blocks));
+    trace.set(
+        "myelin.expected_cached_tokens",
+        chosen.expected_cached_tokens,
+    );
+    trace.set(
+        "myelin.predicted_ttft_ms",
+        chosen.predicted_ttft.seconds * 1e3,
+    );
+    trace.set("myelin.residency_downgrade", chosen.residency_downgrade);
+    trace.set("myelin.prefix_replication", chosen.prefix_replication);
+    trace.set("myelin.retries", retries as u64);
 }
 
 /// `response` with the decision trace in `x-myelin-decision`, when one was asked for.
@@ -742,6 +857,7 @@ fn relay_response(
     permit: InFlightPermit,
     core: &Rc<DataCore>,
     parity: Option<(u64, PromptKind)>,
+    trace: Option<RequestTrace>,
 ) -> Response<Body> {
     let (parts, body) = response.into_parts();
     let is_event_stream = proxy::is_event_stream(&parts.headers);
@@ -755,6 +871,7 @@ fn relay_response(
         _permit: permit,
         parity,
         streamed: is_event_stream,
+        trace,
     };
     let drain_expired = core.drain_expired.clone();
     let relayed = RelayBody::new(body, is_event_stream, observer)

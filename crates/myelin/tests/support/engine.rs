@@ -50,6 +50,8 @@ pub struct EngineRecord {
     pub streams_cancelled: AtomicUsize,
     pub last_authorization: Mutex<Option<String>>,
     pub last_custom_header: Mutex<Option<String>>,
+    /// The W3C `traceparent` of the last generation request.
+    pub last_traceparent: Mutex<Option<String>>,
     pub last_body: Mutex<Option<serde_json::Value>>,
     pub healthy: AtomicBool,
 }
@@ -226,6 +228,7 @@ async fn handle(shared: Arc<Shared>, request: Request<Incoming>) -> Response<Bod
     };
     *record.last_authorization.lock().unwrap() = header_text("authorization");
     *record.last_custom_header.lock().unwrap() = header_text("x-custom");
+    *record.last_traceparent.lock().unwrap() = header_text("traceparent");
     let body = match request.into_body().collect().await {
         Ok(body) => body.to_bytes(),
         Err(_) => return json(StatusCode::BAD_REQUEST, serde_json::json!({})),
