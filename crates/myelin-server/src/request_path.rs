@@ -499,9 +499,11 @@ async fn generate(
             Attempt::Failed(failure) => failure,
             Attempt::Answered(response) => {
                 if let Some(trace) = trace.as_mut() {
-                    let status = u64::from(response.status().as_u16());
-                    trace.set_attempt("http.response.status_code", status);
-                    trace.set("http.response.status_code", status);
+                    trace.set_attempt(
+                        "http.response.status_code",
+                        u64::from(response.status().as_u16()),
+                    );
+                    relayed_status(trace, response.status());
                 }
                 core.engine_progressed(chosen.backend);
                 core.report_outcome(chosen.backend, !response.status().is_server_error());
@@ -574,20 +576,25 @@ async fn generate(
         if choice.is_none() {
             return match failure {
                 // The engine's own 502/503 goes through as it is.
-                FailedAttempt::Status(response) => with_trace(
-                    relay_response(
-                        response,
-                        chosen.backend,
-                        &generation,
-                        arrived,
-                        load,
-                        permit,
-                        core,
-                        None,
-                        trace.take(),
-                    ),
-                    decision_trace,
-                ),
+                FailedAttempt::Status(response) => {
+                    if let Some(trace) = trace.as_mut() {
+                        relayed_status(trace, response.status());
+                    }
+                    with_trace(
+                        relay_response(
+                            response,
+                            chosen.backend,
+                            &generation,
+                            arrived,
+                            load,
+                            permit,
+                            core,
+                            None,
+                            trace.take(),
+                        ),
+                        decision_trace,
+                    )
+                }
                 // Named by id: clients never learn the engines' addresses.
                 FailedAttempt::Timeout(limit) => error_response(&ApiError {
                     status: StatusCode::GATEWAY_TIMEOUT,
@@ -795,6 +802,14 @@ impl RelayObserver for ResponseObserver {
             StreamEnd::Drained => meters.timeout("drain"),
             StreamEnd::ClientGone => meters.client_disconnects.increment(1),
         }
+    }
+}
+
+/// The engine's status on the server span of a relayed answer (an error status fails it).
+fn relayed_status(trace: &mut RequestTrace, status: StatusCode) {
+    trace.set("http.response.status_code", u64::from(status.as_u16()));
+    if status.is_client_error() || status.is_server_error() {
+        trace.fail(format!("the engine answered {status}"));
     }
 }
 

@@ -311,6 +311,18 @@ fn sampling_follows_the_clients_flag_and_refusals_are_traced_as_errors() {
         collector.spans()
     );
     assert_eq!(engine.requests(), 3);
+
+    // An engine's error, relayed as it came, fails the server span too.
+    engine.set_behavior(Behavior::Status(500));
+    let failing_trace = "5bf92f3577b34da6a3ce929d0e0e4736";
+    let failing = format!("00-{failing_trace}-{CLIENT_SPAN}-01");
+    assert_eq!(post(Some(&failing), body.as_bytes()).status, 500);
+    let spans = collector.trace(failing_trace);
+    let server = spans.iter().find(|span| span["kind"] == 2).unwrap();
+    assert_eq!(server["status"]["code"], 2);
+    assert_eq!(attribute(server, "http.response.status_code"), "500");
+    let attempt = spans.iter().find(|span| span["kind"] == 3).unwrap();
+    assert_eq!(attribute(attempt, "http.response.status_code"), "500");
 }
 
 #[test]
