@@ -64,11 +64,12 @@ fn half_at_the_edge_and_gone_far_past_it() {
     let half_at = (f64::from(10_000 - 16) * myelin_routing::DEFAULT_EDGE).round() as u64;
     let edge = raw_survivals(&v, &[20_000 - half_at]);
     assert!((edge[0] - 0.5).abs() < 1e-3, "{edge:?}");
-    // The default map moves that half to what the engines were seen to keep there.
+    // The default map moves that half to what the engines were seen to keep there: close to
+    // the diagonal (fitted across regimes, it no longer lifts the middle).
     let mapped = survivals(&v, &[20_000 - half_at]);
     let expected = myelin_routing::recalibrate(myelin_routing::DEFAULT_RECALIBRATION, 0.5);
     assert!((mapped[0] - expected).abs() < 1e-3, "{mapped:?}");
-    assert!(mapped[0] > 0.55, "{mapped:?}");
+    assert!((0.45..0.6).contains(&mapped[0]), "{mapped:?}");
     // Past the deterministic LRU edge (the whole headroom) it is mostly gone.
     let lru_edge = raw_survivals(&v, &[20_000 - (10_000 - 16)]);
     assert!(lru_edge[0] < 0.4, "{lru_edge:?}");
