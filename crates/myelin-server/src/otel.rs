@@ -17,7 +17,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
 use http::HeaderValue;
-use serde_json::{Value as Json, json};
+use std::fmt::Write as _;
 
 /// The W3C trace-context request header.
 pub const TRACEPARENT: &str = "traceparent";
@@ -532,54 +532,114 @@ fn export_loop(config: &OtlpConfig, receiver: &Receiver<Span>) {
 }
 
 /// The OTLP/HTTP JSON body of `spans` (ids as lowercase hex, 64-bit numbers as strings, as
-/// the OTLP JSON encoding has them).
+/// the OTLP JSON encoding has them), written straight into one buffer.
 pub fn encode(spans: &[Span], service_name: &str) -> String {
-    let spans: Vec<Json> = spans.iter().map(span_json).collect();
-    json!({
-        "resourceSpans": [{
-            "resource": {"attributes": [attribute_json("service.name", &AttributeValue::from(service_name))]},
-            "scopeSpans": [{
-                "scope": {"name": "myelin", "version": env!("CARGO_PKG_VERSION")},
-                "spans": spans,
-            }],
-        }],
-    })
-    .to_string()
-}
-
-fn attribute_json(key: &str, value: &AttributeValue) -> Json {
-    let value = match value {
-        AttributeValue::Str(text) => json!({"stringValue": text}),
-        AttributeValue::Int(number) => json!({"intValue": number.to_string()}),
-        AttributeValue::Float(number) if number.is_finite() => json!({"doubleValue": number}),
-        AttributeValue::Float(_) => json!({"stringValue": "NaN"}),
-        AttributeValue::Bool(flag) => json!({"boolValue": flag}),
-    };
-    json!({"key": key, "value": value})
-}
-
-fn span_json(span: &Span) -> Json {
-    let mut value = json!({
-        "traceId": hex(&span.trace_id),
-        "spanId": hex(&span.span_id),
-        "name": span.name,
-        "kind": span.kind as u8,
-        "startTimeUnixNano": span.start_unix_ns.to_string(),
-        "endTimeUnixNano": span.end_unix_ns.max(span.start_unix_ns).to_string(),
-        "attributes": span
-            .attributes
-            .iter()
-            .map(|(key, value)| attribute_json(key, value))
-            .collect::<Vec<_>>(),
-        "status": match &span.error {
-            Some(message) => json!({"code": 2, "message": message}),
-            None => json!({"code": 0}),
-        },
-    });
-    if let Some(parent) = span.parent_span_id {
-        value["parentSpanId"] = Json::String(hex(&parent));
+    let mut out = String::with_capacity(256 + spans.len() * 640);
+    out.push_str(r#"{"resourceSpans":[{"resource":{"attributes":["#);
+    push_attribute(
+        &mut out,
+        "service.name",
+        &AttributeValue::from(service_name),
+    );
+    out.push_str(r#"]},"scopeSpans":[{"scope":{"name":"myelin","version":""#);
+    out.push_str(env!("CARGO_PKG_VERSION"));
+    out.push_str(r#""},"spans":["#);
+    for (index, span) in spans.iter().enumerate() {
+        if index > 0 {
+            out.push(',');
+        }
+        push_span(&mut out, span);
     }
-    value
+    out.push_str("]}]}]}");
+    out
+}
+
+/// `text` as a JSON string.
+fn push_string(out: &mut String, text: &str) {
+    out.push('"');
+    for character in text.chars() {
+        match character {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            control if u32::from(control) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", u32::from(control));
+            }
+            other => out.push(other),
+        }
+    }
+    out.push('"');
+}
+
+fn push_hex(out: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    out.push('"');
+    for byte in bytes {
+        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
+        out.push(char::from(DIGITS[usize::from(byte & 0xf)]));
+    }
+    out.push('"');
+}
+
+fn push_attribute(out: &mut String, key: &str, value: &AttributeValue) {
+    out.push_str(r#"{"key":"#);
+    push_string(out, key);
+    out.push_str(r#","value":{"#);
+    match value {
+        AttributeValue::Str(text) => {
+            out.push_str(r#""stringValue":"#);
+            push_string(out, text);
+        }
+        AttributeValue::Int(number) => {
+            let _ = write!(out, r#""intValue":"{number}""#);
+        }
+        AttributeValue::Float(number) if number.is_finite() => {
+            let _ = write!(out, r#""doubleValue":{number}"#);
+        }
+        AttributeValue::Float(_) => out.push_str(r#""stringValue":"NaN""#),
+        AttributeValue::Bool(flag) => {
+            let _ = write!(out, r#""boolValue":{flag}"#);
+        }
+    }
+    out.push_str("}}");
+}
+
+fn push_span(out: &mut String, span: &Span) {
+    out.push_str(r#"{"traceId":"#);
+    push_hex(out, &span.trace_id);
+    out.push_str(r#","spanId":"#);
+    push_hex(out, &span.span_id);
+    if let Some(parent) = span.parent_span_id {
+        out.push_str(r#","parentSpanId":"#);
+        push_hex(out, &parent);
+    }
+    out.push_str(r#","name":"#);
+    push_string(out, &span.name);
+    let _ = write!(
+        out,
+        r#","kind":{},"startTimeUnixNano":"{}","endTimeUnixNano":"{}","attributes":["#,
+        span.kind as u8,
+        span.start_unix_ns,
+        span.end_unix_ns.max(span.start_unix_ns)
+    );
+    for (index, (key, value)) in span.attributes.iter().enumerate() {
+        if index > 0 {
+            out.push(',');
+        }
+        push_attribute(out, key, value);
+    }
+    out.push_str(r#"],"status":"#);
+    match &span.error {
+        Some(message) => {
+            out.push_str(r#"{"code":2,"message":"#);
+            push_string(out, message);
+            out.push('}');
+        }
+        None => out.push_str(r#"{"code":0}"#),
+    }
+    out.push('}');
 }
 
 /// One POST to the collector, each step within [`EXPORT_TIMEOUT`]; a 2xx answer is success.
@@ -763,7 +823,7 @@ mod tests {
             ],
             error: Some("boom".into()),
         };
-        let body: Json = serde_json::from_str(&encode(&[span], "svc")).unwrap();
+        let body: serde_json::Value = serde_json::from_str(&encode(&[span], "svc")).unwrap();
         let resource = &body["resourceSpans"][0];
         assert_eq!(
             resource["resource"]["attributes"][0]["value"]["stringValue"],
@@ -783,6 +843,35 @@ mod tests {
             .unwrap();
         assert!(long.len() <= MAX_ATTRIBUTE_BYTES && long.chars().all(|c| c == 'é'));
         assert_eq!(span["status"]["code"], 2);
+        assert_eq!(span["status"]["message"], "boom");
+    }
+
+    #[test]
+    fn strings_are_escaped_and_several_spans_are_one_list() {
+        let name = "a \"quoted\" back\\slash\nline\ttab\u{1}bell é";
+        let span = |id: u8| Span {
+            trace_id: [id; 16],
+            span_id: [id; 8],
+            parent_span_id: Some([9; 8]),
+            name: name.into(),
+            kind: SpanKind::Client,
+            start_unix_ns: 1,
+            end_unix_ns: 2,
+            attributes: vec![("k", name.into()), ("f", f64::NAN.into())],
+            error: None,
+        };
+        let body: serde_json::Value =
+            serde_json::from_str(&encode(&[span(1), span(2)], "s\"vc")).unwrap();
+        let spans = body["resourceSpans"][0]["scopeSpans"][0]["spans"]
+            .as_array()
+            .unwrap();
+        assert_eq!(spans.len(), 2);
+        assert_eq!(spans[1]["spanId"], "02".repeat(8));
+        assert_eq!(spans[0]["parentSpanId"], "09".repeat(8));
+        assert_eq!(spans[0]["name"], name);
+        assert_eq!(spans[0]["attributes"][0]["value"]["stringValue"], name);
+        assert_eq!(spans[0]["attributes"][1]["value"]["stringValue"], "NaN");
+        assert_eq!(spans[0]["status"]["code"], 0);
     }
 
     #[test]
