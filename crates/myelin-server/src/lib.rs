@@ -92,8 +92,8 @@ pub struct Server {
     control_stop: Arc<AtomicBool>,
     data_cores: Vec<ExecutorJoinHandle<ServeReport>>,
     control_core: Option<ExecutorJoinHandle<()>>,
-    /// The OTLP exporter thread (`--otlp-endpoint`): ends when the data cores' tracers are gone.
-    exporter: Option<std::thread::JoinHandle<()>>,
+    /// The OTLP exporter thread (`--otlp-endpoint`), finished once the data cores stopped.
+    exporter: Option<otel::Exporter>,
     _sim: Option<sim::SimEngines>,
 }
 
@@ -122,10 +122,9 @@ impl Server {
                 }
             }
         }
-        // The data cores held the exporter's queue: it sends what is left and ends (each step of
-        // an export has its own deadline).
+        // No data core sends spans any more: the exporter sends what it holds and ends.
         if let Some(exporter) = self.exporter.take() {
-            let _ = exporter.join();
+            exporter.finish();
         }
         self.control_stop.store(true, Ordering::Release);
         if let Some(handle) = self.control_core.take()

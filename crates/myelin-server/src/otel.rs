@@ -13,6 +13,8 @@
 use std::cell::Cell;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
@@ -32,8 +34,10 @@ const FLUSH_INTERVAL: Duration = Duration::from_millis(500);
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Most bytes of a collector's answer read (its status line is all that is used).
 const MAX_RESPONSE_BYTES: u64 = 64 * 1024;
-/// Attribute strings (model names) are cut to this many bytes.
+/// Attribute strings and span names (model names) are cut to this many bytes.
 const MAX_ATTRIBUTE_BYTES: usize = 256;
+/// How long a stopping router waits for the exporter to send what it holds.
+pub const SHUTDOWN_WAIT: Duration = Duration::from_secs(7);
 
 /// A parsed `traceparent`: the caller's trace, its span and whether it samples.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,13 +113,18 @@ pub enum AttributeValue {
     Bool(bool),
 }
 
+/// `text` cut to at most [`MAX_ATTRIBUTE_BYTES`], at a character boundary.
+fn bounded(text: &str) -> &str {
+    let mut end = text.len().min(MAX_ATTRIBUTE_BYTES);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
 impl From<&str> for AttributeValue {
     fn from(text: &str) -> Self {
-        let mut end = text.len().min(MAX_ATTRIBUTE_BYTES);
-        while !text.is_char_boundary(end) {
-            end -= 1;
-        }
-        AttributeValue::Str(text[..end].to_string())
+        AttributeValue::Str(bounded(text).to_string())
     }
 }
 
@@ -292,9 +301,10 @@ impl RequestTrace {
             .to_be_bytes()
     }
 
-    /// The server span's name (`{operation} {model}`, GenAI conventions).
-    pub fn set_name(&mut self, name: String) {
-        self.name = name;
+    /// The server span's name (`{operation} {model}`, GenAI conventions), bounded as an
+    /// attribute is.
+    pub fn set_name(&mut self, name: &str) {
+        self.name = bounded(name).to_string();
     }
 
     /// Sets an attribute of the server span (a later value replaces an earlier one).
@@ -475,44 +485,64 @@ impl std::fmt::Display for OtlpEndpoint {
     }
 }
 
-/// Starts the exporter thread. It ends once every [`Tracer`] and handle is dropped, after
-/// sending what it holds.
-pub fn start(config: OtlpConfig) -> std::io::Result<(ExporterHandle, std::thread::JoinHandle<()>)> {
+/// The exporter thread, stopped by [`Exporter::finish`].
+pub struct Exporter {
+    thread: std::thread::JoinHandle<()>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Exporter {
+    /// Asks the exporter to send what its queue holds and end (call it once the data cores
+    /// have stopped), and waits for that at most [`SHUTDOWN_WAIT`]: a batch still going to a
+    /// slow collector then is lost, not the exit.
+    pub fn finish(self) {
+        self.stop.store(true, Ordering::Release);
+        let deadline = Instant::now() + SHUTDOWN_WAIT;
+        while !self.thread.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if self.thread.is_finished() {
+            let _ = self.thread.join();
+        }
+    }
+}
+
+/// Starts the exporter thread.
+pub fn start(config: OtlpConfig) -> std::io::Result<(ExporterHandle, Exporter)> {
     let (sender, receiver) = crossbeam_channel::bounded(QUEUE_SPANS);
     let sample_ratio = config.sample_ratio;
+    let stop = Arc::new(AtomicBool::new(false));
+    let thread_stop = stop.clone();
     let thread = std::thread::Builder::new()
         .name("myelin-otlp".into())
-        .spawn(move || export_loop(&config, &receiver))?;
+        .spawn(move || export_loop(&config, &receiver, &thread_stop))?;
     Ok((
         ExporterHandle {
             sender,
             sample_ratio,
         },
-        thread,
+        Exporter { thread, stop },
     ))
 }
 
-fn export_loop(config: &OtlpConfig, receiver: &Receiver<Span>) {
+fn export_loop(config: &OtlpConfig, receiver: &Receiver<Span>, stop: &AtomicBool) {
     let exported = metrics::counter!(crate::metrics::OTLP_SPANS_EXPORTED_TOTAL);
     let failed =
         metrics::counter!(crate::metrics::OTLP_SPANS_DROPPED_TOTAL, "reason" => "export_failed");
     let mut batch: Vec<Span> = Vec::with_capacity(BATCH_SPANS);
-    let mut open = true;
-    while open {
-        // Wait for a first span, then gather until the batch is full or the interval passed.
-        match receiver.recv() {
+    loop {
+        // Wait for a first span (ending once asked to with the queue empty, or when every
+        // sender is gone), then gather until the batch is full or the interval passed.
+        match receiver.recv_timeout(FLUSH_INTERVAL) {
             Ok(span) => batch.push(span),
+            Err(RecvTimeoutError::Timeout) if !stop.load(Ordering::Acquire) => continue,
             Err(_) => break,
         }
         let deadline = Instant::now() + FLUSH_INTERVAL;
         while batch.len() < BATCH_SPANS {
             match receiver.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
                 Ok(span) => batch.push(span),
-                Err(RecvTimeoutError::Timeout) => break,
-                Err(RecvTimeoutError::Disconnected) => {
-                    open = false;
-                    break;
-                }
+                Err(_) => break,
             }
         }
         let body = encode(&batch, &config.service_name);
@@ -771,7 +801,7 @@ mod tests {
         assert!(tracer.start(None, Instant::now()).is_none(), "ratio 0");
         let started = Instant::now();
         let mut trace = tracer.start(Some(parent), started).expect("sampled parent");
-        trace.set_name("chat m".into());
+        trace.set_name("chat m");
         trace.set("gen_ai.request.model", "m");
         trace.child("tokenize", started, Instant::now(), vec![]);
         let first = trace.begin_attempt(vec![("myelin.backend", 0u64.into())]);

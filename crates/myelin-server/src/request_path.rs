@@ -114,7 +114,7 @@ pub async fn handle(core: Rc<DataCore>, request: Request<Incoming>) -> Response<
                             .get(TRACEPARENT)
                             .and_then(|value| TraceParent::parse(value.as_bytes()));
                         let mut trace = tracer.start(parent, arrived)?;
-                        trace.set_name(format!("POST {}", endpoint.path()));
+                        trace.set_name(&format!("POST {}", endpoint.path()));
                         Some(trace)
                     });
                     let response = generate(&core, endpoint, request, arrived, &mut trace).await;
@@ -819,7 +819,7 @@ fn describe_request(trace: &mut RequestTrace, generation: &GenerationRequest) {
         Endpoint::ChatCompletions => "chat",
         Endpoint::Completions => "text_completion",
     };
-    trace.set_name(format!("{operation} {}", generation.model));
+    trace.set_name(&format!("{operation} {}", generation.model));
     trace.set("gen_ai.operation.name", operation);
     trace.set("gen_ai.request.model", generation.model.as_str());
     trace.set("http.request.method", "POST");

@@ -312,6 +312,23 @@ fn sampling_follows_the_clients_flag_and_refusals_are_traced_as_errors() {
     );
     assert_eq!(engine.requests(), 3);
 
+    // A model name from the client is bounded in the span's name and attributes.
+    let long_trace = "6bf92f3577b34da6a3ce929d0e0e4736";
+    let mut long = chat_body("Long model name.", false);
+    long["model"] = Value::String("m".repeat(10_000));
+    let traced = format!("00-{long_trace}-{CLIENT_SPAN}-01");
+    assert_eq!(post(Some(&traced), long.to_string().as_bytes()).status, 200);
+    let spans = collector.trace(long_trace);
+    let server = spans.iter().find(|span| span["kind"] == 2).unwrap();
+    assert!(server["name"].as_str().unwrap().len() <= 256);
+    assert!(
+        attribute(server, "gen_ai.request.model")
+            .as_str()
+            .unwrap()
+            .len()
+            <= 256
+    );
+
     // An engine's error, relayed as it came, fails the server span too.
     engine.set_behavior(Behavior::Status(500));
     let failing_trace = "5bf92f3577b34da6a3ce929d0e0e4736";
@@ -363,6 +380,10 @@ fn a_collector_that_is_down_costs_the_requests_nothing_and_is_counted() {
             &["myelin_otlp_spans_dropped_total", "export_failed"],
         ) >= 3.0
     });
+    // The router still drains and exits on SIGTERM (it waits a bounded time for the exporter).
+    let mut router = router;
+    router.terminate();
+    assert!(router.wait_exit().success());
 }
 
 #[test]
