@@ -74,12 +74,12 @@ impl TraceParent {
 
     /// The header value naming this trace and span.
     pub fn header_value(&self) -> HeaderValue {
-        let text = format!(
-            "00-{}-{}-{}",
-            hex(&self.trace_id),
-            hex(&self.span_id),
-            if self.sampled { "01" } else { "00" }
-        );
+        let mut text = String::with_capacity(55);
+        text.push_str("00-");
+        push_hex_digits(&mut text, &self.trace_id);
+        text.push('-');
+        push_hex_digits(&mut text, &self.span_id);
+        text.push_str(if self.sampled { "-01" } else { "-00" });
         HeaderValue::from_str(&text).expect("hex digits and dashes are a valid header value")
     }
 }
@@ -100,8 +100,13 @@ fn hex_bytes<const N: usize>(text: &[u8]) -> Option<[u8; N]> {
     Some(out)
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+/// `bytes` as lowercase hex digits, appended to `out`.
+fn push_hex_digits(out: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for byte in bytes {
+        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
+        out.push(char::from(DIGITS[usize::from(byte & 0xf)]));
+    }
 }
 
 /// An attribute's value.
@@ -603,13 +608,10 @@ fn push_string(out: &mut String, text: &str) {
     out.push('"');
 }
 
+/// `bytes` as a JSON string of lowercase hex digits.
 fn push_hex(out: &mut String, bytes: &[u8]) {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     out.push('"');
-    for byte in bytes {
-        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
-        out.push(char::from(DIGITS[usize::from(byte & 0xf)]));
-    }
+    push_hex_digits(out, bytes);
     out.push('"');
 }
 
@@ -730,6 +732,12 @@ fn exchange(mut stream: TcpStream, endpoint: &OtlpEndpoint, body: &[u8]) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn hex(bytes: &[u8]) -> String {
+        let mut out = String::new();
+        push_hex_digits(&mut out, bytes);
+        out
+    }
 
     #[test]
     fn traceparent_round_trips_and_refuses_malformed_values() {

@@ -119,11 +119,7 @@ pub async fn handle(core: Rc<DataCore>, request: Request<Incoming>) -> Response<
                     });
                     let response = generate(&core, endpoint, request, arrived, &mut trace).await;
                     if let Some(trace) = trace.as_mut() {
-                        let status = response.status();
-                        trace.set("http.response.status_code", u64::from(status.as_u16()));
-                        if status.is_client_error() || status.is_server_error() {
-                            trace.fail(status.to_string());
-                        }
+                        trace_status(trace, "the router", response.status());
                     }
                     abandoned.disarm();
                     response
@@ -503,7 +499,7 @@ async fn generate(
                         "http.response.status_code",
                         u64::from(response.status().as_u16()),
                     );
-                    relayed_status(trace, response.status());
+                    trace_status(trace, "the engine", response.status());
                 }
                 core.engine_progressed(chosen.backend);
                 core.report_outcome(chosen.backend, !response.status().is_server_error());
@@ -578,7 +574,7 @@ async fn generate(
                 // The engine's own 502/503 goes through as it is.
                 FailedAttempt::Status(response) => {
                     if let Some(trace) = trace.as_mut() {
-                        relayed_status(trace, response.status());
+                        trace_status(trace, "the engine", response.status());
                     }
                     with_trace(
                         relay_response(
@@ -805,11 +801,12 @@ impl RelayObserver for ResponseObserver {
     }
 }
 
-/// The engine's status on the server span of a relayed answer (an error status fails it).
-fn relayed_status(trace: &mut RequestTrace, status: StatusCode) {
+/// The client's status on the server span, from `who` answered (the router itself, or the
+/// engine whose answer is relayed); an error status fails the span.
+fn trace_status(trace: &mut RequestTrace, who: &str, status: StatusCode) {
     trace.set("http.response.status_code", u64::from(status.as_u16()));
     if status.is_client_error() || status.is_server_error() {
-        trace.fail(format!("the engine answered {status}"));
+        trace.fail(format!("{who} answered {status}"));
     }
 }
 
