@@ -187,6 +187,7 @@ async fn drive(
         pool: Pool::new(PoolConfig {
             connect_timeout: Duration::from_secs(5),
             max_idle_per_host: users_hint + 8,
+            tls: None,
         }),
         plan,
         target,

@@ -67,9 +67,22 @@ pub struct RouterProcess {
     name: String,
     child: Child,
     base_url: String,
+    /// Where readiness and `/metrics` are read in plain HTTP: `base_url`'s `/health` and
+    /// `/metrics`, or (a router serving clients over TLS) its `--metrics-listen` port's
+    /// `/metrics` for both.
+    probe: Probe,
     log_path: PathBuf,
     /// Set once the group has been stopped, so that a drop after `stop` signals nothing.
     stopped: bool,
+}
+
+/// Where a router's readiness and metrics are read.
+#[derive(Debug, Clone)]
+enum Probe {
+    /// `GET /health` and `GET /metrics` on the client port.
+    ClientPort,
+    /// `GET /metrics` on this plain-HTTP base URL, for both.
+    MetricsListener(String),
 }
 
 /// A loopback port nobody listens on right now.
@@ -253,9 +266,52 @@ impl RouterProcess {
     /// 200. The process group is stopped when the returned value is dropped.
     pub fn start_command(
         name: &str,
-        mut command: Command,
+        command: Command,
         description: String,
         port: u16,
+        log_path: &Path,
+        start_timeout: Duration,
+    ) -> Result<Self, RouterError> {
+        let base_url = format!("http://127.0.0.1:{port}");
+        Self::start_probed(
+            name,
+            command,
+            description,
+            base_url,
+            Probe::ClientPort,
+            log_path,
+            start_timeout,
+        )
+    }
+
+    /// As [`RouterProcess::start_command`], for a `myelin serve` that serves clients over TLS
+    /// on `port` and its metrics in plain HTTP on `metrics_port` (`--metrics-listen`): ready
+    /// once `GET /metrics` answers there, which is where its metrics are read.
+    pub fn start_command_tls(
+        name: &str,
+        command: Command,
+        description: String,
+        (port, metrics_port): (u16, u16),
+        log_path: &Path,
+        start_timeout: Duration,
+    ) -> Result<Self, RouterError> {
+        Self::start_probed(
+            name,
+            command,
+            description,
+            format!("https://127.0.0.1:{port}"),
+            Probe::MetricsListener(format!("http://127.0.0.1:{metrics_port}")),
+            log_path,
+            start_timeout,
+        )
+    }
+
+    fn start_probed(
+        name: &str,
+        mut command: Command,
+        description: String,
+        base_url: String,
+        probe: Probe,
         log_path: &Path,
         start_timeout: Duration,
     ) -> Result<Self, RouterError> {
@@ -289,7 +345,8 @@ impl RouterProcess {
         let mut router = RouterProcess {
             name: name.to_string(),
             child,
-            base_url: format!("http://127.0.0.1:{port}"),
+            base_url,
+            probe,
             log_path: log_path.to_path_buf(),
             stopped: false,
         };
@@ -297,7 +354,8 @@ impl RouterProcess {
         Ok(router)
     }
 
-    /// `http://127.0.0.1:PORT`.
+    /// `http://127.0.0.1:PORT` (`https://` for a router started with
+    /// [`RouterProcess::start_command_tls`]).
     pub fn base_url(&self) -> &str {
         &self.base_url
     }
@@ -310,7 +368,10 @@ impl RouterProcess {
 
     fn wait_ready(&mut self, timeout: Duration) -> Result<(), RouterError> {
         let deadline = Instant::now() + timeout;
-        let health = format!("{}/health", self.base_url);
+        let health = match &self.probe {
+            Probe::ClientPort => format!("{}/health", self.base_url),
+            Probe::MetricsListener(url) => format!("{url}/metrics"),
+        };
         while Instant::now() < deadline {
             if let Ok(Some(status)) = self.child.try_wait() {
                 return Err(RouterError::ExitedEarly {
@@ -336,11 +397,12 @@ impl RouterProcess {
 
     /// The router's /metrics text, or `None` if it has none or did not answer.
     pub fn scrape_metrics(&self) -> Option<String> {
-        let response = blocking_http::get(
-            &format!("{}/metrics", self.base_url),
-            Duration::from_secs(5),
-        )
-        .ok()?;
+        let base = match &self.probe {
+            Probe::ClientPort => &self.base_url,
+            Probe::MetricsListener(url) => url,
+        };
+        let response =
+            blocking_http::get(&format!("{base}/metrics"), Duration::from_secs(5)).ok()?;
         (response.status == 200).then_some(response.body)
     }
 

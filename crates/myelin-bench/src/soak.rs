@@ -203,7 +203,7 @@ fn request_body(sequence: u64, client: usize, stream: bool) -> String {
         .map(|word| format!("p{prefix}w{}", word % 89))
         .collect();
     serde_json::json!({
-        "model": "sim",
+        "model": myelin_sim::DEFAULT_MODEL_NAME,
         "stream": stream,
         "max_tokens": 16,
         "messages": [

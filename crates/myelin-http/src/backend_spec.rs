@@ -7,7 +7,8 @@ use std::fmt;
 /// One inference engine the router sends requests to, as configured by the user.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BackendSpec {
-    /// Base URL of the engine's OpenAI API, without a trailing slash (`http://h:8000`).
+    /// Base URL of the engine's OpenAI API, without a trailing slash (`http://h:8000`, or
+    /// `https://h:8443` for an engine behind TLS).
     pub url: String,
     /// `host:port` the HTTP client connects to, taken from the URL.
     pub authority: String,
@@ -25,9 +26,7 @@ pub struct BackendSpec {
 pub enum BackendSpecError {
     #[error("backend `{spec}`: empty URL")]
     EmptyUrl { spec: String },
-    #[error(
-        "backend `{spec}`: only http:// URLs are supported (TLS to engines is not implemented)"
-    )]
+    #[error("backend `{spec}`: the URL must start with http:// or https://")]
     UnsupportedScheme { spec: String },
     #[error("backend `{spec}`: URL has no host")]
     MissingHost { spec: String },
@@ -144,7 +143,11 @@ impl BackendSpec {
                 spec: redact_credentials(spec),
             });
         }
-        let Some(rest) = url.strip_prefix("http://") else {
+        let (scheme, default_port, rest) = if let Some(rest) = url.strip_prefix("http://") {
+            ("http", 80, rest)
+        } else if let Some(rest) = url.strip_prefix("https://") {
+            ("https", 443, rest)
+        } else {
             return Err(BackendSpecError::UnsupportedScheme { spec: spec.into() });
         };
         let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
@@ -167,14 +170,14 @@ impl BackendSpec {
             });
         }
         let port = match port {
-            None => 80,
+            None => default_port,
             Some(text) => match text.parse::<u16>() {
                 Ok(port) if port > 0 && text.bytes().all(|byte| byte.is_ascii_digit()) => port,
                 _ => return Err(BackendSpecError::InvalidPort { spec: spec.into() }),
             },
         };
         Ok(BackendSpec {
-            url: format!("http://{authority}"),
+            url: format!("{scheme}://{authority}"),
             authority: format!("{host}:{port}"),
             kv_events,
             kv_replay,
@@ -304,6 +307,17 @@ mod tests {
     }
 
     #[test]
+    fn https_engines_default_to_port_443() {
+        let spec = BackendSpec::parse("https://engine.example/").unwrap();
+        assert_eq!(spec.url, "https://engine.example");
+        assert_eq!(spec.authority, "engine.example:443");
+        let spec =
+            BackendSpec::parse("https://10.0.0.1:8443,kv-events=tcp://10.0.0.1:5557").unwrap();
+        assert_eq!(spec.url, "https://10.0.0.1:8443");
+        assert_eq!(spec.authority, "10.0.0.1:8443");
+    }
+
+    #[test]
     fn kv_events_option() {
         let spec = BackendSpec::parse("http://h:8000,kv-events=tcp://h:5557").unwrap();
         assert_eq!(spec.kv_events.as_deref(), Some("tcp://h:5557"));
@@ -318,7 +332,7 @@ mod tests {
     #[test]
     fn rejects_bad_specs() {
         assert!(matches!(
-            BackendSpec::parse("https://h:8000"),
+            BackendSpec::parse("ftp://h:8000"),
             Err(BackendSpecError::UnsupportedScheme { .. })
         ));
         assert!(matches!(

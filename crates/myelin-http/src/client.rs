@@ -1,5 +1,6 @@
-//! A per-core HTTP/1.1 keep-alive client pool to engines. One pool per executor, no locks:
-//! connections are opened, reused and dropped on the executor that owns the pool.
+//! A per-core HTTP/1.1 keep-alive client pool to engines, over TCP or TLS (`https://`). One
+//! pool per executor, no locks: connections are opened, reused and dropped on the executor
+//! that owns the pool.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -23,6 +24,9 @@ pub struct PoolConfig {
     pub connect_timeout: Duration,
     /// Idle connections kept per engine; more are closed when they come back.
     pub max_idle_per_host: usize,
+    /// How `https://` engines are reached (none: an https URI is refused); the TLS handshake
+    /// shares `connect_timeout` with the TCP connect.
+    pub tls: Option<std::sync::Arc<rustls::ClientConfig>>,
 }
 
 impl Default for PoolConfig {
@@ -30,6 +34,7 @@ impl Default for PoolConfig {
         Self {
             connect_timeout: Duration::from_secs(2),
             max_idle_per_host: 64,
+            tls: None,
         }
     }
 }
@@ -37,9 +42,14 @@ impl Default for PoolConfig {
 /// Why a request to an engine failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    /// The URI is not an absolute `http://host:port/...` URI.
-    #[error("unsupported upstream uri {0:?}: expected http://host:port/path")]
+    /// The URI is not an absolute `http://host:port/...` or `https://host:port/...` URI.
+    #[error(
+        "unsupported upstream uri {0:?}: expected http://host:port/path or https://host:port/path"
+    )]
     BadUri(String),
+    /// An `https://` URI, and this pool was given no TLS configuration.
+    #[error("https upstream {0}: this client has no TLS configuration")]
+    NoTls(String),
     /// The engine's address did not resolve.
     #[error("cannot resolve {authority}: {source}")]
     Resolve {
@@ -56,9 +66,18 @@ pub enum ClientError {
         /// The socket error.
         source: io::Error,
     },
-    /// The TCP connection did not complete within the connect timeout.
+    /// The TCP connection (and TLS handshake) did not complete within the connect timeout.
     #[error("connect to {0} timed out")]
     ConnectTimeout(SocketAddr),
+    /// The TLS handshake failed (an untrusted or mismatched certificate, a refused client
+    /// certificate, a peer that does not speak TLS).
+    #[error("TLS handshake with {addr}: {source}")]
+    Tls {
+        /// The address tried.
+        addr: SocketAddr,
+        /// rustls' reason.
+        source: io::Error,
+    },
     /// HTTP failed after the connection was up (reset, malformed response).
     #[error("upstream http: {0}")]
     Http(#[from] hyper::Error),
@@ -69,7 +88,10 @@ impl ClientError {
     pub fn is_connect(&self) -> bool {
         matches!(
             self,
-            Self::Resolve { .. } | Self::Connect { .. } | Self::ConnectTimeout(_)
+            Self::Resolve { .. }
+                | Self::Connect { .. }
+                | Self::ConnectTimeout(_)
+                | Self::Tls { .. }
         )
     }
 }
@@ -78,10 +100,13 @@ impl ClientError {
 /// block the executor (the system resolver is synchronous), so they must be rare.
 const RESOLVE_TTL: Duration = Duration::from_secs(30);
 
-/// A keep-alive pool of HTTP/1.1 connections, keyed by `host:port`.
+/// Where a pooled connection goes: TLS or not, and `host:port`.
+type Origin = (bool, Authority);
+
+/// A keep-alive pool of HTTP/1.1 connections, keyed by scheme and `host:port`.
 pub struct Pool {
     config: PoolConfig,
-    idle: RefCell<HashMap<Authority, Vec<SendRequest<Body>>>>,
+    idle: RefCell<HashMap<Origin, Vec<SendRequest<Body>>>>,
     resolved: RefCell<HashMap<Authority, (SocketAddr, Instant)>>,
     /// With [`Pool::with_provided_addresses`]: host names are never resolved here, only
     /// looked up in this table (host, port) -> address, filled by [`Pool::set_address`].
@@ -114,21 +139,23 @@ impl Pool {
         else {
             return false;
         };
-        provided.borrow_mut().insert(host_port(&authority), addr);
+        provided
+            .borrow_mut()
+            .insert(host_port(&authority, 80), addr);
         true
     }
 
-    /// Sends `request` (absolute `http://` URI) and returns the response head with a streaming
-    /// body. Dropping the body before its end closes that connection, which is how an engine
-    /// learns that the client went away.
+    /// Sends `request` (absolute `http://` or `https://` URI) and returns the response head
+    /// with a streaming body. Dropping the body before its end closes that connection, which
+    /// is how an engine learns that the client went away.
     pub async fn send(&self, request: Request<Body>) -> Result<Response<Incoming>, ClientError> {
-        let (authority, mut request) = to_origin_form(request)?;
+        let (origin, mut request) = to_origin_form(request)?;
         // A pooled connection may have been closed by the engine while idle; hyper hands the
         // request back untouched in that case and it goes out on a fresh connection instead.
-        while let Some(mut sender) = self.checkout(&authority) {
+        while let Some(mut sender) = self.checkout(&origin) {
             match sender.try_send_request(request).await {
                 Ok(response) => {
-                    self.checkin(authority, sender);
+                    self.checkin(origin, sender);
                     return Ok(response);
                 }
                 Err(mut error) => match error.take_message() {
@@ -137,20 +164,26 @@ impl Pool {
                 },
             }
         }
-        let mut sender = self.connect(&authority).await?;
+        let mut sender = self.connect(&origin).await?;
         let response = sender.send_request(request).await?;
-        self.checkin(authority, sender);
+        self.checkin(origin, sender);
         Ok(response)
     }
 
-    /// Number of idle-or-busy pooled connections to `authority` (for metrics and tests).
+    /// Number of idle-or-busy pooled connections to `authority`, over TCP and TLS (for
+    /// metrics and tests).
     pub fn pooled_connections(&self, authority: &Authority) -> usize {
-        self.idle.borrow().get(authority).map_or(0, Vec::len)
+        let idle = self.idle.borrow();
+        [false, true]
+            .into_iter()
+            .filter_map(|tls| idle.get(&(tls, authority.clone())))
+            .map(Vec::len)
+            .sum()
     }
 
-    fn checkout(&self, authority: &Authority) -> Option<SendRequest<Body>> {
+    fn checkout(&self, origin: &Origin) -> Option<SendRequest<Body>> {
         let mut idle = self.idle.borrow_mut();
-        let senders = idle.get_mut(authority)?;
+        let senders = idle.get_mut(origin)?;
         senders.retain(|sender| !sender.is_closed());
         let ready = senders.iter().position(SendRequest::is_ready)?;
         Some(senders.swap_remove(ready))
@@ -158,9 +191,9 @@ impl Pool {
 
     /// Keeps a connection whose request is under way: hyper marks it ready again once the
     /// response body has been read to the end.
-    fn checkin(&self, authority: Authority, sender: SendRequest<Body>) {
+    fn checkin(&self, origin: Origin, sender: SendRequest<Body>) {
         let mut idle = self.idle.borrow_mut();
-        let senders = idle.entry(authority).or_default();
+        let senders = idle.entry(origin).or_default();
         senders.retain(|sender| !sender.is_closed());
         if senders.len() < self.config.max_idle_per_host {
             senders.push(sender);
@@ -169,24 +202,29 @@ impl Pool {
 
     /// The engine's address, from the cache while it is fresh. IP literals never block; host
     /// names block the executor only once per `RESOLVE_TTL`.
-    fn resolve_cached(&self, authority: &Authority) -> Result<SocketAddr, ClientError> {
+    fn resolve_cached(
+        &self,
+        authority: &Authority,
+        default_port: u16,
+    ) -> Result<SocketAddr, ClientError> {
         let now = Instant::now();
         if let Some(&(addr, resolved_at)) = self.resolved.borrow().get(authority)
             && now.duration_since(resolved_at) < RESOLVE_TTL
         {
             return Ok(addr);
         }
-        let addr = resolve(authority)?;
+        let addr = resolve(authority, default_port)?;
         self.resolved
             .borrow_mut()
             .insert(authority.clone(), (addr, now));
         Ok(addr)
     }
 
-    /// Where to connect for `authority`: an IP literal as it is, else the provided address or
-    /// (without provided addresses) the cached system resolver's answer.
-    fn address(&self, authority: &Authority) -> Result<SocketAddr, ClientError> {
-        let (host, port) = host_port(authority);
+    /// Where to connect for `authority` (`default_port` when it has none): an IP literal as
+    /// it is, else the provided address or (without provided addresses) the cached system
+    /// resolver's answer.
+    fn address(&self, authority: &Authority, default_port: u16) -> Result<SocketAddr, ClientError> {
+        let (host, port) = host_port(authority, default_port);
         if let Ok(ip) = host.parse::<std::net::IpAddr>() {
             return Ok(SocketAddr::new(ip, port));
         }
@@ -199,12 +237,19 @@ impl Pool {
                     authority: authority.to_string(),
                     source: io::Error::new(io::ErrorKind::NotFound, "not resolved yet"),
                 }),
-            None => self.resolve_cached(authority),
+            None => self.resolve_cached(authority, default_port),
         }
     }
 
-    async fn connect(&self, authority: &Authority) -> Result<SendRequest<Body>, ClientError> {
-        let addr = self.address(authority)?;
+    async fn connect(&self, origin: &Origin) -> Result<SendRequest<Body>, ClientError> {
+        let (tls, authority) = origin;
+        let tls = match (tls, &self.config.tls) {
+            (false, _) => None,
+            (true, Some(config)) => Some(config.clone()),
+            (true, None) => return Err(ClientError::NoTls(authority.to_string())),
+        };
+        let addr = self.address(authority, if tls.is_some() { 443 } else { 80 })?;
+        let started = Instant::now();
         let timeout = self.config.connect_timeout;
         let connected = crate::rt::timeout(timeout, TcpStream::connect(addr)).await;
         let stream = connected
@@ -219,27 +264,47 @@ impl Pool {
                 addr,
                 source: io::Error::from(error),
             })?;
-        let (sender, connection) = hyper::client::conn::http1::handshake(GlommioIo::new(stream))
+        let Some(tls) = tls else {
+            return handshake(stream).await;
+        };
+        let host = authority
+            .host()
+            .trim_start_matches('[')
+            .trim_end_matches(']');
+        let left = timeout.saturating_sub(started.elapsed());
+        let stream = crate::rt::timeout(left, crate::tls::connect(tls, host, stream))
             .await
-            .map_err(ClientError::Http)?;
-        glommio::spawn_local(async move {
-            // Connection-level errors surface on the request that was in flight.
-            let _ = connection.await;
-        })
-        .detach();
-        Ok(sender)
+            .ok_or(ClientError::ConnectTimeout(addr))?
+            .map_err(|source| ClientError::Tls { addr, source })?;
+        handshake(stream).await
     }
 }
 
-/// `(host, port)` of an authority: host lower-cased and without IPv6 brackets, port 80 when
-/// absent.
-fn host_port(authority: &Authority) -> (String, u16) {
+/// An HTTP/1.1 client connection over `stream`, driven by a task of its own.
+async fn handshake<S>(stream: S) -> Result<SendRequest<Body>, ClientError>
+where
+    S: futures_lite::AsyncRead + futures_lite::AsyncWrite + Unpin + 'static,
+{
+    let (sender, connection) = hyper::client::conn::http1::handshake(GlommioIo::new(stream))
+        .await
+        .map_err(ClientError::Http)?;
+    glommio::spawn_local(async move {
+        // Connection-level errors surface on the request that was in flight.
+        let _ = connection.await;
+    })
+    .detach();
+    Ok(sender)
+}
+
+/// `(host, port)` of an authority: host lower-cased and without IPv6 brackets, `default_port`
+/// when it has none.
+fn host_port(authority: &Authority, default_port: u16) -> (String, u16) {
     let host = authority
         .host()
         .trim_start_matches('[')
         .trim_end_matches(']')
         .to_ascii_lowercase();
-    (host, authority.port_u16().unwrap_or(80))
+    (host, authority.port_u16().unwrap_or(default_port))
 }
 
 /// Resolves `host:port` (port 80 when absent) with the system resolver, which blocks: for a
@@ -248,14 +313,14 @@ pub fn resolve_authority(authority: &str) -> io::Result<SocketAddr> {
     let parsed = authority
         .parse::<Authority>()
         .map_err(|error| io::Error::new(io::ErrorKind::InvalidInput, error.to_string()))?;
-    resolve(&parsed).map_err(|error| match error {
+    resolve(&parsed, 80).map_err(|error| match error {
         ClientError::Resolve { source, .. } => source,
         other => io::Error::other(other.to_string()),
     })
 }
 
-fn resolve(authority: &Authority) -> Result<SocketAddr, ClientError> {
-    let port = authority.port_u16().unwrap_or(80);
+fn resolve(authority: &Authority, default_port: u16) -> Result<SocketAddr, ClientError> {
+    let port = authority.port_u16().unwrap_or(default_port);
     let host = authority
         .host()
         .trim_start_matches('[')
@@ -273,15 +338,17 @@ fn resolve(authority: &Authority) -> Result<SocketAddr, ClientError> {
         })
 }
 
-/// Splits an absolute `http://` URI into the authority to connect to and an origin-form
-/// request (path only) with a `Host` header, as HTTP/1.1 expects.
-fn to_origin_form(request: Request<Body>) -> Result<(Authority, Request<Body>), ClientError> {
+/// Splits an absolute `http://` or `https://` URI into the origin to connect to and an
+/// origin-form request (path only) with a `Host` header, as HTTP/1.1 expects.
+fn to_origin_form(request: Request<Body>) -> Result<(Origin, Request<Body>), ClientError> {
     let (mut parts, body) = request.into_parts();
     let uri = std::mem::take(&mut parts.uri).into_parts();
     let bad_uri = || ClientError::BadUri(format!("{:?}{:?}", uri.authority, uri.path_and_query));
-    if uri.scheme.as_ref() != Some(&Scheme::HTTP) {
-        return Err(bad_uri());
-    }
+    let tls = match uri.scheme.as_ref() {
+        Some(scheme) if *scheme == Scheme::HTTP => false,
+        Some(scheme) if *scheme == Scheme::HTTPS => true,
+        _ => return Err(bad_uri()),
+    };
     let authority = uri.authority.clone().ok_or_else(bad_uri)?;
     let path = uri
         .path_and_query
@@ -290,7 +357,7 @@ fn to_origin_form(request: Request<Body>) -> Result<(Authority, Request<Body>), 
     parts.uri = Uri::from(path);
     let host = HeaderValue::from_str(authority.as_str()).map_err(|_| bad_uri())?;
     parts.headers.insert(header::HOST, host);
-    Ok((authority, Request::from_parts(parts, body)))
+    Ok(((tls, authority), Request::from_parts(parts, body)))
 }
 
 #[cfg(test)]
@@ -302,7 +369,8 @@ mod tests {
         let request = Request::post("http://127.0.0.1:9000/v1/completions?x=1")
             .body(crate::body::empty())
             .expect("request");
-        let (authority, request) = to_origin_form(request).expect("http uri");
+        let ((tls, authority), request) = to_origin_form(request).expect("http uri");
+        assert!(!tls);
         assert_eq!(authority.as_str(), "127.0.0.1:9000");
         assert_eq!(request.uri().to_string(), "/v1/completions?x=1");
         assert_eq!(request.headers()[header::HOST], "127.0.0.1:9000");
@@ -313,25 +381,28 @@ mod tests {
         let pool = Pool::new(PoolConfig::default()).with_provided_addresses();
         let literal: Authority = "127.0.0.1:9000".parse().unwrap();
         assert_eq!(
-            pool.address(&literal).unwrap(),
+            pool.address(&literal, 80).unwrap(),
             "127.0.0.1:9000".parse().unwrap()
         );
         let v6: Authority = "[::1]:9000".parse().unwrap();
-        assert_eq!(pool.address(&v6).unwrap(), "[::1]:9000".parse().unwrap());
+        assert_eq!(
+            pool.address(&v6, 80).unwrap(),
+            "[::1]:9000".parse().unwrap()
+        );
         let name: Authority = "engine.invalid:8000".parse().unwrap();
         assert!(matches!(
-            pool.address(&name),
+            pool.address(&name, 80),
             Err(ClientError::Resolve { .. })
         ));
         assert!(pool.set_address("Engine.invalid:8000", "10.0.0.7:8000".parse().unwrap()));
         assert_eq!(
-            pool.address(&name).unwrap(),
+            pool.address(&name, 80).unwrap(),
             "10.0.0.7:8000".parse().unwrap()
         );
         assert!(pool.set_address("other.invalid", "10.0.0.8:80".parse().unwrap()));
         let default_port: Authority = "other.invalid".parse().unwrap();
         assert_eq!(
-            pool.address(&default_port).unwrap(),
+            pool.address(&default_port, 80).unwrap(),
             "10.0.0.8:80".parse().unwrap()
         );
         assert!(
@@ -340,8 +411,20 @@ mod tests {
     }
 
     #[test]
+    fn https_uris_go_to_a_tls_origin() {
+        let request = Request::get("https://engine.example/v1/models")
+            .body(crate::body::empty())
+            .expect("request");
+        let ((tls, authority), request) = to_origin_form(request).expect("https uri");
+        assert!(tls);
+        assert_eq!(authority.as_str(), "engine.example");
+        assert_eq!(host_port(&authority, 443), ("engine.example".into(), 443));
+        assert_eq!(request.headers()[header::HOST], "engine.example");
+    }
+
+    #[test]
     fn rejects_non_http_uris() {
-        for uri in ["https://h:1/", "/relative"] {
+        for uri in ["ftp://h:1/", "/relative"] {
             let request = Request::get(uri)
                 .body(crate::body::empty())
                 .expect("request");

@@ -54,6 +54,11 @@ pub struct ServerConfig {
     /// An h2 connection with no stream open for this long is closed (HTTP/1 keep-alive
     /// connections get `header_read_timeout` for their next request head).
     pub h2_idle_timeout: Duration,
+    /// Serve HTTPS: every connection's TLS handshake must finish within
+    /// `header_read_timeout`; ALPN offers what [`crate::tls::ServerTls::load`] was told.
+    pub tls: Option<crate::tls::ServerTls>,
+    /// Called for each TLS event of this loop (a certificate reload, a failed handshake).
+    pub on_tls: Option<fn(crate::tls::TlsEvent)>,
 }
 
 impl Default for ServerConfig {
@@ -67,6 +72,8 @@ impl Default for ServerConfig {
             on_refused: None,
             h2_max_concurrent_streams: 64,
             h2_idle_timeout: Duration::from_secs(30),
+            tls: None,
+            on_tls: None,
         }
     }
 }
@@ -290,8 +297,9 @@ impl Listener for UnixListener {
     }
 }
 
-/// Serves HTTP on `listener` until `shutdown` triggers, then stops accepting, lets open
-/// connections finish their in-flight requests (up to `config.drain_timeout`) and returns.
+/// Serves HTTP (HTTPS with `config.tls`) on `listener` until `shutdown` triggers, then stops
+/// accepting, lets open connections finish their in-flight requests (up to
+/// `config.drain_timeout`) and returns.
 pub async fn serve<L, H, F>(
     listener: L,
     handler: H,
@@ -303,6 +311,10 @@ where
     F: Future<Output = Response<Body>> + 'static,
     L: Listener,
 {
+    let tls = config
+        .tls
+        .as_ref()
+        .map(|tls| crate::tls::Acceptor::new(tls, config.on_tls));
     let handler = Rc::new(handler);
     let config = Rc::new(config);
     let open = OpenConnections::default();
@@ -334,11 +346,28 @@ where
                 let handler = handler.clone();
                 let config = config.clone();
                 let shutdown = shutdown.clone();
+                let acceptor = tls.as_ref().map(|tls| tls.acceptor());
                 glommio::spawn_local(async move {
                     let _guard = guard;
-                    // Errors of one connection (resets, timeouts, bad preface) end that
-                    // connection only; hyper has already answered protocol errors.
-                    let _ = serve_connection(stream, handler, &config, shutdown).await;
+                    // Errors of one connection (resets, timeouts, bad preface, a failed
+                    // handshake) end that connection only; hyper has already answered
+                    // protocol errors.
+                    let Some(acceptor) = acceptor else {
+                        let _ = serve_connection(stream, handler, &config, shutdown).await;
+                        return;
+                    };
+                    let handshake =
+                        crate::rt::timeout(config.header_read_timeout, acceptor.accept(stream));
+                    match handshake.await {
+                        Some(Ok(stream)) => {
+                            let _ = serve_connection(stream, handler, &config, shutdown).await;
+                        }
+                        _ => {
+                            if let Some(on_tls) = config.on_tls {
+                                on_tls(crate::tls::TlsEvent::HandshakeFailed);
+                            }
+                        }
+                    }
                 })
                 .detach();
             }

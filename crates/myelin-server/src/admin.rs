@@ -30,27 +30,27 @@ const ADMIN_BODY_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Binds the admin API's listener (`--admin-listen`: TCP, or a Unix socket) and serves it on
 /// this (the control) core until `shutdown` ([`crate::control::StartAdmin`]).
+/// With `tls`, over HTTPS (client certificates too when its files name a client CA).
 pub fn start(
     control: &Rc<Control>,
     listen: &AdminListen,
+    tls: Option<&myelin_http::tls::ServerTls>,
     shutdown: myelin_http::server::Shutdown,
 ) -> Result<AdminServer, String> {
     match listen {
         AdminListen::Tcp(addr) => {
             let listener =
                 glommio::net::TcpListener::bind(addr).map_err(|error| error.to_string())?;
-            let address = listener.local_addr().map_or_else(
-                |_| format!("http://{addr}"),
-                |bound| format!("http://{bound}"),
-            );
+            let scheme = if tls.is_some() { "https" } else { "http" };
+            let address = format!("{scheme}://{}", listener.local_addr().unwrap_or(*addr));
             Ok(AdminServer {
-                task: serve(listener, control, shutdown),
+                task: serve(listener, control, tls, shutdown),
                 address,
                 socket: None,
             })
         }
         AdminListen::Unix(path) => Ok(AdminServer {
-            task: serve(bind_unix(path)?, control, shutdown),
+            task: serve(bind_unix(path)?, control, tls, shutdown),
             address: format!("unix:{}", path.display()),
             socket: Some(path.clone()),
         }),
@@ -61,6 +61,7 @@ pub fn start(
 fn serve<L: myelin_http::server::Listener + 'static>(
     listener: L,
     control: &Rc<Control>,
+    tls: Option<&myelin_http::tls::ServerTls>,
     shutdown: myelin_http::server::Shutdown,
 ) -> glommio::Task<myelin_http::server::ServeReport> {
     let admin_control = control.clone();
@@ -71,6 +72,8 @@ fn serve<L: myelin_http::server::Listener + 'static>(
             header_read_timeout: Duration::from_secs(10),
             drain_timeout: Duration::from_millis(500),
             error_bodies: Some(crate::openai::protocol_error_body),
+            tls: tls.cloned(),
+            on_tls: Some(crate::metrics::admin_tls_event),
             ..Default::default()
         },
         shutdown,

@@ -131,6 +131,82 @@ pub struct ServeArgs {
     #[arg(long, env = "MYELIN_ADMIN_TOKEN_FILE", value_name = "PATH")]
     pub admin_token_file: Option<PathBuf>,
 
+    /// Serve clients over TLS (HTTPS, ALPN h2 and http/1.1) with this PEM certificate chain,
+    /// leaf first; needs --tls-key. The files are read again when they change (looked at once
+    /// a second), so a renewed certificate serves new connections without a restart.
+    /// [default: none: plain HTTP]
+    #[arg(
+        long,
+        env = "MYELIN_TLS_CERT",
+        value_name = "PATH",
+        requires = "tls_key"
+    )]
+    pub tls_cert: Option<PathBuf>,
+
+    /// The PEM private key of --tls-cert (PKCS#8, PKCS#1 or SEC1). [default: none]
+    #[arg(
+        long,
+        env = "MYELIN_TLS_KEY",
+        value_name = "PATH",
+        requires = "tls_cert"
+    )]
+    pub tls_key: Option<PathBuf>,
+
+    /// Serve the admin API over TLS with this PEM certificate chain; needs --admin-tls-key.
+    /// [default: none: plain HTTP]
+    #[arg(
+        long,
+        env = "MYELIN_ADMIN_TLS_CERT",
+        value_name = "PATH",
+        requires = "admin_tls_key"
+    )]
+    pub admin_tls_cert: Option<PathBuf>,
+
+    /// The PEM private key of --admin-tls-cert. [default: none]
+    #[arg(
+        long,
+        env = "MYELIN_ADMIN_TLS_KEY",
+        value_name = "PATH",
+        requires = "admin_tls_cert"
+    )]
+    pub admin_tls_key: Option<PathBuf>,
+
+    /// Admin clients must present a certificate signed by a CA of this PEM file (mutual TLS;
+    /// needs --admin-tls-cert). With it, a non-loopback --admin-listen needs no token.
+    /// [default: none]
+    #[arg(
+        long,
+        env = "MYELIN_ADMIN_CLIENT_CA",
+        value_name = "PATH",
+        requires = "admin_tls_cert"
+    )]
+    pub admin_client_ca: Option<PathBuf>,
+
+    /// Trust the CA certificates of this PEM file for `https://` engines, instead of the
+    /// system's roots. [default: none: the system's roots (SSL_CERT_FILE, SSL_CERT_DIR or the
+    /// platform's store)]
+    #[arg(long, env = "MYELIN_ENGINE_CA", value_name = "PATH")]
+    pub engine_ca: Option<PathBuf>,
+
+    /// Present this PEM client certificate chain to `https://` engines (mutual TLS); needs
+    /// --engine-client-key. [default: none]
+    #[arg(
+        long,
+        env = "MYELIN_ENGINE_CLIENT_CERT",
+        value_name = "PATH",
+        requires = "engine_client_key"
+    )]
+    pub engine_client_cert: Option<PathBuf>,
+
+    /// The PEM private key of --engine-client-cert. [default: none]
+    #[arg(
+        long,
+        env = "MYELIN_ENGINE_CLIENT_KEY",
+        value_name = "PATH",
+        requires = "engine_client_cert"
+    )]
+    pub engine_client_key: Option<PathBuf>,
+
     /// An inference engine: `http://host:port[,kv-events=tcp://host:port]`. Repeat the flag
     /// for several; in MYELIN_BACKEND separate them with `;`; in the config file a list of
     /// specs or tables (`{ url = "...", kv-events = "..." }`). Flags replace the file's list.
@@ -520,9 +596,16 @@ pub struct ServeConfig {
     pub decision_trace: bool,
     /// OpenTelemetry traces (`--otlp-endpoint`, `--trace-sample`, `--otel-service-name`).
     pub otlp: Option<crate::otel::OtlpConfig>,
+    /// HTTPS on `listen` (`--tls-cert`, `--tls-key`).
+    pub tls: Option<myelin_http::tls::ServerTls>,
     pub admin_listen: AdminListen,
-    /// Bearer token the admin API requires (always set when `admin_listen` is not loopback).
+    /// HTTPS on `admin_listen` (`--admin-tls-cert`, `--admin-tls-key`, `--admin-client-ca`).
+    pub admin_tls: Option<myelin_http::tls::ServerTls>,
+    /// Bearer token the admin API requires (always set when `admin_listen` is not loopback,
+    /// unless admin clients need a certificate).
     pub admin_token: Option<AdminToken>,
+    /// How `https://` engines are reached (`--engine-ca`, `--engine-client-cert`, `--engine-client-key`).
+    pub engine_tls: std::sync::Arc<myelin_http::tls::ClientConfig>,
     pub backends: Vec<BackendSpec>,
     pub sim: usize,
     pub sim_speedup: f64,
@@ -602,9 +685,14 @@ pub enum ConfigError {
     Gossip(String),
     #[error(
         "--admin-listen {0} is not a loopback address: give --admin-token-file PATH (a bearer \
-         token) or listen on 127.0.0.1 / [::1]"
+         token) or --admin-client-ca PATH (client certificates), or listen on 127.0.0.1 / [::1]"
     )]
     AdminTokenRequired(SocketAddr),
+    #[error("{flags}: {source}")]
+    Tls {
+        flags: &'static str,
+        source: myelin_http::tls::TlsError,
+    },
     #[error("reading --admin-token-file {path}: {source}")]
     AdminTokenFile {
         path: PathBuf,
@@ -875,10 +963,42 @@ impl ServeConfig {
         };
         if let AdminListen::Tcp(addr) = args.admin_listen
             && admin_token.is_none()
+            && args.admin_client_ca.is_none()
             && !addr.ip().is_loopback()
         {
             return Err(ConfigError::AdminTokenRequired(addr));
         }
+        let server_tls = |flags, cert: &Option<PathBuf>, key: &Option<PathBuf>, client_ca| {
+            let (Some(cert), Some(key)) = (cert, key) else {
+                return Ok(None);
+            };
+            let files = myelin_http::tls::ServerTlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                client_ca,
+            };
+            myelin_http::tls::ServerTls::load(files, true)
+                .map(Some)
+                .map_err(|source| ConfigError::Tls { flags, source })
+        };
+        let tls = server_tls("--tls-cert/--tls-key", &args.tls_cert, &args.tls_key, None)?;
+        let admin_tls = server_tls(
+            "--admin-tls-cert/--admin-tls-key/--admin-client-ca",
+            &args.admin_tls_cert,
+            &args.admin_tls_key,
+            args.admin_client_ca.clone(),
+        )?;
+        let engine_tls = myelin_http::tls::client_config(&myelin_http::tls::ClientTlsFiles {
+            ca: args.engine_ca.clone(),
+            identity: args
+                .engine_client_cert
+                .clone()
+                .zip(args.engine_client_key.clone()),
+        })
+        .map_err(|source| ConfigError::Tls {
+            flags: "--engine-ca/--engine-client-cert/--engine-client-key",
+            source,
+        })?;
         let millis = Duration::from_millis;
         Ok(ServeConfig {
             listen: args.listen,
@@ -893,8 +1013,11 @@ impl ServeConfig {
                     sample_ratio: args.trace_sample,
                     service_name: args.otel_service_name.clone(),
                 }),
+            tls,
             admin_listen: args.admin_listen,
+            admin_tls,
             admin_token,
+            engine_tls,
             backends,
             sim: args.sim,
             sim_speedup: args.sim_speedup,
@@ -1286,5 +1409,77 @@ mod tests {
                  {default}: {row}"
             );
         }
+    }
+
+    #[test]
+    fn tls_flags_come_in_pairs_and_load_their_files() {
+        let fixture = |name: &str| {
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../myelin-http/tests/fixtures/tls")
+                .join(name)
+                .to_string_lossy()
+                .into_owned()
+        };
+        let (cert, key, ca) = (
+            fixture("server.pem"),
+            fixture("server.key"),
+            fixture("ca.pem"),
+        );
+        let resolve = |flags: &[&str]| {
+            let mut argv = vec!["--backend", "https://a:1"];
+            argv.extend_from_slice(flags);
+            ServeConfig::from_args(parse_over(&argv, None)?, &[0])
+        };
+        let plain = resolve(&[]).unwrap();
+        assert!(plain.tls.is_none() && plain.admin_tls.is_none());
+        assert_eq!(plain.backends[0].url, "https://a:1");
+        let tls = resolve(&["--tls-cert", &cert, "--tls-key", &key]).unwrap();
+        assert_eq!(tls.tls.unwrap().files().cert, Path::new(&cert));
+        // Half a pair is refused by the flag parser.
+        for half in [
+            ["--tls-cert", &cert],
+            ["--admin-tls-key", &key],
+            ["--engine-client-cert", &cert],
+        ] {
+            assert!(
+                matches!(resolve(&half), Err(ConfigError::Cli(_))),
+                "{half:?}"
+            );
+        }
+        assert!(matches!(
+            resolve(&["--admin-client-ca", &ca]),
+            Err(ConfigError::Cli(_))
+        ));
+        // A key that is not the certificate's names the flags and the file.
+        let error =
+            resolve(&["--tls-cert", &cert, "--tls-key", &fixture("client.key")]).unwrap_err();
+        let text = error.to_string();
+        assert!(
+            text.contains("--tls-cert/--tls-key") && text.contains("client.key"),
+            "{text}"
+        );
+        let error = resolve(&["--engine-ca", &fixture("missing.pem")]).unwrap_err();
+        assert!(error.to_string().contains("--engine-ca"), "{error}");
+        // Client certificates stand in for the admin token on a non-loopback address.
+        let admin = [
+            "--admin-listen",
+            "0.0.0.0:9090",
+            "--admin-tls-cert",
+            &cert,
+            "--admin-tls-key",
+            &key,
+        ];
+        assert!(matches!(
+            resolve(&admin),
+            Err(ConfigError::AdminTokenRequired(_))
+        ));
+        let mut mutual = admin.to_vec();
+        mutual.extend(["--admin-client-ca", &ca]);
+        let config = resolve(&mutual).unwrap();
+        assert_eq!(
+            config.admin_tls.unwrap().files().client_ca.as_deref(),
+            Some(Path::new(&ca))
+        );
+        assert!(config.admin_token.is_none());
     }
 }

@@ -198,8 +198,12 @@ pub struct AdminServer {
 }
 
 /// Binds `listen` and serves the admin API on it until the shutdown (`admin.rs`).
-pub type StartAdmin =
-    fn(&Rc<Control>, &AdminListen, myelin_http::server::Shutdown) -> Result<AdminServer, String>;
+pub type StartAdmin = fn(
+    &Rc<Control>,
+    &AdminListen,
+    Option<&myelin_http::tls::ServerTls>,
+    myelin_http::server::Shutdown,
+) -> Result<AdminServer, String>;
 
 /// Runs the control core until `stop` is set. `initial` are the configured backends (ids
 /// 0..n, in order); the data cores were given the same list at startup.
@@ -253,6 +257,7 @@ pub async fn run_control(
         pool: Pool::new(PoolConfig {
             connect_timeout: config.health.timeout,
             max_idle_per_host: 2,
+            tls: Some(config.engine_tls.clone()),
         })
         .with_provided_addresses(),
         subscribers: RefCell::new(HashMap::new()),
@@ -349,7 +354,13 @@ pub async fn run_control(
     let admin_shutdown = myelin_http::server::Shutdown::new();
     admin_shutdown.follow(stop.clone(), STOP_POLL_INTERVAL);
     let mut admin_socket = None;
-    let admin = start_admin(&control, &config.admin_listen, admin_shutdown).map(|started| {
+    let admin = start_admin(
+        &control,
+        &config.admin_listen,
+        config.admin_tls.as_ref(),
+        admin_shutdown,
+    )
+    .map(|started| {
         addrs.admin = Some(started.address);
         admin_socket = started.socket;
         started.task

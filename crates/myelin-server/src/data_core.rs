@@ -28,6 +28,7 @@ use crate::engine_metrics::ServedModels;
 use crate::mesh::{Mesh, MeshEnds, SendError};
 use crate::messages::{Message, ReplicaBackend, ReplicaSnapshot};
 use crate::metrics as names;
+use crate::openai::ApiError;
 use crate::pins::{OwnedPins, PinChange, PromptBlocks};
 use crate::route_tokens::{AddedTokens, RouteTokenizer};
 use crate::routing_glue::{LookupAnswer, LookupQuery, RoutingShard};
@@ -197,6 +198,7 @@ where
             // Host names only at the addresses the control core resolves (never here).
             let pool = Pool::new(PoolConfig {
                 connect_timeout: setup.config.connect_timeout,
+                tls: Some(setup.config.engine_tls.clone()),
                 ..PoolConfig::default()
             })
             .with_provided_addresses();
@@ -258,6 +260,8 @@ where
         error_bodies: Some(crate::openai::protocol_error_body),
         max_connections: setup.config.max_connections_per_core,
         on_refused: Some(crate::metrics::connection_refused),
+        tls: setup.config.tls.clone(),
+        on_tls: Some(crate::metrics::client_tls_event),
         ..ServerConfig::default()
     };
     myelin_http::server::serve(
@@ -807,22 +811,28 @@ impl DataCore {
         myelin_routing::namespace_root(adapter, cache_salt)
     }
 
-    /// The backends of this core that do not serve `model`: those whose `GET /v1/models`
-    /// lists other models only, when at least one backend lists it. Empty when none lists it
-    /// (or none answered): every backend is eligible and the engine answers for the name (vLLM
-    /// refuses an unknown model with a 404). A backend that never answered stays eligible.
-    pub fn off_pool(&self, model: &str) -> Vec<BackendId> {
+    /// The backends of this core that must not get a request for `model` (the name as the
+    /// engines list it, or an Ollama name without its `:latest` tag): those whose
+    /// `GET /v1/models` answered without it (engines serving other models or adapters). A
+    /// backend that never answered stays eligible (the engine answers for the name). Unknown
+    /// (404, `model_not_found`) when every backend answered and none lists it.
+    pub fn off_pool(&self, model: &str) -> Result<Vec<BackendId>, ApiError> {
         let backends = self.backends.borrow();
         let served = self.served.borrow();
-        let lists = |served: &ServedModels| served.models.iter().any(|name| name == model);
-        let live = || served.iter().filter(|(id, _)| backends.get(**id).is_some());
-        if !live().any(|(_, served)| lists(served)) {
-            return Vec::new();
+        let known: Vec<(BackendId, bool)> = served
+            .iter()
+            .filter(|(id, served)| backends.get(**id).is_some() && !served.models.is_empty())
+            .map(|(&id, served)| (id, served.models.iter().any(|name| names(name, model))))
+            .collect();
+        let unknown = !known.iter().any(|&(_, lists)| lists);
+        if unknown && !known.is_empty() && known.len() == backends.len() {
+            return Err(ApiError::model_not_found(model));
         }
-        live()
-            .filter(|(_, served)| !served.models.is_empty() && !lists(served))
-            .map(|(&id, _)| id)
-            .collect()
+        Ok(known
+            .into_iter()
+            .filter(|&(_, lists)| !lists)
+            .map(|(id, _)| id)
+            .collect())
     }
 
     /// `backend` sent bytes (a response head or a body frame): the progress watchdog's clock.
@@ -1127,5 +1137,33 @@ impl DataCore {
         (0..self.shards)
             .filter(move |&peer| peer != own)
             .chain(control)
+    }
+}
+
+/// Whether the engine's listed model name `listed` is what a request naming `requested` asks
+/// for: the same name, or an Ollama name whose tag the request left out (`llama3` is
+/// `llama3:latest`).
+fn names(listed: &str, requested: &str) -> bool {
+    listed == requested
+        || listed
+            .strip_suffix(":latest")
+            .is_some_and(|untagged| untagged == requested)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::names;
+
+    #[test]
+    fn a_model_name_matches_itself_and_an_untagged_ollama_name_its_latest_tag() {
+        assert!(names(
+            "meta-llama/Llama-3.1-8B-Instruct",
+            "meta-llama/Llama-3.1-8B-Instruct"
+        ));
+        assert!(names("llama3:latest", "llama3"));
+        assert!(!names("llama3:8b", "llama3"));
+        assert!(!names("llama3", "llama3:latest"));
+        assert!(!names("a-lora", "a"));
+        assert!(!names(":latest", "x"));
     }
 }

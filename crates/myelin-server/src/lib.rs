@@ -2,7 +2,7 @@
 //!
 //! [`run`] resolves the configuration, starts one executor per data core (each with its own
 //! listener on the shared port, its own prefix shard, connection pool and tokenizer) and one
-//! control core, prints `listening on http://ADDR` on stdout, and drains on SIGTERM/SIGINT.
+//! control core, prints `listening on http://ADDR` (`https://` with TLS) on stdout, and drains on SIGTERM/SIGINT.
 //! [`start`] does the same without signals or printing, for embedding and tests.
 
 mod admin;
@@ -414,6 +414,11 @@ pub fn run(args: ServeArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         config.routing.as_str(),
         config.residency.as_str(),
     );
+    let scheme = if config.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
     let server = start(config, stop)?;
     let metrics_note = server
         .metrics_addr
@@ -425,7 +430,7 @@ pub fn run(args: ServeArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         .map(|addr| format!(", admin on {addr}"))
         .unwrap_or_default();
     println!(
-        "myelin: listening on http://{} ({summary}{metrics_note}{admin_note})",
+        "myelin: listening on {scheme}://{} ({summary}{metrics_note}{admin_note})",
         server.addr
     );
     use std::io::Write;

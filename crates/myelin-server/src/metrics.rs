@@ -155,6 +155,41 @@ pub fn connection_refused() {
     metrics::counter!(CONNECTIONS_REFUSED_TOTAL).increment(1);
 }
 
+/// TLS events of a listener (`listener`: client or admin; `event`: reloaded, reload_failed,
+/// handshake_failed).
+pub const TLS_EVENTS_TOTAL: &str = "myelin_tls_events_total";
+const TLS_EVENTS: [&str; 3] = ["reloaded", "reload_failed", "handshake_failed"];
+
+/// Counts a TLS event of the client listener (the server loop's `on_tls`).
+pub fn client_tls_event(event: myelin_http::tls::TlsEvent) {
+    tls_event("client", event);
+}
+
+/// Counts a TLS event of the admin listener (the server loop's `on_tls`).
+pub fn admin_tls_event(event: myelin_http::tls::TlsEvent) {
+    tls_event("admin", event);
+}
+
+fn tls_event(listener: &'static str, event: myelin_http::tls::TlsEvent) {
+    use myelin_http::tls::TlsEvent;
+    let name = match event {
+        TlsEvent::Reloaded => "reloaded",
+        TlsEvent::ReloadFailed(_) => "reload_failed",
+        TlsEvent::HandshakeFailed => "handshake_failed",
+    };
+    metrics::counter!(TLS_EVENTS_TOTAL, "listener" => listener, "event" => name).increment(1);
+    match event {
+        TlsEvent::Reloaded => {
+            eprintln!("myelin: {listener} listener: TLS certificate files changed, reloaded");
+        }
+        TlsEvent::ReloadFailed(why) => eprintln!(
+            "myelin: {listener} listener: the changed TLS certificate files do not load (the \
+             previous certificate stays in use until they change again): {why}"
+        ),
+        TlsEvent::HandshakeFailed => {}
+    }
+}
+
 /// 1 while a backend's KV-event mirror is live (in sync), by backend.
 pub const KV_EVENTS_LIVE: &str = "myelin_kv_events_live";
 /// 1 while a backend's live mirror is partial (it may lack blocks the engine cached before the
@@ -432,6 +467,12 @@ pub fn install() -> PrometheusHandle {
     for kind in TIMEOUT_KINDS {
         metrics::counter!(TIMEOUTS_TOTAL, "kind" => *kind).increment(0);
     }
+    for listener in ["client", "admin"] {
+        for event in TLS_EVENTS {
+            metrics::counter!(TLS_EVENTS_TOTAL, "listener" => listener, "event" => event)
+                .increment(0);
+        }
+    }
     for reason in RETRY_REASONS {
         metrics::counter!(RETRIES_TOTAL, "reason" => *reason).increment(0);
     }
@@ -696,6 +737,10 @@ fn describe() {
     describe_counter!(
         CONNECTIONS_REFUSED_TOTAL,
         "Client connections closed on accept at --max-connections-per-core."
+    );
+    describe_counter!(
+        TLS_EVENTS_TOTAL,
+        "TLS events by listener (client, admin): certificate reloads, failed reloads, failed handshakes."
     );
     describe_gauge!(
         KV_EVENTS_BLOCK_SIZE_MISMATCH,

@@ -82,6 +82,20 @@ impl ApiError {
         }
     }
 
+    /// No backend lists `model` in its `GET /v1/models` (OpenAI's answer to an unknown model).
+    pub fn model_not_found(model: &str) -> Self {
+        let shown: String = model.chars().take(256).collect();
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!(
+                "The model `{shown}` does not exist: no backend serves it (GET /v1/models lists the models served)"
+            ),
+            error_type: "invalid_request_error",
+            param: Some("model".into()),
+            code: Some("model_not_found"),
+        }
+    }
+
     pub fn method_not_allowed(method: &str, path: &str, allowed: &str) -> Self {
         ApiError {
             status: StatusCode::METHOD_NOT_ALLOWED,

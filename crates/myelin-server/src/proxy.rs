@@ -145,6 +145,8 @@ pub fn describe_client_error(error: &ClientError) -> String {
         ClientError::Resolve { .. } => "its host name did not resolve".into(),
         ClientError::Connect { source, .. } => format!("cannot connect: {}", source.kind()),
         ClientError::ConnectTimeout(_) => "connect timed out".into(),
+        ClientError::NoTls(_) => "its https:// address needs TLS, which this client lacks".into(),
+        ClientError::Tls { source, .. } => format!("TLS handshake failed: {source}"),
         ClientError::Http(error) => format!("http: {error}"),
     }
 }

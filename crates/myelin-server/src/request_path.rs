@@ -354,7 +354,10 @@ async fn generate(
     }
     // Backends that do not list the requested model are never tried (engines serving other
     // models or adapters), nor, on retries, those already tried.
-    let off_pool = core.off_pool(&generation.model);
+    let off_pool = match core.off_pool(&generation.model) {
+        Ok(off_pool) => off_pool,
+        Err(error) => return error_response(&error),
+    };
     let mut tried: Vec<BackendId> = Vec::new();
     let excluded =
         |tried: &[BackendId]| -> Vec<BackendId> { off_pool.iter().chain(tried).copied().collect() };

@@ -102,6 +102,13 @@ pub struct SimArgs {
     /// Serve no Prometheus metrics (`GET /metrics` answers 404), like TensorRT-LLM or Ollama.
     #[arg(long)]
     pub no_metrics: bool,
+    /// Serve HTTPS with this PEM certificate chain (needs --tls-key), as an engine behind a
+    /// TLS terminator would.
+    #[arg(long, value_name = "PATH", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, value_name = "PATH", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
 }
 
 impl SimArgs {
@@ -147,6 +154,15 @@ impl SimArgs {
             tokenizer_path: self.tokenizer.clone(),
             chat_template_path: self.chat_template.clone(),
             executor_threads: self.threads,
+            tls: self
+                .tls_cert
+                .clone()
+                .zip(self.tls_key.clone())
+                .map(|(cert, key)| myelin_http::tls::ServerTlsFiles {
+                    cert,
+                    key,
+                    client_ca: None,
+                }),
         }
     }
 }

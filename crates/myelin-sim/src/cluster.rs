@@ -95,6 +95,9 @@ pub struct ClusterConfig {
     pub chat_template_path: Option<PathBuf>,
     /// Executor threads hosting the engines (0 = one per engine up to the available cores).
     pub executor_threads: usize,
+    /// Serve HTTPS with this certificate and key (`--tls-cert`, `--tls-key`), as an engine
+    /// behind a TLS terminator would.
+    pub tls: Option<myelin_http::tls::ServerTlsFiles>,
 }
 
 impl Default for ClusterConfig {
@@ -113,6 +116,7 @@ impl Default for ClusterConfig {
             tokenizer_path: None,
             chat_template_path: None,
             executor_threads: 0,
+            tls: None,
         }
     }
 }
@@ -176,6 +180,8 @@ pub struct EngineProbe {
 /// N simulated engines running in this process. Dropping it stops them.
 pub struct SimCluster {
     engines: Vec<Arc<EngineShared>>,
+    /// `http` or `https` (with [`ClusterConfig::tls`]).
+    scheme: &'static str,
     block_size: usize,
     addresses: Vec<SocketAddr>,
     kv_endpoints: Vec<Option<KvEventEndpoints>>,
@@ -243,6 +249,13 @@ impl SimCluster {
                 PROFILE_NAMES.join(", ")
             ))
         })?;
+        let tls = match &config.tls {
+            Some(files) => Some(
+                myelin_http::tls::ServerTls::load(files.clone(), true)
+                    .map_err(|error| SimError::Config(format!("TLS: {error}")))?,
+            ),
+            None => None,
+        };
         let port_for = |base: u16, offset: usize| -> Result<u16, SimError> {
             if base == 0 {
                 return Ok(0);
@@ -339,9 +352,10 @@ impl SimCluster {
             }
             let executor_stop = stop.clone();
             let ready_sender = ready_sender.clone();
+            let tls = tls.clone();
             let spawned = spawn_executor(
                 ExecutorSpec::unpinned(format!("sim-engines-{thread}")),
-                move || run_executor(hosted, executor_stop, ready_sender),
+                move || run_executor(hosted, tls, executor_stop, ready_sender),
             );
             match spawned {
                 Ok(handle) => executors.push(handle),
@@ -354,6 +368,7 @@ impl SimCluster {
         drop(ready_sender);
         let mut cluster = SimCluster {
             engines,
+            scheme: if tls.is_some() { "https" } else { "http" },
             block_size: config.engine.block_size,
             addresses: vec![SocketAddr::new(config.listen_host, 0); config.engines],
             kv_endpoints,
@@ -389,7 +404,7 @@ impl SimCluster {
         &self.addresses
     }
 
-    /// Each engine's base URL, e.g. `http://127.0.0.1:8001`.
+    /// Each engine's base URL, e.g. `http://127.0.0.1:8001` (`https://` with TLS).
     pub fn engine_urls(&self) -> Vec<String> {
         self.addresses
             .iter()
@@ -398,7 +413,11 @@ impl SimCluster {
                     IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
                     ip => ip,
                 };
-                format!("http://{}", SocketAddr::new(host, address.port()))
+                format!(
+                    "{}://{}",
+                    self.scheme,
+                    SocketAddr::new(host, address.port())
+                )
             })
             .collect()
     }
@@ -493,6 +512,7 @@ impl Drop for SimCluster {
 /// servers until the stop flag is set.
 async fn run_executor(
     hosted: Vec<(Arc<EngineShared>, SocketAddr)>,
+    tls: Option<myelin_http::tls::ServerTls>,
     stop: Arc<AtomicBool>,
     ready: mpsc::Sender<Result<(usize, SocketAddr), SimError>>,
 ) {
@@ -517,6 +537,7 @@ async fn run_executor(
         let handler_engine = local.clone();
         let server_config = ServerConfig {
             drain_timeout: DRAIN_TIMEOUT,
+            tls: tls.clone(),
             ..ServerConfig::default()
         };
         let server_shutdown = shutdown.clone();

@@ -46,6 +46,10 @@ fn licenses() -> String {
 }
 
 #[derive(Subcommand)]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one value, parsed once at startup: its size costs nothing"
+)]
 enum Command {
     /// Run the router in front of inference engines.
     Serve(myelin_server::ServeArgs),

@@ -213,7 +213,7 @@ fn prompt(seed: u32, tokens: u32) -> Vec<u32> {
 }
 
 fn completion_body(prompt: &[u32]) -> Value {
-    json!({"model": "m", "prompt": prompt, "max_tokens": 4})
+    json!({"model": "test-model", "prompt": prompt, "max_tokens": 4})
 }
 
 /// Sends a completion and returns the backend id that served it.

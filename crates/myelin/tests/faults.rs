@@ -485,7 +485,7 @@ fn sim_chat(words: usize, seed: usize) -> serde_json::Value {
         .map(|i| format!("w{}x{}", seed, i % 97))
         .collect();
     serde_json::json!({
-        "model": "sim",
+        "model": myelin_sim::DEFAULT_MODEL_NAME,
         "max_tokens": 4,
         "messages": [{"role": "user", "content": text.join(" ")}],
     })

@@ -10,6 +10,9 @@ use myelin_sim::{ClusterConfig, KvEventsConfig, SimCluster, WireVersion};
 use serde_json::{Value, json};
 use support::{Router, metric_value, request};
 
+/// The model the simulated engines serve.
+const SIM_MODEL: &str = myelin_sim::DEFAULT_MODEL_NAME;
+
 fn cluster(wire: WireVersion) -> SimCluster {
     SimCluster::start(ClusterConfig {
         engines: 2,
@@ -32,7 +35,7 @@ fn chat(words: usize, seed: usize) -> Value {
         .map(|i| format!("w{}x{}", seed, i % 97))
         .collect();
     json!({
-        "model": "sim",
+        "model": myelin_sim::DEFAULT_MODEL_NAME,
         "max_tokens": 4,
         "messages": [{"role": "user", "content": text.join(" ")}],
     })
@@ -387,7 +390,7 @@ fn lora_adapters_and_cache_salts_are_cache_namespaces_of_their_own() {
     let resident_total = |router: &Router| -> u64 { router.backends().iter().map(resident).sum() };
 
     assert_eq!(
-        send("sim", None),
+        send(SIM_MODEL, None),
         (0.0, 0),
         "a first request matches nothing"
     );
@@ -398,7 +401,7 @@ fn lora_adapters_and_cache_salts_are_cache_namespaces_of_their_own() {
     // (or each other's) history matches, and the engine has nothing cached for them either.
     for (model, salt) in [
         ("sql", None),
-        ("sim", Some("tenant-1")),
+        (SIM_MODEL, Some("tenant-1")),
         ("sql", Some("tenant-1")),
     ] {
         assert_eq!(send(model, salt), (0.0, 0), "{model} {salt:?}");
@@ -416,9 +419,9 @@ fn lora_adapters_and_cache_salts_are_cache_namespaces_of_their_own() {
     );
     // Each namespace again: its own history matches, and the engine it went to hits.
     for (model, salt) in [
-        ("sim", None),
+        (SIM_MODEL, None),
         ("sql", None),
-        ("sim", Some("tenant-1")),
+        (SIM_MODEL, Some("tenant-1")),
         ("sql", Some("tenant-1")),
     ] {
         let (matched, cached) = send(model, salt);
@@ -456,7 +459,9 @@ fn requests_go_only_to_the_engines_that_list_their_model() {
     let router = Router::start(&args);
     wait_for(&router, "every engine's models known", |backends| {
         backends.len() == 3
-            && backends[2]["max_model_len_reported"].is_u64()
+            && backends
+                .iter()
+                .all(|backend| backend["max_model_len_reported"].is_u64())
             && backends[0]["lora_adapters"] == json!(["a-lora"])
     });
     let served_by = |model: &str| -> std::collections::BTreeSet<String> {
@@ -474,9 +479,19 @@ fn requests_go_only_to_the_engines_that_list_their_model() {
     assert_eq!(served_by("a"), ["0", "1"].map(String::from).into());
     assert_eq!(served_by("a-lora"), ["0", "1"].map(String::from).into());
     assert_eq!(served_by("b"), ["2"].map(String::from).into());
-    // A name no engine lists is the engines' to answer (vLLM: 404; the simulator serves it):
-    // every engine is eligible.
-    assert_eq!(served_by("unlisted").len(), 3);
+    // A name no engine lists: the router's 404 in OpenAI's shape, no engine asked (once
+    // every data core has every engine's list).
+    let unknown = json!({"model": "unlisted", "prompt": "who serves me", "max_tokens": 1});
+    let mut answer = json!(null);
+    support::wait_until("the unknown model refused by the router", || {
+        let response = router.post_json("/v1/completions", &unknown);
+        let status = response.status;
+        answer = response.json();
+        status == 404
+    });
+    assert_eq!(answer["error"]["code"], "model_not_found", "{answer}");
+    assert_eq!(answer["error"]["param"], "model");
+    assert_eq!(answer["error"]["type"], "invalid_request_error");
     drop(router);
     a.shutdown();
     b.shutdown();

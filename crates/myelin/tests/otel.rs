@@ -312,12 +312,16 @@ fn sampling_follows_the_clients_flag_and_refusals_are_traced_as_errors() {
     );
     assert_eq!(engine.requests(), 3);
 
-    // A model name from the client is bounded in the span's name and attributes.
+    // A model name from the client is bounded in the span's name and attributes (no engine
+    // lists it: the router's 404, traced as an error).
     let long_trace = "6bf92f3577b34da6a3ce929d0e0e4736";
     let mut long = chat_body("Long model name.", false);
     long["model"] = Value::String("m".repeat(10_000));
+    wait_until("the engine's models known (an unknown one refused)", || {
+        post(None, long.to_string().as_bytes()).status == 404
+    });
     let traced = format!("00-{long_trace}-{CLIENT_SPAN}-01");
-    assert_eq!(post(Some(&traced), long.to_string().as_bytes()).status, 200);
+    assert_eq!(post(Some(&traced), long.to_string().as_bytes()).status, 404);
     let spans = collector.trace(long_trace);
     let server = spans.iter().find(|span| span["kind"] == 2).unwrap();
     assert!(server["name"].as_str().unwrap().len() <= 256);

@@ -50,7 +50,7 @@ fn simulated_engines_report_their_capacity_and_reuse() {
     for _ in 0..4 {
         let response = router.post_json(
             "/v1/completions",
-            &json!({"model": "m", "prompt": prompt, "max_tokens": 4}),
+            &json!({"model": myelin_sim::DEFAULT_MODEL_NAME, "prompt": prompt, "max_tokens": 4}),
         );
         assert_eq!(response.status, 200);
         chosen.insert(response.header("x-myelin-backend").unwrap().to_string());

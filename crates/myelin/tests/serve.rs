@@ -458,7 +458,7 @@ fn admin_counts_routed_blocks_in_every_replica() {
         let ids: Vec<u32> = (0..64).map(|token| 1_000 + prompt * 100 + token).collect();
         let response = router.post_json(
             "/v1/completions",
-            &json!({"model": "m", "prompt": ids, "max_tokens": 4}),
+            &json!({"model": "test-model", "prompt": ids, "max_tokens": 4}),
         );
         assert_eq!(response.status, 200);
         let backend = response.header("x-myelin-backend").unwrap().to_string();
@@ -637,11 +637,14 @@ fn admin_api_is_separate_authenticated_and_never_leaks_engine_addresses() {
     ] {
         assert_eq!(add(bad).status, 400, "{bad}");
     }
-    // https:// engines are refused with the reason (no TLS client in the router).
-    let tls = add("https://127.0.0.1:8443");
-    assert_eq!(tls.status, 400);
-    let text = tls.text();
-    assert!(text.contains("TLS to engines is not implemented"), "{text}");
+    // Another scheme is refused with the reason.
+    let gopher = add("gopher://127.0.0.1:70");
+    assert_eq!(gopher.status, 400);
+    let text = gopher.text();
+    assert!(
+        text.contains("must start with http:// or https://"),
+        "{text}"
+    );
     assert_eq!(router.backends_with_token("tok-123").len(), 2);
 
     // A body that is not declared JSON (what an HTML form sends) is refused: 415.
@@ -799,21 +802,28 @@ fn every_bad_input_gets_an_openai_error() {
         400,
         Some("model"),
     );
-    assert_openai_error(post(chat, r#"{"model":"m"}"#), 400, Some("messages"));
     assert_openai_error(
-        post(chat, r#"{"model":"m","messages":"hi"}"#),
+        post(chat, r#"{"model":"test-model"}"#),
         400,
         Some("messages"),
     );
     assert_openai_error(
-        post(chat, r#"{"model":"m","messages":[{"content":"x"}]}"#),
+        post(chat, r#"{"model":"test-model","messages":"hi"}"#),
+        400,
+        Some("messages"),
+    );
+    assert_openai_error(
+        post(
+            chat,
+            r#"{"model":"test-model","messages":[{"content":"x"}]}"#,
+        ),
         400,
         Some("messages[0].role"),
     );
     assert_openai_error(
         post(
             chat,
-            r#"{"model":"m","messages":[{"role":"user","content":3}]}"#,
+            r#"{"model":"test-model","messages":[{"role":"user","content":3}]}"#,
         ),
         400,
         Some("messages[0].content"),
@@ -821,7 +831,7 @@ fn every_bad_input_gets_an_openai_error() {
     assert_openai_error(
         post(
             chat,
-            r#"{"model":"m","stream":"yes","messages":[{"role":"user","content":"x"}]}"#,
+            r#"{"model":"test-model","stream":"yes","messages":[{"role":"user","content":"x"}]}"#,
         ),
         400,
         Some("stream"),
@@ -829,29 +839,36 @@ fn every_bad_input_gets_an_openai_error() {
     assert_openai_error(
         post(
             chat,
-            r#"{"model":"m","max_tokens":"9","messages":[{"role":"user","content":"x"}]}"#,
+            r#"{"model":"test-model","max_tokens":"9","messages":[{"role":"user","content":"x"}]}"#,
         ),
         400,
         Some("max_tokens"),
     );
     let completions = "/v1/completions";
-    assert_openai_error(post(completions, r#"{"model":"m"}"#), 400, Some("prompt"));
     assert_openai_error(
-        post(completions, r#"{"model":"m","prompt":{"a":1}}"#),
+        post(completions, r#"{"model":"test-model"}"#),
         400,
         Some("prompt"),
     );
     assert_openai_error(
-        post(completions, r#"{"model":"m","prompt":[1,"x"]}"#),
+        post(completions, r#"{"model":"test-model","prompt":{"a":1}}"#),
         400,
         Some("prompt"),
     );
     assert_openai_error(
-        post(completions, r#"{"model":"m","prompt":[-1]}"#),
+        post(completions, r#"{"model":"test-model","prompt":[1,"x"]}"#),
         400,
         Some("prompt"),
     );
-    let oversized = format!(r#"{{"model":"m","prompt":"{}"}}"#, "x".repeat(5000));
+    assert_openai_error(
+        post(completions, r#"{"model":"test-model","prompt":[-1]}"#),
+        400,
+        Some("prompt"),
+    );
+    let oversized = format!(
+        r#"{{"model":"test-model","prompt":"{}"}}"#,
+        "x".repeat(5000)
+    );
     assert_openai_error(post(completions, &oversized), 413, None);
     assert_openai_error(router.get("/v1/nothing"), 404, None);
     assert_openai_error(router.get("/v1/chat/completions"), 405, None);
@@ -1116,13 +1133,32 @@ fn bad_configuration_is_reported_not_panicked() {
     let stderr = String::from_utf8(output.stderr).unwrap();
     assert!(stderr.contains("no backends"), "{stderr}");
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_myelin"))
-        .args(["serve", "--backend", "https://x:1"])
+        .args(["serve", "--backend", "tcp://x:1"])
         .output()
         .unwrap();
     assert!(!output.status.success());
     let stderr = String::from_utf8(output.stderr).unwrap();
     assert!(
-        stderr.contains("only http://") && stderr.contains("TLS to engines is not implemented"),
+        stderr.contains("must start with http:// or https://"),
+        "{stderr}"
+    );
+    // A TLS file that does not load is named with its flag.
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_myelin"))
+        .args([
+            "serve",
+            "--backend",
+            "http://x:1",
+            "--tls-cert",
+            "/nonexistent/cert.pem",
+            "--tls-key",
+            "/nonexistent/key.pem",
+        ])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    assert!(
+        stderr.contains("--tls-cert/--tls-key") && stderr.contains("/nonexistent/cert.pem"),
         "{stderr}"
     );
 }
@@ -1258,7 +1294,7 @@ fn load_counts_the_prompt_until_the_first_token_then_only_the_output() {
     let engine = Engine::start("gated", Behavior::Gated { chunks: 2 });
     let router = Router::start(&["--backend", &engine.url()]);
     let prompt: Vec<u32> = (1000..1100).collect();
-    let body = json!({"model": "m", "prompt": prompt, "max_tokens": 7, "stream": true});
+    let body = json!({"model": "test-model", "prompt": prompt, "max_tokens": 7, "stream": true});
     let in_flight_tokens = || router.backends()[0]["in_flight_tokens"].as_u64().unwrap();
 
     let mut stream = router.post_json("/v1/completions", &body);
@@ -1292,7 +1328,8 @@ fn prompts_in_flight_hold_a_shared_prefix_once_across_cores() {
         .map(|sibling| {
             let mut prompt: Vec<u32> = (0..160).collect();
             prompt.extend((0..40).map(|offset| 10_000 + sibling * 100 + offset));
-            let body = json!({"model": "m", "prompt": prompt, "max_tokens": 1, "stream": true});
+            let body =
+                json!({"model": "test-model", "prompt": prompt, "max_tokens": 1, "stream": true});
             let stream = router.post_json("/v1/completions", &body);
             assert_eq!(stream.status, 200);
             stream
@@ -1317,7 +1354,7 @@ fn a_client_s_max_tokens_moves_load_and_the_admitted_clock_by_a_bounded_amount()
     let engine = Engine::start("gated", Behavior::Gated { chunks: 1 });
     let router = Router::start(&["--backend", &engine.url()]);
     let prompt: Vec<u32> = (1000..1100).collect();
-    let body = json!({"model": "m", "prompt": prompt, "max_tokens": 4_611_686_018_427_387_904u64,
+    let body = json!({"model": "test-model", "prompt": prompt, "max_tokens": 4_611_686_018_427_387_904u64,
                       "stream": true});
     let stream = router.post_json("/v1/completions", &body);
     assert_eq!(stream.status, 200);
@@ -1338,8 +1375,7 @@ fn a_client_s_max_tokens_moves_load_and_the_admitted_clock_by_a_bounded_amount()
 fn with_the_models_context_known_an_impossible_request_is_refused_before_it_counts() {
     let engine = Engine::start("a", normal());
     let router = Router::start(&["--backend", &engine.url(), "--max-model-len", "4096"]);
-    let huge =
-        json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 4_611_686_018_427_387_904u64});
+    let huge = json!({"model": "test-model", "prompt": [1, 2, 3], "max_tokens": 4_611_686_018_427_387_904u64});
     let response = router.post_json("/v1/completions", &huge);
     assert_eq!(response.status, 400);
     let body = response.json();
@@ -1347,7 +1383,7 @@ fn with_the_models_context_known_an_impossible_request_is_refused_before_it_coun
     let long: Vec<u32> = (0..4096).collect();
     let response = router.post_json(
         "/v1/completions",
-        &json!({"model": "m", "prompt": long, "max_tokens": 8}),
+        &json!({"model": "test-model", "prompt": long, "max_tokens": 8}),
     );
     assert_eq!(response.status, 400);
     assert_eq!(response.json()["error"]["code"], "context_length_exceeded");
@@ -1357,7 +1393,7 @@ fn with_the_models_context_known_an_impossible_request_is_refused_before_it_coun
     assert_eq!(backend["admitted_tokens"], 0, "{backend}");
     assert_eq!(backend["in_flight_tokens"], 0, "{backend}");
     // One that fits is served.
-    let fits = json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 4000});
+    let fits = json!({"model": "test-model", "prompt": [1, 2, 3], "max_tokens": 4000});
     assert_eq!(router.post_json("/v1/completions", &fits).status, 200);
 }
 
@@ -1401,16 +1437,16 @@ fn the_context_length_is_read_from_the_engines_when_not_configured() {
     wait_until("the data cores to apply it", || {
         let response = router.post_json(
             "/v1/completions",
-            &json!({"model": "m", "prompt": long, "max_tokens": 8}),
+            &json!({"model": "test-model", "prompt": long, "max_tokens": 8}),
         );
         let status = response.status;
         refused = Some(response.json());
         status == 400
     });
     assert_eq!(refused.unwrap()["error"]["code"], "context_length_exceeded");
-    let fits = json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 2000});
+    let fits = json!({"model": "test-model", "prompt": [1, 2, 3], "max_tokens": 2000});
     assert_eq!(router.post_json("/v1/completions", &fits).status, 200);
-    let too_many = json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 3000});
+    let too_many = json!({"model": "test-model", "prompt": [1, 2, 3], "max_tokens": 3000});
     assert_eq!(router.post_json("/v1/completions", &too_many).status, 400);
 }
 
@@ -1423,7 +1459,8 @@ fn streamed_first_tokens_teach_the_ttft_model_and_every_answer_carries_its_predi
         let prompt: Vec<u32> = (0..96)
             .map(|token| 2_000 + request * 1000 + token)
             .collect();
-        let body = json!({"model": "m", "prompt": prompt, "max_tokens": 4, "stream": true});
+        let body =
+            json!({"model": "test-model", "prompt": prompt, "max_tokens": 4, "stream": true});
         let response = router.post_json("/v1/completions", &body);
         assert_eq!(response.status, 200);
         let predicted: u64 = response
@@ -1437,7 +1474,7 @@ fn streamed_first_tokens_teach_the_ttft_model_and_every_answer_carries_its_predi
     // Non-streaming answers carry it too, and teach nothing.
     let response = router.post_json(
         "/v1/completions",
-        &json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 2}),
+        &json!({"model": "test-model", "prompt": [1, 2, 3], "max_tokens": 2}),
     );
     assert_eq!(response.status, 200);
     assert!(response.header("x-myelin-predicted-ttft-us").is_some());
@@ -1490,7 +1527,8 @@ fn labelled_series_are_exported_at_zero_before_they_count() {
 /// The `x-myelin-decision` header of one completion of `prompt` (token ids), sent with
 /// `x-myelin-trace: 1`, and the backend that served it.
 fn traced_completion(router: &Router, prompt: &[u32]) -> (Option<serde_json::Value>, String) {
-    let body = json!({"model": "sim", "prompt": prompt, "max_tokens": 1}).to_string();
+    let body = json!({"model": myelin_sim::DEFAULT_MODEL_NAME, "prompt": prompt, "max_tokens": 1})
+        .to_string();
     let answer = request(
         router.addr,
         "POST",
@@ -1565,7 +1603,7 @@ fn a_traced_request_gets_its_decisions_evidence_only_when_the_flag_allows() {
     // No header asked: no trace.
     let plain = router.post_json(
         "/v1/completions",
-        &json!({"model": "sim", "prompt": prompt, "max_tokens": 1}),
+        &json!({"model": myelin_sim::DEFAULT_MODEL_NAME, "prompt": prompt, "max_tokens": 1}),
     );
     assert_eq!(plain.header("x-myelin-decision"), None);
     drop(router);

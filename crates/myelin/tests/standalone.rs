@@ -178,9 +178,14 @@ fn a_copied_binary_serves_with_its_embedded_tokenizer() {
         "/v1/chat/completions",
         &[("content-type", "application/json")],
         Some(
-            chat_body("Say hello from a lonely binary.", false)
-                .to_string()
-                .as_bytes(),
+            {
+                // The in-process simulated engines serve the simulator's model.
+                let mut body = chat_body("Say hello from a lonely binary.", false);
+                body["model"] = myelin_sim::DEFAULT_MODEL_NAME.into();
+                body
+            }
+            .to_string()
+            .as_bytes(),
         ),
     );
     assert_eq!(response.status, 200);

@@ -32,7 +32,7 @@ fn engines(chat_template: Option<std::path::PathBuf>) -> SimCluster {
 
 fn chat(content: &str, stream: bool) -> Value {
     let mut body = json!({
-        "model": "sim",
+        "model": myelin_sim::DEFAULT_MODEL_NAME,
         "max_tokens": 4,
         "stream": stream,
         "messages": [

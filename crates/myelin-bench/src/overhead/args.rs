@@ -105,6 +105,12 @@ pub struct OverheadArgs {
     #[arg(long)]
     pub stream: bool,
 
+    /// Also run every myelin leg with TLS on its client listener, as the leg `myelin+tls`
+    /// beside the plain one (a test certificate the load generator verifies; keep-alive
+    /// connections, so the handshake is paid once per connection): what TLS adds.
+    #[arg(long)]
+    pub tls: bool,
+
     /// Seed of the prompt texts.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
@@ -147,6 +153,7 @@ pub struct Settings {
     pub repeat: u32,
     pub max_tokens: u32,
     pub stream: bool,
+    pub tls: bool,
     pub seed: u64,
     pub start_timeout_s: u64,
     pub request_timeout_s: u64,
@@ -209,6 +216,7 @@ impl OverheadArgs {
             repeat: self.repeat.max(1),
             max_tokens: self.max_tokens,
             stream: self.stream,
+            tls: self.tls,
             seed: self.seed,
             start_timeout_s: self.start_timeout,
             request_timeout_s: self.request_timeout,

@@ -31,23 +31,31 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Pause after a failed connect before the next try.
 const RECONNECT_PAUSE: Duration = Duration::from_millis(50);
 
-/// Where requests go: a router or an engine, `http://host:port`, and the endpoint path.
+/// Where requests go: a router or an engine, `http://host:port` (or `https://`), and the
+/// endpoint path.
 #[derive(Debug, Clone)]
 pub struct Target {
     pub address: SocketAddr,
     /// `host:port`, the Host header.
     pub authority: String,
     pub path: &'static str,
+    /// For an `https://` target: how its certificate is verified.
+    pub tls: Option<Arc<myelin_http::tls::ClientConfig>>,
 }
 
 impl Target {
-    /// A target from `http://host:port` and a path.
-    pub fn new(base_url: &str, path: &'static str) -> Result<Target, String> {
+    /// A target from `http://host:port` and a path; `https://host:port` with `tls`.
+    pub fn new(
+        base_url: &str,
+        path: &'static str,
+        tls: Option<Arc<myelin_http::tls::ClientConfig>>,
+    ) -> Result<Target, String> {
+        let scheme = if tls.is_some() { "https://" } else { "http://" };
         let authority = base_url
-            .strip_prefix("http://")
+            .strip_prefix(scheme)
             .map(|rest| rest.trim_end_matches('/'))
             .filter(|rest| !rest.is_empty() && !rest.contains('/'))
-            .ok_or_else(|| format!("{base_url:?} is not http://host:port"))?;
+            .ok_or_else(|| format!("{base_url:?} is not {scheme}host:port"))?;
         let address = authority
             .to_socket_addrs()
             .map_err(|error| format!("resolving {authority}: {error}"))?
@@ -57,11 +65,13 @@ impl Target {
             address,
             authority: authority.to_string(),
             path,
+            tls,
         })
     }
 
     fn url(&self) -> String {
-        format!("http://{}{}", self.authority, self.path)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}{}", self.authority, self.path)
     }
 }
 
@@ -231,7 +241,7 @@ async fn connection_loop(shared: Rc<ThreadShared>) {
         // A connection the server closed (keep-alive ended) is replaced without counting an
         // error: nothing was sent on it.
         if sender.as_ref().is_none_or(SendRequest::is_closed) {
-            match connect(config.target.address).await {
+            match connect(&config.target).await {
                 Ok(connected) => sender = Some(connected),
                 Err(problem) => {
                     shared.error(problem);
@@ -268,7 +278,8 @@ async fn connection_loop(shared: Rc<ThreadShared>) {
     }
 }
 
-async fn connect(address: SocketAddr) -> Result<SendRequest<Body>, String> {
+async fn connect(target: &Target) -> Result<SendRequest<Body>, String> {
+    let address = target.address;
     let stream =
         myelin_http::rt::timeout(CONNECT_TIMEOUT, glommio::net::TcpStream::connect(address))
             .await
@@ -277,6 +288,23 @@ async fn connect(address: SocketAddr) -> Result<SendRequest<Body>, String> {
     stream
         .set_nodelay(true)
         .map_err(|error| format!("TCP_NODELAY on {address}: {error}"))?;
+    let Some(tls) = &target.tls else {
+        return handshake(address, stream).await;
+    };
+    let host = address.ip().to_string();
+    let handshake_tls = myelin_http::tls::connect(tls.clone(), &host, stream);
+    let stream = myelin_http::rt::timeout(CONNECT_TIMEOUT, handshake_tls)
+        .await
+        .ok_or_else(|| format!("TLS handshake with {address}: timed out"))?
+        .map_err(|error| format!("TLS handshake with {address}: {error}"))?;
+    handshake(address, stream).await
+}
+
+/// An HTTP/1.1 client connection over `stream`, driven by a task of its own.
+async fn handshake<S>(address: SocketAddr, stream: S) -> Result<SendRequest<Body>, String>
+where
+    S: futures_lite::AsyncRead + futures_lite::AsyncWrite + Unpin + 'static,
+{
     let (sender, connection) = hyper::client::conn::http1::handshake(GlommioIo::new(stream))
         .await
         .map_err(|error| format!("HTTP handshake with {address}: {error}"))?;
@@ -417,6 +445,7 @@ async fn open_loop(config: OpenLoopConfig, interrupted: Arc<AtomicBool>) -> Open
     let pool = Rc::new(Pool::new(PoolConfig {
         connect_timeout: CONNECT_TIMEOUT,
         max_idle_per_host: 64,
+        tls: config.target.tls.clone(),
     }));
     let state = Rc::new(RefCell::new(OpenState::default()));
     let url = config.target.url();
@@ -519,11 +548,11 @@ mod tests {
 
     #[test]
     fn targets_parse_only_http_host_port() {
-        let target = Target::new("http://127.0.0.1:8080", "/v1/chat/completions").unwrap();
+        let target = Target::new("http://127.0.0.1:8080", "/v1/chat/completions", None).unwrap();
         assert_eq!(target.authority, "127.0.0.1:8080");
         assert_eq!(target.address.port(), 8080);
-        assert!(Target::new("https://127.0.0.1:1", "/").is_err());
-        assert!(Target::new("http://127.0.0.1:1/x", "/").is_err());
+        assert!(Target::new("https://127.0.0.1:1", "/", None).is_err());
+        assert!(Target::new("http://127.0.0.1:1/x", "/", None).is_err());
     }
 
     #[test]
@@ -533,7 +562,7 @@ mod tests {
         let alphabet = TokenAlphabet::words_from_tokenizer(&path).unwrap();
         let generator =
             Arc::new(ShapeGenerator::new(Shape::SharedPrefix2k, &alphabet, 1, 16, false).unwrap());
-        let target = Target::new(&engines.urls()[0], "/v1/chat/completions").unwrap();
+        let target = Target::new(&engines.urls()[0], "/v1/chat/completions", None).unwrap();
         let closed = ClosedLoop::start(ClosedLoopConfig {
             target: target.clone(),
             generator: generator.clone(),
@@ -585,7 +614,7 @@ mod tests {
         let generator =
             Arc::new(ShapeGenerator::new(Shape::Short, &alphabet, 1, 16, false).unwrap());
         // The engines answer 404 on this path.
-        let target = Target::new(&engines.urls()[0], "/v1/nothing").unwrap();
+        let target = Target::new(&engines.urls()[0], "/v1/nothing", None).unwrap();
         let open = run_open_loop(
             OpenLoopConfig {
                 target,

@@ -100,6 +100,8 @@ struct LegPlan {
     layout: Option<RouterLayout>,
     /// External legs: the command template.
     template: Option<String>,
+    /// A myelin leg serving its clients over TLS (`--tls`: `myelin+tls`).
+    tls: bool,
 }
 
 impl LegPlan {
@@ -127,6 +129,48 @@ struct Context {
     command_line: String,
     interrupted: Arc<AtomicBool>,
     next_phase: std::cell::Cell<u64>,
+    /// With `--tls`: the test certificate's files and the load generator's client side.
+    tls: Option<TlsLegs>,
+}
+
+/// What the `myelin+tls` legs use: the test certificate (for 127.0.0.1) and key, written into
+/// the output directory, and a client configuration that trusts only the test CA.
+struct TlsLegs {
+    cert: PathBuf,
+    key: PathBuf,
+    client: Arc<myelin_http::tls::ClientConfig>,
+}
+
+/// The test PKI of `crates/myelin-http/tests/fixtures/tls`, built into the harness: for
+/// measuring TLS on loopback only, never for serving.
+const TEST_CA: &str = include_str!("../../../myelin-http/tests/fixtures/tls/ca.pem");
+const TEST_CERT: &str = include_str!("../../../myelin-http/tests/fixtures/tls/server.pem");
+const TEST_KEY: &str = include_str!("../../../myelin-http/tests/fixtures/tls/server.key");
+
+impl TlsLegs {
+    fn write(out_dir: &std::path::Path) -> Result<TlsLegs, OverheadError> {
+        let dir = out_dir.join("tls");
+        std::fs::create_dir_all(&dir).map_err(io_error("creating", &dir))?;
+        let [ca, cert, key] = [
+            ("ca.pem", TEST_CA),
+            ("cert.pem", TEST_CERT),
+            ("key.pem", TEST_KEY),
+        ]
+        .map(|(name, text)| (dir.join(name), text));
+        for (path, text) in [&ca, &cert, &key] {
+            std::fs::write(path, text).map_err(io_error("writing", path))?;
+        }
+        let client = myelin_http::tls::client_config(&myelin_http::tls::ClientTlsFiles {
+            ca: Some(ca.0),
+            identity: None,
+        })
+        .map_err(|error| OverheadError::Settings(format!("the test CA: {error}")))?;
+        Ok(TlsLegs {
+            cert: cert.0,
+            key: key.0,
+            client,
+        })
+    }
 }
 
 impl Context {
@@ -211,11 +255,12 @@ fn prepare(args: &OverheadArgs) -> Result<Context, OverheadError> {
         kind: LegKind::Direct,
         layout: None,
         template: None,
+        tls: false,
     }];
     let mut externals = Vec::new();
     for spec in &args.external {
         let external = parse_external(spec)?;
-        if ["direct", "myelin"].contains(&external.name.as_str()) {
+        if ["direct", "myelin", "myelin+tls"].contains(&external.name.as_str()) {
             return Err(OverheadError::ReservedName(external.name));
         }
         if externals
@@ -233,13 +278,24 @@ fn prepare(args: &OverheadArgs) -> Result<Context, OverheadError> {
             kind: LegKind::Myelin,
             layout: Some(layout.clone()),
             template: None,
+            tls: false,
         });
+        if settings.tls {
+            legs.push(LegPlan {
+                name: "myelin+tls".into(),
+                kind: LegKind::Myelin,
+                layout: Some(layout.clone()),
+                template: None,
+                tls: true,
+            });
+        }
         for (name, template) in &externals {
             legs.push(LegPlan {
                 name: name.clone(),
                 kind: LegKind::External,
                 layout: Some(layout.clone()),
                 template: Some(template.clone()),
+                tls: false,
             });
         }
     }
@@ -250,7 +306,8 @@ fn prepare(args: &OverheadArgs) -> Result<Context, OverheadError> {
             .find(|name| !legs.iter().any(|leg| leg.name == **name))
         {
             return Err(OverheadError::Settings(format!(
-                "--legs: no leg {unknown:?} (legs: direct, myelin{})",
+                "--legs: no leg {unknown:?} (legs: direct, myelin{}{})",
+                if settings.tls { ", myelin+tls" } else { "" },
                 externals
                     .iter()
                     .map(|(name, _)| format!(", {name}"))
@@ -287,6 +344,11 @@ fn prepare(args: &OverheadArgs) -> Result<Context, OverheadError> {
         args.router_bin.as_deref(),
     )
     .map_err(|(what, path, source)| io_error(what, &path)(source))?;
+    let tls = if settings.tls {
+        Some(TlsLegs::write(&out_dir)?)
+    } else {
+        None
+    };
     Ok(Context {
         settings,
         pinning,
@@ -298,6 +360,7 @@ fn prepare(args: &OverheadArgs) -> Result<Context, OverheadError> {
         command_line: std::env::args().collect::<Vec<_>>().join(" "),
         interrupted,
         next_phase: std::cell::Cell::new(0),
+        tls,
     })
 }
 
@@ -371,6 +434,7 @@ fn run_leg(
                 Ok(port) => port,
                 Err(error) => return Ok(Err(error.to_string())),
             };
+            let mut metrics_ports = None;
             let (command, description) = if kind == LegKind::Myelin {
                 let mut arguments: Vec<String> = vec![
                     "serve".into(),
@@ -386,6 +450,22 @@ fn run_leg(
                 for url in &urls {
                     arguments.push("--backend".into());
                     arguments.push(url.clone());
+                }
+                if let (true, Some(tls)) = (leg.tls, &context.tls) {
+                    // Clients over TLS; the harness reads /metrics in plain HTTP beside them.
+                    let metrics_port = match free_port() {
+                        Ok(port) => port,
+                        Err(error) => return Ok(Err(error.to_string())),
+                    };
+                    arguments.extend([
+                        "--tls-cert".into(),
+                        tls.cert.display().to_string(),
+                        "--tls-key".into(),
+                        tls.key.display().to_string(),
+                        "--metrics-listen".into(),
+                        format!("127.0.0.1:{metrics_port}"),
+                    ]);
+                    metrics_ports = Some(metrics_port);
                 }
                 let mut command = Command::new(&context.router_exe);
                 command.args(&arguments);
@@ -407,14 +487,25 @@ fn run_leg(
                 format_cpu_list(engines.cpus()),
                 format_cpu_list(&context.pinning.loadgen),
             );
-            match RouterProcess::start_command(
-                &leg.name,
-                command,
-                description.clone(),
-                port,
-                &log_path,
-                start_timeout,
-            ) {
+            let started = match metrics_ports {
+                Some(metrics_port) => RouterProcess::start_command_tls(
+                    &leg.name,
+                    command,
+                    description.clone(),
+                    (port, metrics_port),
+                    &log_path,
+                    start_timeout,
+                ),
+                None => RouterProcess::start_command(
+                    &leg.name,
+                    command,
+                    description.clone(),
+                    port,
+                    &log_path,
+                    start_timeout,
+                ),
+            };
+            match started {
                 Ok(router) => Some((router, description)),
                 Err(error) => return Ok(Err(error.to_string())),
             }
@@ -434,7 +525,12 @@ fn run_leg(
         Some((router, _)) => router.base_url().to_string(),
         None => urls[0].clone(),
     };
-    let target = Target::new(&base_url, CHAT_PATH).map_err(OverheadError::LoadGenerator)?;
+    let client_tls = leg
+        .tls
+        .then(|| context.tls.as_ref().map(|tls| tls.client.clone()))
+        .flatten();
+    let target =
+        Target::new(&base_url, CHAT_PATH, client_tls).map_err(OverheadError::LoadGenerator)?;
     let router = started.as_ref().map(|(router, _)| router);
     let mut shapes = Vec::new();
     for generator in &context.generators {

@@ -153,7 +153,8 @@ fn find<'a>(
 /// Every target, judged on `legs`; `available_cpus` decides whether scaling is judged.
 pub fn evaluate(legs: &[LegResult], available_cpus: usize) -> Vec<TargetResult> {
     let mut results = Vec::new();
-    let myelin = |cores, shape| find(legs, LegKind::Myelin, None, cores, shape);
+    // The plain myelin leg (not `myelin+tls`, which is measured beside it, not judged).
+    let myelin = |cores, shape| find(legs, LegKind::Myelin, Some("myelin"), cores, shape);
     let not_run = |cores: usize, shape: Shape| {
         format!(
             "myelin at {cores} router core{} on {} was not run",

@@ -82,9 +82,14 @@ impl Router {
                     panic!("myelin serve did not print its listening line");
                 }
             };
-            if let Some(rest) = line.split("listening on http://").nth(1) {
+            let after_scheme = |marker: &str| {
+                let rest = line.split(marker).nth(1)?;
+                rest.strip_prefix("http://")
+                    .or_else(|| rest.strip_prefix("https://"))
+            };
+            if let Some(rest) = after_scheme("listening on ") {
                 let addr_text = rest.split_whitespace().next().unwrap_or_default();
-                let admin = line.split("admin on http://").nth(1).map(|rest| {
+                let admin = after_scheme("admin on ").map(|rest| {
                     let end = rest.find([',', ')', ' ']).unwrap_or(rest.len());
                     rest[..end].parse().expect("admin address")
                 });
