@@ -235,6 +235,8 @@ pub struct Candidate {
 }
 
 /// Chooses backends. `E` supplies resident probabilities for the `estimate`/`auto` modes.
+/// A clone decides as the original would, without touching it (an explained decision).
+#[derive(Debug, Clone)]
 pub struct Router<E = PressureEstimator> {
     policy: Policy,
     residency: ResidencyMode,

@@ -20,7 +20,7 @@ use crate::control::{AdminOp, AdminOutcome, AdminServer, Control};
 use crate::kv_subscriber::MirrorStatus;
 use crate::messages::ReplicaSnapshot;
 use crate::metrics as names;
-use crate::openai::ApiError;
+use crate::openai::{ApiError, Endpoint};
 use crate::request_path::{error_response, json_response};
 
 /// Largest admin request body.
@@ -194,6 +194,8 @@ pub async fn handle(control: Rc<Control>, request: Request<Incoming>) -> Respons
             ))
         };
         ("/metrics", response)
+    } else if let Some(endpoint) = explained_endpoint(request.uri().path()) {
+        ("/admin/explain", explain(&control, request, endpoint).await)
     } else if request.uri().path().trim_end_matches('/') == "/admin/cluster" {
         (
             "/admin/cluster",
@@ -219,6 +221,61 @@ pub async fn handle(control: Rc<Control>, request: Request<Incoming>) -> Respons
     )
     .increment(1);
     response
+}
+
+/// The generation endpoint an `/admin/explain/...` path names (`/admin/explain` followed by the
+/// client-port path: `/v1/chat/completions` or `/v1/completions`).
+fn explained_endpoint(path: &str) -> Option<Endpoint> {
+    match path.strip_prefix("/admin/explain")?.trim_end_matches('/') {
+        "/v1/chat/completions" => Some(Endpoint::ChatCompletions),
+        "/v1/completions" => Some(Endpoint::Completions),
+        _ => None,
+    }
+}
+
+/// POST /admin/explain/v1/chat/completions (or /v1/completions) with the body a client would
+/// send: where the router would send it now and why (every candidate's matched blocks,
+/// expected cached tokens, load, predicted TTFT and cost), without sending it.
+async fn explain(
+    control: &Rc<Control>,
+    request: Request<Incoming>,
+    endpoint: Endpoint,
+) -> Response<Body> {
+    if request.method() != Method::POST {
+        return error_response(&ApiError::method_not_allowed(
+            request.method().as_str(),
+            request.uri().path(),
+            "POST",
+        ));
+    }
+    if !declares_json(&request) {
+        return error_response(&ApiError {
+            status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            message: "POST /admin/explain takes the JSON body a client would send \
+                      (Content-Type: application/json)"
+                .into(),
+            error_type: "invalid_request_error",
+            param: None,
+            code: Some("unsupported_media_type"),
+        });
+    }
+    let read = crate::request_path::read_admin_body(request, control.max_body_bytes);
+    let body = match myelin_http::rt::timeout(ADMIN_BODY_TIMEOUT, read).await {
+        Some(Ok(body)) => body,
+        Some(Err(error)) => return error_response(&error),
+        None => return error_response(&ApiError::body_timeout()),
+    };
+    match control.explain(endpoint, body).await {
+        Some(Ok(explained)) => json_response(StatusCode::OK, &explained),
+        Some(Err(error)) => error_response(&error),
+        None => error_response(&ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: "no data core answered within 1 s".into(),
+            error_type: "server_error",
+            param: None,
+            code: Some("explain_timeout"),
+        }),
+    }
 }
 
 fn authorized(control: &Control, request: &Request<Incoming>) -> bool {

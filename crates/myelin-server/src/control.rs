@@ -147,6 +147,10 @@ pub(crate) struct Control {
     /// The process's metrics, served as GET /metrics on the admin API.
     metrics: PrometheusHandle,
     pending_snapshots: RefCell<HashMap<u64, OneShot<ReplicaSnapshot>>>,
+    /// Explained decisions asked of a data core, by request id.
+    pending_explains: RefCell<HashMap<u64, OneShot<ExplainAnswer>>>,
+    /// Largest request body explained (`--max-body-bytes`, as on the client port).
+    pub(crate) max_body_bytes: usize,
     next_request_id: Cell<u64>,
     health_config: HealthConfig,
     mesh: Mesh<Message>,
@@ -197,6 +201,9 @@ pub struct AdminServer {
     pub socket: Option<std::path::PathBuf>,
 }
 
+/// A data core's explained decision: the evidence as JSON, or why there is none.
+pub type ExplainAnswer = Result<serde_json::Value, crate::openai::ApiError>;
+
 /// Binds `listen` and serves the admin API on it until the shutdown (`admin.rs`).
 pub type StartAdmin = fn(
     &Rc<Control>,
@@ -245,6 +252,8 @@ pub async fn run_control(
         admin_token: config.admin_token.clone(),
         metrics: metrics.clone(),
         pending_snapshots: RefCell::new(HashMap::new()),
+        pending_explains: RefCell::new(HashMap::new()),
+        max_body_bytes: config.max_body_bytes,
         next_request_id: Cell::new(1),
         health_config: config.health.clone(),
         mesh,
@@ -494,6 +503,12 @@ async fn receive_loop(control: Rc<Control>, receiver: ConnectedReceiver<Message>
                 let slot = control.pending_snapshots.borrow_mut().remove(&request_id);
                 if let Some(slot) = slot {
                     slot.fill(*snapshot);
+                }
+            }
+            Message::ExplainReply { request_id, answer } => {
+                let slot = control.pending_explains.borrow_mut().remove(&request_id);
+                if let Some(slot) = slot {
+                    slot.fill(answer);
                 }
             }
             // Learned routes and load of the data cores: the peer cluster's (sent here only
@@ -953,6 +968,34 @@ impl Control {
             self.pending_snapshots.borrow_mut().remove(&request_id);
         }
         answers
+    }
+
+    /// Where data core 0 would route a generation request with `body` now, and why, without
+    /// routing it (every core holds a replica of the same state); `None` when it did not
+    /// answer within [`SNAPSHOT_TIMEOUT`].
+    pub(crate) async fn explain(
+        &self,
+        endpoint: crate::openai::Endpoint,
+        body: bytes::Bytes,
+    ) -> Option<ExplainAnswer> {
+        let request_id = self.next_request_id.get();
+        self.next_request_id.set(request_id + 1);
+        let slot = OneShot::default();
+        self.pending_explains
+            .borrow_mut()
+            .insert(request_id, slot.clone());
+        let message = Message::Explain {
+            request_id,
+            endpoint,
+            body,
+        };
+        let answer = if self.send(0, message) {
+            myelin_http::rt::timeout(SNAPSHOT_TIMEOUT, slot.wait()).await
+        } else {
+            None
+        };
+        self.pending_explains.borrow_mut().remove(&request_id);
+        answer
     }
 
     /// Executes an admin action and waits until every data core has it (`None` when some did

@@ -620,11 +620,20 @@ impl DataCore {
             Message::Snapshot { request_id } => {
                 glommio::spawn_local(answer_snapshot(self.clone(), request_id)).detach();
             }
+            Message::Explain {
+                request_id,
+                endpoint,
+                body,
+            } => {
+                let answer = self.explain(endpoint, &body);
+                self.send(self.shards, Message::ExplainReply { request_id, answer });
+            }
             // Messages for the control core never reach a data core.
             Message::Outcome { .. }
             | Message::Stalled { .. }
             | Message::Applied { .. }
-            | Message::SnapshotReply { .. } => {}
+            | Message::SnapshotReply { .. }
+            | Message::ExplainReply { .. } => {}
         }
     }
 
@@ -833,6 +842,44 @@ impl DataCore {
             .filter(|&(_, lists)| !lists)
             .map(|(id, _)| id)
             .collect())
+    }
+
+    /// Where a generation request with this body would go now, and why (the decision trace's
+    /// evidence plus the prompt's size), without sending it: the whole prompt is tokenized
+    /// and looked up in this core's replica, and nothing is learned, pinned, counted or
+    /// moved (the admin API's `POST /admin/explain/...`).
+    pub fn explain(
+        &self,
+        endpoint: crate::openai::Endpoint,
+        body: &[u8],
+    ) -> Result<serde_json::Value, ApiError> {
+        let generation = crate::openai::parse_generation_request(endpoint, body)?;
+        let tokens = {
+            let mut tokenizer = self.tokenizer.borrow_mut();
+            let rendered = tokenizer
+                .render(&generation.prompt)
+                .map_err(|error| ApiError::tokenize(&error))?;
+            tokenizer
+                .tokens(&rendered, None)
+                .map_err(|error| ApiError::tokenize(&error))?
+        };
+        let off_pool = self.off_pool(&generation.model)?;
+        let namespace = self.namespace_root(&generation.model, generation.cache_salt.as_deref());
+        let routing = self.routing.borrow();
+        let query = routing.query_in(namespace, &tokens.ids);
+        let answer = routing.lookup(&query);
+        let shared = self.shared_tokens(&query.chain);
+        let mut explained = routing.explain(&answer, tokens.estimated_total, &off_pool, &shared);
+        explained["model"] = generation
+            .model
+            .chars()
+            .take(256)
+            .collect::<String>()
+            .into();
+        explained["prompt_tokens"] = tokens.estimated_total.into();
+        explained["routed_tokens"] = tokens.ids.len().into();
+        explained["shard"] = self.shard.into();
+        Ok(explained)
     }
 
     /// `backend` sent bytes (a response head or a body frame): the progress watchdog's clock.

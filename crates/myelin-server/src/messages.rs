@@ -82,6 +82,11 @@ pub enum Message {
         request_id: u64,
         snapshot: Box<ReplicaSnapshot>,
     },
+    /// Answer to `Explain`: the decision's evidence (JSON), or why there is none.
+    ExplainReply {
+        request_id: u64,
+        answer: Result<serde_json::Value, crate::openai::ApiError>,
+    },
 
     // Control core -> data cores. Every backend change carries a version from one counter on
     // the control core; a data core ignores a change older than the one it last applied for
@@ -98,6 +103,13 @@ pub enum Message {
     },
     /// What the receiver's replica holds (admin API); answered by `SnapshotReply`.
     Snapshot { request_id: u64 },
+    /// Where the receiver would route this generation request body now, without routing it
+    /// (admin API); answered by `ExplainReply`.
+    Explain {
+        request_id: u64,
+        endpoint: crate::openai::Endpoint,
+        body: bytes::Bytes,
+    },
     /// The KV capacity a backend's engine reports on its metrics endpoint (`None`: it reports
     /// none, the configured `capacity-tokens` applies), for the residency estimate, and its KV
     /// utilization and queue when this scrape read them (the expected wait for KV memory).
@@ -144,10 +156,12 @@ impl Message {
             Message::Stalled { .. } => "stalled",
             Message::Applied { .. } => "applied",
             Message::SnapshotReply { .. } => "snapshot_reply",
+            Message::ExplainReply { .. } => "explain_reply",
             Message::BackendUpsert { .. } => "backend_upsert",
             Message::BackendRemove { .. } => "backend_remove",
             Message::BackendState { .. } => "backend_state",
             Message::Snapshot { .. } => "snapshot",
+            Message::Explain { .. } => "explain",
             Message::BackendCache { .. } => "backend_cache",
             Message::BackendSync { .. } => "backend_sync",
             Message::Addresses(_) => "addresses",

@@ -82,6 +82,15 @@ impl ApiError {
         }
     }
 
+    /// The prompt could not be tokenized for routing.
+    pub fn tokenize(error: &crate::route_tokens::RouteTokensError) -> Self {
+        ApiError::invalid_request(
+            format!("cannot tokenize the prompt: {error}"),
+            None,
+            "invalid_prompt",
+        )
+    }
+
     /// No backend lists `model` in its `GET /v1/models` (OpenAI's answer to an unknown model).
     pub fn model_not_found(model: &str) -> Self {
         let shown: String = model.chars().take(256).collect();

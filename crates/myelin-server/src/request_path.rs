@@ -263,7 +263,7 @@ async fn generate(
     });
     let (rendered, mut tokens, known_long) = match tokenized {
         Ok(tokenized) => tokenized,
-        Err(error) => return error_response(&tokenize_error(&error)),
+        Err(error) => return error_response(&ApiError::tokenize(&error)),
     };
     let mut tokenize_time = tokenize_started.elapsed();
     let mut tokenized_bytes = tokens.stats.tokenized_bytes;
@@ -297,7 +297,7 @@ async fn generate(
         };
         tokens = match whole {
             Ok(whole) => whole,
-            Err(error) => return error_response(&tokenize_error(&error)),
+            Err(error) => return error_response(&ApiError::tokenize(&error)),
         };
         tokenize_time += started.elapsed();
         tokenized_bytes += tokens.stats.tokenized_bytes;
@@ -625,14 +625,6 @@ async fn generate(
         Timer::new(backoff).await;
         backoff = backoff.saturating_mul(2);
     }
-}
-
-fn tokenize_error(error: &crate::route_tokens::RouteTokensError) -> ApiError {
-    ApiError::invalid_request(
-        format!("cannot tokenize the prompt: {error}"),
-        None,
-        "invalid_prompt",
-    )
 }
 
 /// Reads a request body up to `limit` bytes (413 past it).

@@ -482,6 +482,31 @@ impl RoutingShard {
     ) -> Option<RouteChoice> {
         let mut views = std::mem::take(&mut self.views);
         views.clear();
+        self.fill_views(&mut views, excluded, shared);
+        let decision = self.router.decide(prompt_tokens as u64, answer, &views);
+        self.views = views;
+        let decision = decision.ok()?;
+        Some(RouteChoice {
+            backend: decision.backend,
+            matched_blocks: decision.matched_blocks,
+            // Whole tokens: the expectation is a sum of block sizes weighted by probabilities.
+            expected_cached_tokens: decision.expected_cached_tokens.max(0.0).round() as u64,
+            residency_downgrade: decision.residency_downgrade,
+            prefix_replication: decision.prefix_replication,
+            predicted_ttft: decision.predicted_ttft,
+            history_matched_tokens: decision.history_matched_tokens.max(0.0).round() as u64,
+            history_evicted_tokens: decision.history_evicted_tokens.max(0.0).round() as u64,
+        })
+    }
+
+    /// Every backend as the router sees it now: its state (down when `excluded`), load, cache,
+    /// KV memory and predicted-TTFT inputs.
+    fn fill_views(
+        &self,
+        views: &mut Vec<BackendView>,
+        excluded: &[BackendId],
+        shared: &[(BackendId, u64)],
+    ) {
         let shard = &self.shard;
         let now = Instant::now();
         let now_ms = self.now_ms();
@@ -511,20 +536,26 @@ impl RoutingShard {
                 .with_memory(memory)
                 .with_ttft(timing, queue)
         }));
-        let decision = self.router.decide(prompt_tokens as u64, answer, &views);
-        self.views = views;
-        let decision = decision.ok()?;
-        Some(RouteChoice {
-            backend: decision.backend,
-            matched_blocks: decision.matched_blocks,
-            // Whole tokens: the expectation is a sum of block sizes weighted by probabilities.
-            expected_cached_tokens: decision.expected_cached_tokens.max(0.0).round() as u64,
-            residency_downgrade: decision.residency_downgrade,
-            prefix_replication: decision.prefix_replication,
-            predicted_ttft: decision.predicted_ttft,
-            history_matched_tokens: decision.history_matched_tokens.max(0.0).round() as u64,
-            history_evicted_tokens: decision.history_evicted_tokens.max(0.0).round() as u64,
-        })
+    }
+
+    /// What [`RoutingShard::decide`] would choose for this prompt now, and its evidence (the
+    /// decision trace's JSON), without deciding: nothing of this shard changes (the router's
+    /// cursor and decayed sums stay as they were; nothing is learned, pinned or counted).
+    pub fn explain(
+        &self,
+        answer: &LookupAnswer,
+        prompt_tokens: usize,
+        excluded: &[BackendId],
+        shared: &[(BackendId, u64)],
+    ) -> serde_json::Value {
+        let mut views = Vec::with_capacity(self.backends.len());
+        self.fill_views(&mut views, excluded, shared);
+        let mut router = self.router.clone();
+        let chosen = router
+            .decide(prompt_tokens as u64, answer, &views)
+            .ok()
+            .map(|decision| decision.backend);
+        trace_json(&router, chosen)
     }
 
     /// The last decision's evidence as compact JSON (the `x-myelin-decision` header): the
@@ -532,37 +563,7 @@ impl RoutingShard {
     /// at most [`MAX_TRACED_CANDIDATES`]), its matched blocks, expected cached tokens, load,
     /// predicted TTFT, expected KV-memory wait and cost. Backends by id, never by address.
     pub fn decision_trace(&self, chosen: Option<BackendId>) -> String {
-        let config = self.router.config();
-        let unit = match config.cost {
-            myelin_routing::CostModel::Ttft => "seconds",
-            myelin_routing::CostModel::Tokens => "tokens",
-        };
-        let round = |value: f64, scale: f64| (value * scale).round() / scale;
-        let candidates: Vec<serde_json::Value> = self
-            .router
-            .candidates()
-            .iter()
-            .take(MAX_TRACED_CANDIDATES)
-            .map(|candidate| {
-                serde_json::json!({
-                    "backend": candidate.id.0,
-                    "matched_blocks": candidate.matched_blocks,
-                    "expected_cached_tokens": candidate.expected_cached_tokens.round(),
-                    "load_tokens": candidate.load_tokens,
-                    "predicted_ttft_ms": round(candidate.predicted_ttft.seconds * 1e3, 1e3),
-                    "memory_wait": round(candidate.wait_tokens, 1e6),
-                    "cost": round(candidate.cost_tokens, 1e6),
-                })
-            })
-            .collect();
-        serde_json::json!({
-            "policy": self.router.policy().as_str(),
-            "residency": self.router.residency().as_str(),
-            "cost_unit": unit,
-            "chosen": chosen.map(|id| id.0),
-            "candidates": candidates,
-        })
-        .to_string()
+        trace_json(&self.router, chosen).to_string()
     }
 
     /// A request routed to `id` with `prediction` had its first token `observed_s` seconds
@@ -750,6 +751,41 @@ pub(crate) fn sent_memory(
     }
 }
 
+/// A decision's evidence as JSON: the policy, the cost's unit, the chosen backend and, per
+/// candidate (eligible backend, by id; at most [`MAX_TRACED_CANDIDATES`]), its matched blocks,
+/// expected cached tokens, load, predicted TTFT, expected KV-memory wait and cost.
+fn trace_json(router: &Router, chosen: Option<BackendId>) -> serde_json::Value {
+    let config = router.config();
+    let unit = match config.cost {
+        myelin_routing::CostModel::Ttft => "seconds",
+        myelin_routing::CostModel::Tokens => "tokens",
+    };
+    let round = |value: f64, scale: f64| (value * scale).round() / scale;
+    let candidates: Vec<serde_json::Value> = router
+        .candidates()
+        .iter()
+        .take(MAX_TRACED_CANDIDATES)
+        .map(|candidate| {
+            serde_json::json!({
+                "backend": candidate.id.0,
+                "matched_blocks": candidate.matched_blocks,
+                "expected_cached_tokens": candidate.expected_cached_tokens.round(),
+                "load_tokens": candidate.load_tokens,
+                "predicted_ttft_ms": round(candidate.predicted_ttft.seconds * 1e3, 1e3),
+                "memory_wait": round(candidate.wait_tokens, 1e6),
+                "cost": round(candidate.cost_tokens, 1e6),
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "policy": router.policy().as_str(),
+        "residency": router.residency().as_str(),
+        "cost_unit": unit,
+        "chosen": chosen.map(|id| id.0),
+        "candidates": candidates,
+    })
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -819,6 +855,28 @@ pub(crate) mod tests {
             &[],
         );
         assert_eq!(none, None);
+    }
+
+    #[test]
+    fn an_explained_decision_is_the_next_decision_and_moves_nothing() {
+        // Round-robin: every decision moves the cursor, so an explanation that moved it would
+        // change what the next decision chooses.
+        let mut shard = shard(Policy::RoundRobin, 1);
+        let prompt: Vec<u32> = (0..160).collect();
+        let query = shard.query(&prompt);
+        shard.decide(&shard.lookup(&query), prompt.len(), &[], &[]);
+        let explained = shard.explain(&shard.lookup(&query), prompt.len(), &[], &[]);
+        let again = shard.explain(&shard.lookup(&query), prompt.len(), &[], &[]);
+        assert_eq!(explained, again, "explaining twice gives the same answer");
+        assert_eq!(explained["candidates"].as_array().unwrap().len(), 3);
+        let decided = shard
+            .decide(&shard.lookup(&query), prompt.len(), &[], &[])
+            .unwrap();
+        assert_eq!(explained["chosen"], decided.backend.0);
+        // Excluded backends are out of the explanation too.
+        let excluded = [BackendId(0), BackendId(1), BackendId(2)];
+        let none = shard.explain(&shard.lookup(&query), prompt.len(), &excluded, &[]);
+        assert_eq!(none["chosen"], serde_json::Value::Null);
     }
 
     /// [`shard_over`] with the cost in tokens (`--cost tokens`), whose KV-memory rules the

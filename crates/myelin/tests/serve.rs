@@ -1612,3 +1612,87 @@ fn a_traced_request_gets_its_decisions_evidence_only_when_the_flag_allows() {
     let router = Router::start(&["--sim", "2", "--sim-speedup", "20"]);
     assert_eq!(traced_completion(&router, &prompt).0, None);
 }
+
+#[test]
+fn the_admin_api_explains_where_a_prompt_would_go_without_sending_it() {
+    let prompt: Vec<u32> = (900..1_220).collect();
+    let router = Router::start(&["--sim", "2", "--sim-speedup", "20"]);
+    let body = json!({"model": myelin_sim::DEFAULT_MODEL_NAME, "prompt": prompt, "max_tokens": 1});
+    let explain = |body: &serde_json::Value| {
+        let answer = router.admin("POST", "/admin/explain/v1/completions", Some(body));
+        let status = answer.status;
+        (status, answer.json())
+    };
+    let lookups = |router: &Router| {
+        (0..2)
+            .map(|shard| {
+                metric_value(
+                    &router.metrics(),
+                    &["myelin_router_lookups_total", &format!("shard=\"{shard}\"")],
+                )
+            })
+            .sum::<f64>()
+    };
+
+    // Nothing sent yet: no engine holds the prompt, and explaining it routes nothing.
+    let before = lookups(&router);
+    let (status, first) = explain(&body);
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(first["prompt_tokens"], 320);
+    assert_eq!(first["policy"], "prefix");
+    let candidates = first["candidates"].as_array().unwrap();
+    assert_eq!(candidates.len(), 2, "{first}");
+    assert!(
+        candidates.iter().all(|c| c["matched_blocks"] == 0),
+        "{first}"
+    );
+    assert!(first["chosen"].is_u64(), "{first}");
+    assert_eq!(
+        lookups(&router),
+        before,
+        "an explained prompt is not a lookup"
+    );
+
+    // Sent: the engine that took it is where the same prompt would go next, and why.
+    let served = router.post_json("/v1/completions", &body);
+    assert_eq!(served.status, 200);
+    let backend: u64 = served.header("x-myelin-backend").unwrap().parse().unwrap();
+    let mut last = json!(null);
+    wait_until("the explained decision to follow the learned route", || {
+        last = explain(&body).1;
+        last["chosen"] == backend
+            && last["candidates"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|c| c["backend"] == backend && c["matched_blocks"] == 20)
+    });
+
+    // A chat body on the chat path; the router's errors as on the client port.
+    let chat = router.admin(
+        "POST",
+        "/admin/explain/v1/chat/completions",
+        Some(&json!({"model": myelin_sim::DEFAULT_MODEL_NAME,
+                     "messages": [{"role": "user", "content": "Where would I go?"}]})),
+    );
+    assert_eq!(chat.status, 200);
+    assert!(chat.json()["prompt_tokens"].as_u64().unwrap() > 0);
+    let (status, invalid) = explain(&json!({"model": myelin_sim::DEFAULT_MODEL_NAME}));
+    assert_eq!(status, 400, "{invalid}");
+    assert_eq!(invalid["error"]["param"], "prompt");
+    wait_until("an unknown model refused", || {
+        explain(&json!({"model": "nobody-serves-this", "prompt": "x"})).0 == 404
+    });
+    assert_eq!(
+        router
+            .admin("GET", "/admin/explain/v1/completions", None)
+            .status,
+        405
+    );
+    assert_eq!(
+        router
+            .admin("POST", "/admin/explain/v1/embeddings", Some(&body))
+            .status,
+        404
+    );
+}
