@@ -111,6 +111,8 @@ pub struct Pool {
     /// With [`Pool::with_provided_addresses`]: host names are never resolved here, only
     /// looked up in this table (host, port) -> address, filled by [`Pool::set_address`].
     provided: Option<RefCell<HashMap<(String, u16), SocketAddr>>>,
+    /// Connections opened so far (TCP connected; with TLS, before the handshake).
+    opened: std::cell::Cell<u64>,
 }
 
 impl Pool {
@@ -121,6 +123,7 @@ impl Pool {
             idle: RefCell::new(HashMap::new()),
             resolved: RefCell::new(HashMap::new()),
             provided: None,
+            opened: std::cell::Cell::new(0),
         }
     }
 
@@ -168,6 +171,12 @@ impl Pool {
         let response = sender.send_request(request).await?;
         self.checkin(origin, sender);
         Ok(response)
+    }
+
+    /// Connections this pool has opened so far (each request that found no idle one opened
+    /// one).
+    pub fn connections_opened(&self) -> u64 {
+        self.opened.get()
     }
 
     /// Number of idle-or-busy pooled connections to `authority`, over TCP and TLS (for
@@ -258,6 +267,7 @@ impl Pool {
                 addr,
                 source: io::Error::from(error),
             })?;
+        self.opened.set(self.opened.get() + 1);
         stream
             .set_nodelay(true)
             .map_err(|error| ClientError::Connect {

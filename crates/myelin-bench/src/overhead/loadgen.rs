@@ -28,6 +28,11 @@ use super::shapes::ShapeGenerator;
 
 /// Time allowed to open a connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections the open loop keeps idle between requests; a request finding none opens one.
+/// Enough to keep every connection a transient made it open: with fewer, each request past
+/// them opened a connection of its own (with TLS, a handshake each, which kept the router
+/// behind: docs/measurements/2026-12-07-tls-overhead.md).
+pub const OPEN_LOOP_IDLE_CONNECTIONS: u64 = 1024;
 /// Pause after a failed connect before the next try.
 const RECONNECT_PAUSE: Duration = Duration::from_millis(50);
 
@@ -418,6 +423,8 @@ pub struct OpenOutcome {
     /// Failed requests, warm-up included.
     pub errors: u64,
     pub first_error: Option<String>,
+    /// Connections opened (a request that finds no idle connection opens one).
+    pub connections_opened: u64,
 }
 
 /// Runs an open loop to the end (or until `interrupted`) on its own executor.
@@ -444,7 +451,7 @@ struct OpenState {
 async fn open_loop(config: OpenLoopConfig, interrupted: Arc<AtomicBool>) -> OpenOutcome {
     let pool = Rc::new(Pool::new(PoolConfig {
         connect_timeout: CONNECT_TIMEOUT,
-        max_idle_per_host: 64,
+        max_idle_per_host: OPEN_LOOP_IDLE_CONNECTIONS as usize,
         tls: config.target.tls.clone(),
     }));
     let state = Rc::new(RefCell::new(OpenState::default()));
@@ -515,7 +522,9 @@ async fn open_loop(config: OpenLoopConfig, interrupted: Arc<AtomicBool>) -> Open
     for task in tasks {
         task.await;
     }
-    std::mem::take(&mut state.borrow_mut().outcome)
+    let mut outcome = std::mem::take(&mut state.borrow_mut().outcome);
+    outcome.connections_opened = pool.connections_opened();
+    outcome
 }
 
 /// Nearest-rank percentile of microsecond samples, in milliseconds (`None` when empty).

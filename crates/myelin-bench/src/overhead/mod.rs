@@ -28,7 +28,8 @@ use self::args::Settings;
 use self::cpus::{CpuError, Pinning, RouterLayout, available_cpus, format_cpu_list};
 use self::engine::InstantEngines;
 use self::loadgen::{
-    ClosedLoop, ClosedLoopConfig, OpenLoopConfig, Target, percentile_ms, run_open_loop,
+    ClosedLoop, ClosedLoopConfig, OPEN_LOOP_IDLE_CONNECTIONS, OpenLoopConfig, Target,
+    percentile_ms, run_open_loop,
 };
 use self::report::{
     Figures, LegKind, LegResult, Machine, OVERHEAD_SCHEMA_VERSION, OverheadReport,
@@ -649,6 +650,18 @@ fn measure_shape(
             leg.label(),
             generator.shape().name(),
             open.errors
+        );
+    }
+    // More connections than the open loop keeps idle: requests waited on new connections
+    // (TCP, and with TLS a handshake each), which is part of their latency.
+    if open.connections_opened > OPEN_LOOP_IDLE_CONNECTIONS {
+        eprintln!(
+            "    {} {}: the open loop opened {} connections (it keeps up to {} idle): \
+             requests waited on new connections",
+            leg.label(),
+            generator.shape().name(),
+            open.connections_opened,
+            OPEN_LOOP_IDLE_CONNECTIONS
         );
     }
 
