@@ -197,7 +197,8 @@ def run(args) -> int:
         sim_kv = free_ports(4)
         start([args.myelin, "sim", "--engines", "2", "--listen", f"127.0.0.1:{sim_http}",
                "--kv-events-base-port", str(sim_kv), "--kv-events-host", "127.0.0.1",
-               "--speedup", str(args.speedup), "--kv-blocks", "300"], work / "sim.log")
+               "--speedup", str(args.speedup), "--kv-blocks", "300",
+               "--served-model-name", "m"], work / "sim.log")
         engines = [f"http://127.0.0.1:{sim_http + i}" for i in range(2)]
         for engine in engines:
             wait_until(f"{engine} to answer", lambda: get(engine + "/health")[0] == 200, 30)
