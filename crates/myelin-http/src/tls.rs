@@ -223,6 +223,18 @@ pub enum TlsEvent<'a> {
     HandshakeFailed,
 }
 
+/// TLS 1.3 session tickets this many resumable sessions per serving loop remember.
+const SESSION_CACHE_ENTRIES: usize = 256;
+
+/// `config` (the one loaded at startup, which every serving loop starts from) with a session
+/// cache of its own: rustls' cache is behind a mutex, and a serving loop (a data core) shares
+/// nothing with the others. A client resuming on another core does a full handshake.
+fn own_session_cache(config: &Arc<rustls::ServerConfig>) -> Arc<rustls::ServerConfig> {
+    let mut config = (**config).clone();
+    config.session_storage = rustls::server::ServerSessionMemoryCache::new(SESSION_CACHE_ENTRIES);
+    Arc::new(config)
+}
+
 /// One serving loop's TLS acceptor: the certificate in use, replaced when its files change.
 pub(crate) struct Acceptor {
     files: ServerTlsFiles,
@@ -241,7 +253,7 @@ impl Acceptor {
         Acceptor {
             files: tls.files.clone(),
             alpn: tls.alpn,
-            current: RefCell::new(tls.initial.clone()),
+            current: RefCell::new(own_session_cache(&tls.initial)),
             stamp: RefCell::new(tls.stamp.clone()),
             failed: RefCell::new(None),
             checked: Cell::new(Instant::now()),
@@ -266,6 +278,7 @@ impl Acceptor {
             if changed {
                 match self.files.build(self.alpn) {
                     Ok(config) => {
+                        // Built here, for this loop: its session cache is its own.
                         *self.current.borrow_mut() = config;
                         *self.stamp.borrow_mut() = stamp;
                         *self.failed.borrow_mut() = None;
@@ -416,6 +429,20 @@ mod tests {
         assert!(config.client_auth_cert_resolver.has_certs());
         let system = client_config(&ClientTlsFiles::default()).unwrap();
         assert!(!system.client_auth_cert_resolver.has_certs());
+    }
+
+    #[test]
+    fn every_serving_loop_has_a_session_cache_of_its_own() {
+        let tls = ServerTls::load(files("server.pem", "server.key"), true).unwrap();
+        let (one, two) = (Acceptor::new(&tls, None), Acceptor::new(&tls, None));
+        let storage = |acceptor: &Acceptor| {
+            Arc::as_ptr(&acceptor.current.borrow().session_storage) as *const ()
+        };
+        assert_ne!(storage(&one), storage(&two));
+        assert_eq!(
+            one.current.borrow().alpn_protocols,
+            tls.initial.alpn_protocols
+        );
     }
 
     static RELOADS: AtomicUsize = AtomicUsize::new(0);
