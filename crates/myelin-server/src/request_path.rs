@@ -245,6 +245,11 @@ async fn generate(
     if let Some(trace) = trace.as_mut() {
         describe_request(trace, &generation);
     }
+    // A model no engine serves is refused before any work (404 `model_not_found`).
+    let off_pool = match core.off_pool(&generation.model) {
+        Ok(off_pool) => off_pool,
+        Err(error) => return error_response(&error),
+    };
 
     // Tokenize: render the chat template, then tokenize only the prompt's leading
     // `--tokenize-prefix-bytes` (with the per-core segment cache): a prefix that matches
@@ -354,10 +359,6 @@ async fn generate(
     }
     // Backends that do not list the requested model are never tried (engines serving other
     // models or adapters), nor, on retries, those already tried.
-    let off_pool = match core.off_pool(&generation.model) {
-        Ok(off_pool) => off_pool,
-        Err(error) => return error_response(&error),
-    };
     let mut tried: Vec<BackendId> = Vec::new();
     let excluded =
         |tried: &[BackendId]| -> Vec<BackendId> { off_pool.iter().chain(tried).copied().collect() };
