@@ -107,7 +107,8 @@ type Origin = (bool, Authority);
 pub struct Pool {
     config: PoolConfig,
     idle: RefCell<HashMap<Origin, Vec<SendRequest<Body>>>>,
-    resolved: RefCell<HashMap<Authority, (SocketAddr, Instant)>>,
+    /// The system resolver's answers by (host, port), each with when it was asked.
+    resolved: RefCell<HashMap<(String, u16), (SocketAddr, Instant)>>,
     /// With [`Pool::with_provided_addresses`]: host names are never resolved here, only
     /// looked up in this table (host, port) -> address, filled by [`Pool::set_address`].
     provided: Option<RefCell<HashMap<(String, u16), SocketAddr>>>,
@@ -214,39 +215,45 @@ impl Pool {
     fn resolve_cached(
         &self,
         authority: &Authority,
-        default_port: u16,
+        target: &(String, u16),
     ) -> Result<SocketAddr, ClientError> {
         let now = Instant::now();
-        if let Some(&(addr, resolved_at)) = self.resolved.borrow().get(authority)
+        if let Some(&(addr, resolved_at)) = self.resolved.borrow().get(target)
             && now.duration_since(resolved_at) < RESOLVE_TTL
         {
             return Ok(addr);
         }
-        let addr = resolve(authority, default_port)?;
+        let addr = resolve(authority, target)?;
         self.resolved
             .borrow_mut()
-            .insert(authority.clone(), (addr, now));
+            .insert(target.clone(), (addr, now));
         Ok(addr)
     }
 
-    /// Where to connect for `authority` (`default_port` when it has none): an IP literal as
-    /// it is, else the provided address or (without provided addresses) the cached system
-    /// resolver's answer.
-    fn address(&self, authority: &Authority, default_port: u16) -> Result<SocketAddr, ClientError> {
-        let (host, port) = host_port(authority, default_port);
+    /// Where to connect for `authority`, whose host and port are `target` ([`host_port`]): an
+    /// IP literal as it is, else the provided address or (without provided addresses) the
+    /// cached system resolver's answer.
+    fn address(
+        &self,
+        authority: &Authority,
+        target: &(String, u16),
+    ) -> Result<SocketAddr, ClientError> {
+        let (host, port) = target;
         if let Ok(ip) = host.parse::<std::net::IpAddr>() {
-            return Ok(SocketAddr::new(ip, port));
+            return Ok(SocketAddr::new(ip, *port));
         }
         match &self.provided {
-            Some(provided) => provided
-                .borrow()
-                .get(&(host, port))
-                .copied()
-                .ok_or_else(|| ClientError::Resolve {
-                    authority: authority.to_string(),
-                    source: io::Error::new(io::ErrorKind::NotFound, "not resolved yet"),
-                }),
-            None => self.resolve_cached(authority, default_port),
+            Some(provided) => {
+                provided
+                    .borrow()
+                    .get(target)
+                    .copied()
+                    .ok_or_else(|| ClientError::Resolve {
+                        authority: authority.to_string(),
+                        source: io::Error::new(io::ErrorKind::NotFound, "not resolved yet"),
+                    })
+            }
+            None => self.resolve_cached(authority, target),
         }
     }
 
@@ -257,7 +264,8 @@ impl Pool {
             (true, Some(config)) => Some(config.clone()),
             (true, None) => return Err(ClientError::NoTls(authority.to_string())),
         };
-        let addr = self.address(authority, if tls.is_some() { 443 } else { 80 })?;
+        let target = host_port(authority, if tls.is_some() { 443 } else { 80 });
+        let addr = self.address(authority, &target)?;
         let started = Instant::now();
         let timeout = self.config.connect_timeout;
         let connected = crate::rt::timeout(timeout, TcpStream::connect(addr)).await;
@@ -277,12 +285,8 @@ impl Pool {
         let Some(tls) = tls else {
             return handshake(stream).await;
         };
-        let host = authority
-            .host()
-            .trim_start_matches('[')
-            .trim_end_matches(']');
         let left = timeout.saturating_sub(started.elapsed());
-        let stream = crate::rt::timeout(left, crate::tls::connect(tls, host, stream))
+        let stream = crate::rt::timeout(left, crate::tls::connect(tls, &target.0, stream))
             .await
             .ok_or(ClientError::ConnectTimeout(addr))?
             .map_err(|source| ClientError::Tls { addr, source })?;
@@ -323,19 +327,15 @@ pub fn resolve_authority(authority: &str) -> io::Result<SocketAddr> {
     let parsed = authority
         .parse::<Authority>()
         .map_err(|error| io::Error::new(io::ErrorKind::InvalidInput, error.to_string()))?;
-    resolve(&parsed, 80).map_err(|error| match error {
+    resolve(&parsed, &host_port(&parsed, 80)).map_err(|error| match error {
         ClientError::Resolve { source, .. } => source,
         other => io::Error::other(other.to_string()),
     })
 }
 
-fn resolve(authority: &Authority, default_port: u16) -> Result<SocketAddr, ClientError> {
-    let port = authority.port_u16().unwrap_or(default_port);
-    let host = authority
-        .host()
-        .trim_start_matches('[')
-        .trim_end_matches(']');
-    (host, port)
+/// The system resolver's first address for `target` (`authority`'s [`host_port`]).
+fn resolve(authority: &Authority, target: &(String, u16)) -> Result<SocketAddr, ClientError> {
+    (target.0.as_str(), target.1)
         .to_socket_addrs()
         .and_then(|mut addrs| {
             addrs
@@ -391,28 +391,29 @@ mod tests {
         let pool = Pool::new(PoolConfig::default()).with_provided_addresses();
         let literal: Authority = "127.0.0.1:9000".parse().unwrap();
         assert_eq!(
-            pool.address(&literal, 80).unwrap(),
+            pool.address(&literal, &host_port(&literal, 80)).unwrap(),
             "127.0.0.1:9000".parse().unwrap()
         );
         let v6: Authority = "[::1]:9000".parse().unwrap();
         assert_eq!(
-            pool.address(&v6, 80).unwrap(),
+            pool.address(&v6, &host_port(&v6, 80)).unwrap(),
             "[::1]:9000".parse().unwrap()
         );
         let name: Authority = "engine.invalid:8000".parse().unwrap();
         assert!(matches!(
-            pool.address(&name, 80),
+            pool.address(&name, &host_port(&name, 80)),
             Err(ClientError::Resolve { .. })
         ));
         assert!(pool.set_address("Engine.invalid:8000", "10.0.0.7:8000".parse().unwrap()));
         assert_eq!(
-            pool.address(&name, 80).unwrap(),
+            pool.address(&name, &host_port(&name, 80)).unwrap(),
             "10.0.0.7:8000".parse().unwrap()
         );
         assert!(pool.set_address("other.invalid", "10.0.0.8:80".parse().unwrap()));
         let default_port: Authority = "other.invalid".parse().unwrap();
         assert_eq!(
-            pool.address(&default_port, 80).unwrap(),
+            pool.address(&default_port, &host_port(&default_port, 80))
+                .unwrap(),
             "10.0.0.8:80".parse().unwrap()
         );
         assert!(

@@ -223,6 +223,20 @@ pub enum TlsEvent<'a> {
     HandshakeFailed,
 }
 
+impl TlsEvent<'_> {
+    /// Every event's name, as [`TlsEvent::name`] gives it.
+    pub const NAMES: [&'static str; 3] = ["reloaded", "reload_failed", "handshake_failed"];
+
+    /// The event's name (a metric label).
+    pub fn name(&self) -> &'static str {
+        match self {
+            TlsEvent::Reloaded => Self::NAMES[0],
+            TlsEvent::ReloadFailed(_) => Self::NAMES[1],
+            TlsEvent::HandshakeFailed => Self::NAMES[2],
+        }
+    }
+}
+
 /// TLS 1.3 session tickets this many resumable sessions per serving loop remember.
 const SESSION_CACHE_ENTRIES: usize = 256;
 

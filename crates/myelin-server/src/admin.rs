@@ -248,22 +248,10 @@ async fn explain(
             "POST",
         ));
     }
-    if !declares_json(&request) {
-        return error_response(&ApiError {
-            status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            message: "POST /admin/explain takes the JSON body a client would send \
-                      (Content-Type: application/json)"
-                .into(),
-            error_type: "invalid_request_error",
-            param: None,
-            code: Some("unsupported_media_type"),
-        });
-    }
-    let read = crate::request_path::read_admin_body(request, control.max_body_bytes);
-    let body = match myelin_http::rt::timeout(ADMIN_BODY_TIMEOUT, read).await {
-        Some(Ok(body)) => body,
-        Some(Err(error)) => return error_response(&error),
-        None => return error_response(&ApiError::body_timeout()),
+    let what = "POST /admin/explain takes the JSON body a client would send";
+    let body = match json_body(request, what, control.max_body_bytes).await {
+        Ok(body) => body,
+        Err(error) => return error_response(&error),
     };
     match control.explain(endpoint, body).await {
         Some(Ok(explained)) => json_response(StatusCode::OK, &explained),
@@ -313,6 +301,28 @@ fn refused_browser() -> Response<Body> {
 }
 
 /// Whether a request's body is declared JSON (`application/json`, parameters allowed).
+/// An admin request's JSON body, up to `limit` bytes within [`ADMIN_BODY_TIMEOUT`]: 415 when
+/// it is not declared JSON (`what` says what the endpoint takes), 413 past the limit, 408 late.
+async fn json_body(
+    request: Request<Incoming>,
+    what: &str,
+    limit: usize,
+) -> Result<bytes::Bytes, ApiError> {
+    if !declares_json(&request) {
+        return Err(ApiError {
+            status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            message: format!("{what} (Content-Type: application/json)"),
+            error_type: "invalid_request_error",
+            param: None,
+            code: Some("unsupported_media_type"),
+        });
+    }
+    let read = crate::request_path::read_admin_body(request, limit);
+    myelin_http::rt::timeout(ADMIN_BODY_TIMEOUT, read)
+        .await
+        .unwrap_or_else(|| Err(ApiError::body_timeout()))
+}
+
 fn declares_json(request: &Request<Incoming>) -> bool {
     request
         .headers()
@@ -495,21 +505,10 @@ async fn list(control: &Rc<Control>) -> Response<Body> {
 
 /// POST /admin/backends with `{"url": "...", "kv_events": "...", "kv_replay": "..."}`.
 async fn add(control: &Rc<Control>, request: Request<Incoming>) -> Response<Body> {
-    if !declares_json(&request) {
-        return error_response(&ApiError {
-            status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            message: "POST /admin/backends takes a JSON body (Content-Type: application/json)"
-                .into(),
-            error_type: "invalid_request_error",
-            param: None,
-            code: Some("unsupported_media_type"),
-        });
-    }
-    let read = crate::request_path::read_admin_body(request, MAX_ADMIN_BODY_BYTES);
-    let body = match myelin_http::rt::timeout(ADMIN_BODY_TIMEOUT, read).await {
-        Some(Ok(body)) => body,
-        Some(Err(error)) => return error_response(&error),
-        None => return error_response(&ApiError::body_timeout()),
+    let what = "POST /admin/backends takes a JSON body";
+    let body = match json_body(request, what, MAX_ADMIN_BODY_BYTES).await {
+        Ok(body) => body,
+        Err(error) => return error_response(&error),
     };
     let add: AddBackend = match serde_json::from_slice(&body) {
         Ok(add) => add,

@@ -158,7 +158,6 @@ pub fn connection_refused() {
 /// TLS events of a listener (`listener`: client or admin; `event`: reloaded, reload_failed,
 /// handshake_failed).
 pub const TLS_EVENTS_TOTAL: &str = "myelin_tls_events_total";
-const TLS_EVENTS: [&str; 3] = ["reloaded", "reload_failed", "handshake_failed"];
 
 /// Counts a TLS event of the client listener (the server loop's `on_tls`).
 pub fn client_tls_event(event: myelin_http::tls::TlsEvent) {
@@ -172,12 +171,8 @@ pub fn admin_tls_event(event: myelin_http::tls::TlsEvent) {
 
 fn tls_event(listener: &'static str, event: myelin_http::tls::TlsEvent) {
     use myelin_http::tls::TlsEvent;
-    let name = match event {
-        TlsEvent::Reloaded => "reloaded",
-        TlsEvent::ReloadFailed(_) => "reload_failed",
-        TlsEvent::HandshakeFailed => "handshake_failed",
-    };
-    metrics::counter!(TLS_EVENTS_TOTAL, "listener" => listener, "event" => name).increment(1);
+    metrics::counter!(TLS_EVENTS_TOTAL, "listener" => listener, "event" => event.name())
+        .increment(1);
     match event {
         TlsEvent::Reloaded => {
             eprintln!("myelin: {listener} listener: TLS certificate files changed, reloaded");
@@ -468,7 +463,7 @@ pub fn install() -> PrometheusHandle {
         metrics::counter!(TIMEOUTS_TOTAL, "kind" => *kind).increment(0);
     }
     for listener in ["client", "admin"] {
-        for event in TLS_EVENTS {
+        for event in myelin_http::tls::TlsEvent::NAMES {
             metrics::counter!(TLS_EVENTS_TOTAL, "listener" => listener, "event" => event)
                 .increment(0);
         }

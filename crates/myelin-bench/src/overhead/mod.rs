@@ -435,7 +435,7 @@ fn run_leg(
                 Ok(port) => port,
                 Err(error) => return Ok(Err(error.to_string())),
             };
-            let mut metrics_ports = None;
+            let mut metrics_listener = None;
             let (command, description) = if kind == LegKind::Myelin {
                 let mut arguments: Vec<String> = vec![
                     "serve".into(),
@@ -466,7 +466,7 @@ fn run_leg(
                         "--metrics-listen".into(),
                         format!("127.0.0.1:{metrics_port}"),
                     ]);
-                    metrics_ports = Some(metrics_port);
+                    metrics_listener = Some(metrics_port);
                 }
                 let mut command = Command::new(&context.router_exe);
                 command.args(&arguments);
@@ -488,7 +488,7 @@ fn run_leg(
                 format_cpu_list(engines.cpus()),
                 format_cpu_list(&context.pinning.loadgen),
             );
-            let started = match metrics_ports {
+            let started = match metrics_listener {
                 Some(metrics_port) => RouterProcess::start_command_tls(
                     &leg.name,
                     command,
