@@ -164,6 +164,8 @@ impl CacheOracle for SimOracle {
                     decoding: probe.load.decoding as u32,
                     mean_remaining_output_tokens: probe.load.pending_decode_tokens as f64
                         / (probe.load.running + probe.load.waiting).max(1) as f64,
+                    // The true mean over every request in flight, spread evenly.
+                    waiting_output_tokens: None,
                     memory: Some(KvMemory {
                         capacity_tokens: probe.capacity_tokens as u64,
                         held_tokens: probe.load.kv_usage * probe.capacity_tokens as f64

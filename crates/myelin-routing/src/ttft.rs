@@ -104,8 +104,14 @@ pub struct EngineQueue {
     pub requests: u32,
     /// Requests in flight there that already had their first token (decoding).
     pub decoding: u32,
-    /// Output tokens a running request still owes, on average.
+    /// Output tokens a running request still owes, on average: a decoding one when
+    /// `waiting_output_tokens` is known, any request in flight otherwise.
     pub mean_remaining_output_tokens: f64,
+    /// Output tokens a request in flight that has not had its first token will write, on
+    /// average (all of its output). `None`: not known apart from the decoding ones, and the
+    /// remaining outputs of all requests in flight are taken to be spread evenly up to twice
+    /// `mean_remaining_output_tokens`.
+    pub waiting_output_tokens: Option<f64>,
     /// Its KV memory (`None`: capacity unknown, no memory wait).
     pub memory: Option<KvMemory>,
 }
@@ -154,30 +160,77 @@ const MAX_PAIRS: f64 = 1e18;
 /// The timing's parameters, each with its feature: step, per sequence, per token, per pair.
 const FEATURES: usize = 4;
 
-/// Steps a request waits for KV memory on an engine: 0 when its prompt (net of what requests
-/// in flight already hold of it) fits beside what is held and what the requests in flight
-/// will still write (a prompt that fits only beside what is held now is admitted, then
-/// preempted as the newest request when the others' outputs grow). Otherwise blocks come free as
-/// running requests finish, each freeing about the average in-flight request's share; with
-/// `R` of them running and their remaining output spread evenly up to twice the mean, the
-/// k-th finishes after about `k / (R + 1)` of that maximum, k the finishes needed to make room.
-pub fn memory_wait_steps(queue: &EngineQueue, prompt_tokens: u64) -> f64 {
+/// Steps a request waits for KV memory on an engine, `prefill_steps` the steps its prefill
+/// and the prefill queued ahead of it take: 0 when its prompt (net of what requests in flight
+/// already hold of it) fits beside what is held and what the decoding requests write before
+/// its first token (a prompt that fits only beside what is held now is admitted, then
+/// preempted as the newest request when the others' outputs need its blocks). Otherwise
+/// blocks come free as requests in flight finish, each freeing about the average in-flight
+/// request's share of what is held and what they will still write, and the wait is until the
+/// k-th of them finishes, k the finishes needed to make room ([`finish_steps`]).
+pub fn memory_wait_steps(queue: &EngineQueue, prompt_tokens: u64, prefill_steps: f64) -> f64 {
     let Some(memory) = queue.memory else {
         return 0.0;
     };
-    let capacity = memory.capacity_tokens as f64;
-    let held = sane(memory.held_tokens, MAX_TOKENS) + sane(memory.growth_tokens, MAX_TOKENS);
-    let need = prompt_tokens.saturating_sub(memory.shared_tokens) as f64;
-    let excess = held + need - capacity;
-    if excess <= 0.0 || queue.requests == 0 {
+    if queue.requests == 0 {
         return 0.0;
     }
+    let capacity = memory.capacity_tokens as f64;
+    let held = sane(memory.held_tokens, MAX_TOKENS);
+    let growth = sane(memory.growth_tokens, MAX_TOKENS);
+    let need = prompt_tokens.saturating_sub(memory.shared_tokens) as f64;
+    // One token per decoding request per step until the first token, and a block each
+    // ahead: a running request takes a whole block when its output crosses into one.
+    let decoding = f64::from(queue.decoding.min(queue.requests));
+    let growth_before =
+        growth.min(decoding * (sane(prefill_steps, MAX_STEPS) + GROWTH_BLOCK_TOKENS));
+    if held + growth_before + need <= capacity {
+        return 0.0;
+    }
+    let excess = held + growth + need - capacity;
+    let per_request = ((held + growth) / f64::from(queue.requests)).max(1.0);
+    let finishes = (excess / per_request).ceil().max(1.0).min(MAX_STEPS);
+    finish_steps(queue, finishes).min(MAX_STEPS)
+}
+
+/// Tokens of a KV block (vLLM's default block size): a decoding request may take a new one
+/// at its next step.
+const GROWTH_BLOCK_TOKENS: f64 = 16.0;
+
+/// Decode steps until `finishes` of the requests in flight on an engine have finished. The
+/// decoding ones' remaining outputs are taken to be spread evenly up to twice their mean
+/// (the j-th of D finishes after `2 · mean · j / (D + 1)` steps); those without a first token
+/// yet finish after all of their output (`waiting_output_tokens`), once the decoding ones that
+/// end sooner have. Without `waiting_output_tokens` every request in flight is taken to be
+/// decoding. Needing more finishes than there are requests in flight prices past the longest.
+fn finish_steps(queue: &EngineQueue, finishes: f64) -> f64 {
     let requests = f64::from(queue.requests);
-    let per_request = (held / requests).max(1.0);
-    let finishes = (excess / per_request).ceil();
-    let longest_remaining = 2.0 * sane(queue.mean_remaining_output_tokens, 1e6).max(1.0);
-    // Needing more finishes than there are requests in flight prices past the longest output.
-    (longest_remaining * finishes / (requests + 1.0)).min(MAX_STEPS)
+    let remaining = sane(queue.mean_remaining_output_tokens, 1e6).max(1.0);
+    let (decoding, waiting_output) = match queue.waiting_output_tokens {
+        Some(output) => (
+            f64::from(queue.decoding.min(queue.requests)),
+            sane(output, 1e6).max(1.0),
+        ),
+        None => (requests, 0.0),
+    };
+    let waiting = requests - decoding;
+    // The j-th decoding request to finish.
+    let decoded = |j: f64| 2.0 * remaining * j / (decoding + 1.0);
+    if waiting == 0.0 {
+        return decoded(finishes);
+    }
+    // The decoding requests that finish before the waiting ones do.
+    let sooner =
+        ((waiting_output * (decoding + 1.0) / (2.0 * remaining)).ceil() - 1.0).clamp(0.0, decoding);
+    if finishes <= sooner {
+        decoded(finishes)
+    } else if finishes <= sooner + waiting {
+        waiting_output
+    } else if finishes <= requests {
+        decoded(finishes - waiting).max(waiting_output)
+    } else {
+        decoded(decoding).max(waiting_output) * finishes / requests
+    }
 }
 
 fn sane(value: f64, bound: f64) -> f64 {
@@ -208,7 +261,7 @@ pub fn predict_ttft(
     // Each step first decodes every running sequence, then prefills with what is left.
     let per_step = (f64::from(timing.step_tokens) - f64::from(decoding)).max(1.0);
     let prefill_steps = (prefill_tokens / per_step).ceil().max(1.0);
-    let memory_wait_steps = memory_wait_steps(queue, prompt_tokens);
+    let memory_wait_steps = memory_wait_steps(queue, prompt_tokens, prefill_steps);
     let steps = (prefill_steps + memory_wait_steps).min(MAX_STEPS);
     let sequences = f64::from(decoding);
     let mut prediction = TtftPrediction {
@@ -586,15 +639,14 @@ mod tests {
             ..EngineQueue::default()
         };
         // Three running requests hold 26,000 tokens; a 6,000-token prompt fits.
-        assert_eq!(memory_wait_steps(&queue(26_000.0, 0), 6000), 0.0);
+        assert_eq!(memory_wait_steps(&queue(26_000.0, 0), 6000, 1.0), 0.0);
         // A 9,000-token one does not: one of the three must finish, the first of them after
         // about a quarter of the longest remaining output (400 steps).
-        assert_eq!(memory_wait_steps(&queue(26_000.0, 0), 9000), 100.0);
+        assert_eq!(memory_wait_steps(&queue(26_000.0, 0), 9000, 1.0), 100.0);
         // ... unless most of its prompt is a prefix those requests already hold.
-        assert_eq!(memory_wait_steps(&queue(26_000.0, 8000), 9000), 0.0);
-        // A 6,000-token prompt fits beside what is held now, but not beside what the three
-        // will hold once they have written the 1,200 output tokens they still owe: the engine
-        // would admit it, then preempt it (the newest) to let them grow.
+        assert_eq!(memory_wait_steps(&queue(26_000.0, 8000), 9000, 1.0), 0.0);
+        // A 6,000-token prompt fits beside what is held now (768 tokens to spare) and beside
+        // the 600 output tokens the three still owe.
         let growing = |growth_tokens| EngineQueue {
             memory: Some(KvMemory {
                 growth_tokens,
@@ -602,8 +654,12 @@ mod tests {
             }),
             ..queue(26_000.0, 0)
         };
-        assert_eq!(memory_wait_steps(&growing(600.0), 6000), 0.0);
-        assert_eq!(memory_wait_steps(&growing(1200.0), 6000), 100.0);
+        assert_eq!(memory_wait_steps(&growing(600.0), 6000, 3.0), 0.0);
+        // With 1,200 still to write it does not fit beside all of it, but the engine admits
+        // it and preempts it (the newest) only when their outputs need its blocks: after its
+        // first token when that comes in 3 steps, before it behind 300 steps of prefill.
+        assert_eq!(memory_wait_steps(&growing(1200.0), 6000, 3.0), 0.0);
+        assert_eq!(memory_wait_steps(&growing(1200.0), 6000, 300.0), 100.0);
         // The wait is priced: an idle engine that must prefill all 9,000 tokens wins.
         let timing = DEFAULT_ENGINE_TIMING;
         let waiting = predict_ttft(&timing, &queue(26_000.0, 0), 9000, 1000.0);
@@ -620,6 +676,53 @@ mod tests {
                 .seconds
                 .is_finite()
         );
+    }
+
+    #[test]
+    fn the_wait_for_memory_follows_how_far_the_requests_in_flight_are() {
+        // Four requests in flight hold the engine's 10,000 tokens; a 4,000-token prompt needs
+        // two of them to finish.
+        let queue = |decoding, remaining, waiting_output| EngineQueue {
+            requests: 4,
+            decoding,
+            mean_remaining_output_tokens: remaining,
+            waiting_output_tokens: waiting_output,
+            memory: Some(KvMemory {
+                capacity_tokens: 10_000,
+                held_tokens: 10_000.0,
+                shared_tokens: 0,
+                growth_tokens: 0.0,
+            }),
+            ..EngineQueue::default()
+        };
+        // Progress unknown: the four spread evenly up to twice the mean, the second of them
+        // done after 2 · 100 · 2 / 5 steps.
+        assert_eq!(memory_wait_steps(&queue(4, 100.0, None), 4000, 1.0), 80.0);
+        // Two decoding with 160 tokens to go on average (spread up to 320: they finish after
+        // 107 and 213 steps), two without a first token that will write 200 each: the second
+        // finish is a waiting one's, after its whole output.
+        assert_eq!(
+            memory_wait_steps(&queue(2, 160.0, Some(200.0)), 4000, 1.0),
+            200.0
+        );
+        // Nearly done decoding ones (10 to go) free the room soon.
+        let soon = memory_wait_steps(&queue(2, 10.0, Some(200.0)), 4000, 1.0);
+        assert!((soon - 40.0 / 3.0).abs() < 1e-9, "{soon}");
+        // None decoding: every finish waits for a whole output.
+        assert_eq!(
+            memory_wait_steps(&queue(0, 10.0, Some(200.0)), 4000, 1.0),
+            200.0
+        );
+        // All four finish for a 10,000-token prompt (the last decoding one after 213 steps);
+        // a 12,000-token one needs more finishes than there are requests in flight: priced
+        // past the longest.
+        let all = memory_wait_steps(&queue(2, 160.0, Some(200.0)), 10_000, 1.0);
+        assert!((all - 640.0 / 3.0).abs() < 1e-9, "{all}");
+        let past = memory_wait_steps(&queue(2, 160.0, Some(200.0)), 12_000, 1.0);
+        assert!(past > all, "{past} {all}");
+        // Broken figures stay finite.
+        let broken = memory_wait_steps(&queue(2, f64::NAN, Some(f64::INFINITY)), 4000, 1.0);
+        assert!(broken.is_finite(), "{broken}");
     }
 
     /// An engine whose true timing is `truth`: the observed first token of a request.
@@ -649,6 +752,7 @@ mod tests {
             requests: ahead + next(20) as u32,
             decoding: next(20) as u32,
             mean_remaining_output_tokens: 200.0,
+            waiting_output_tokens: None,
             memory: None,
         };
         let prompt = 500 + next(100_000);
@@ -829,6 +933,7 @@ mod tests {
                 requests: 1,
                 decoding: (ahead % 9) as u32,
                 mean_remaining_output_tokens: 200.0,
+                waiting_output_tokens: None,
                 memory: None,
             };
             let uncached = ((ahead * 7919) % 9000) as f64;

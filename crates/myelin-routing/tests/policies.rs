@@ -1117,6 +1117,7 @@ fn engine(id: u32, requests: u32, held: f64, timing: EngineTiming) -> BackendVie
             requests,
             decoding: requests,
             mean_remaining_output_tokens: 200.0,
+            waiting_output_tokens: None,
             memory: Some(KvMemory {
                 capacity_tokens: 32_768,
                 held_tokens: held,

@@ -56,6 +56,12 @@ pub struct Load {
     /// head started at the last first token anywhere. The predicted TTFT deducts the prefill
     /// done since (`routing_glue::engine_queue`). 0: never.
     pub prefill_clock_ms: u64,
+    /// Requests in flight past their first token whose first token this node saw (a peer's
+    /// requests are not among them), and the sum of those first tokens' times (milliseconds
+    /// on the routing clock): their mean age, so how far through their output they are
+    /// (`routing_glue::engine_queue`).
+    pub decode_started: u32,
+    pub decode_clock_ms: u64,
 }
 
 /// Output tokens assumed for load accounting when a request sets no `max_tokens`.
@@ -112,15 +118,22 @@ impl Load {
         if was_prefilling {
             self.prefilling = self.prefilling.saturating_sub(1);
             self.prefill_clock_ms = self.prefill_clock_ms.max(now_ms);
+            self.decode_started = self.decode_started.saturating_add(1);
+            self.decode_clock_ms = self.decode_clock_ms.saturating_add(now_ms);
         }
     }
 
     /// The request ended with `prefill` still queued (none once it had its first token) and
-    /// `decode` output tokens.
-    pub fn end_request(&mut self, prefill: Prefill, decode: u64, prefilling: bool) {
+    /// `decode` output tokens; `first_token_ms`: when it had its first token (`None`: it had
+    /// none, it was still prefilling).
+    pub fn end_request(&mut self, prefill: Prefill, decode: u64, first_token_ms: Option<u64>) {
         self.requests = self.requests.saturating_sub(1);
-        if prefilling {
-            self.prefilling = self.prefilling.saturating_sub(1);
+        match first_token_ms {
+            None => self.prefilling = self.prefilling.saturating_sub(1),
+            Some(ms) => {
+                self.decode_started = self.decode_started.saturating_sub(1);
+                self.decode_clock_ms = self.decode_clock_ms.saturating_sub(ms);
+            }
         }
         self.tokens = self
             .tokens
@@ -145,6 +158,18 @@ impl Load {
         self.prefilling = self.prefilling.saturating_add(other.prefilling);
         self.prefill_pairs = self.prefill_pairs.saturating_add(other.prefill_pairs);
         self.prefill_clock_ms = self.prefill_clock_ms.max(other.prefill_clock_ms);
+        self.decode_started = self.decode_started.saturating_add(other.decode_started);
+        self.decode_clock_ms = self.decode_clock_ms.saturating_add(other.decode_clock_ms);
+    }
+
+    /// Seconds since the first tokens of this node's decoding requests, on average (`None`:
+    /// none decoding). `now_ms`: the routing clock.
+    pub fn mean_decode_age_s(&self, now_ms: u64) -> Option<f64> {
+        if self.decode_started == 0 {
+            return None;
+        }
+        let mean_ms = self.decode_clock_ms as f64 / f64::from(self.decode_started);
+        Some(((now_ms as f64 - mean_ms) / 1000.0).max(0.0))
     }
 }
 
@@ -360,6 +385,7 @@ mod tests {
             count(),
             figure(),
             figure(),
+            (count(), figure()),
         )
             .prop_map(
                 |(
@@ -371,6 +397,7 @@ mod tests {
                     prefilling,
                     prefill_pairs,
                     prefill_clock_ms,
+                    (decode_started, decode_clock_ms),
                 )| {
                     Load {
                         requests,
@@ -382,6 +409,8 @@ mod tests {
                         prefilling,
                         prefill_pairs,
                         prefill_clock_ms,
+                        decode_started,
+                        decode_clock_ms,
                     }
                 },
             )
@@ -415,21 +444,25 @@ mod tests {
             prop_assert!(load.requests - before.requests <= 1);
             let admitted = load.admitted_tokens;
             let mut remaining = queued;
-            let mut prefilling = true;
+            let mut first_token_ms = None;
             if first_token {
                 load.first_token(queued, true, 9);
                 prop_assert_eq!(load.prefill_clock_ms, before.prefill_clock_ms.max(9));
                 remaining = Prefill::default();
-                prefilling = false;
+                first_token_ms = Some(9);
             }
-            load.end_request(remaining, decode, prefilling);
+            load.end_request(remaining, decode, first_token_ms);
             prop_assert_eq!(load.admitted_tokens, admitted, "the clock stays where it went");
             let saturated = before.tokens.checked_add(prefill.saturating_add(decode)).is_none()
                 || before.requests == u32::MAX
                 || before.prefilling == u32::MAX
                 || before.decode_tokens.checked_add(decode).is_none()
-                || before.prefill_pairs.checked_add(queued.pairs).is_none();
+                || before.prefill_pairs.checked_add(queued.pairs).is_none()
+                || before.decode_started == u32::MAX
+                || before.decode_clock_ms.checked_add(9).is_none();
             if !saturated {
+                prop_assert_eq!(load.decode_started, before.decode_started);
+                prop_assert_eq!(load.decode_clock_ms, before.decode_clock_ms);
                 prop_assert_eq!(load.prefill_pairs, before.prefill_pairs);
                 prop_assert_eq!(load.tokens, before.tokens);
                 prop_assert_eq!(load.requests, before.requests);

@@ -391,8 +391,9 @@ pub struct LoadGuard {
     probe: Option<myelin_routing::ReuseProbe>,
     /// The prompt's pin key on this core (its blocks count until the response ends).
     pin: u64,
-    /// Counted among the backend's requests without a first token.
-    prefilling: bool,
+    /// When it had its first token (routing clock, ms; `None`: not yet, so it counts among
+    /// the backend's requests without one).
+    first_token_ms: Option<u64>,
     /// The predicted time to first token the request was routed with, and when it was sent.
     prediction: Option<(myelin_routing::TtftPrediction, Instant)>,
     /// Counted by the progress watchdog (whether it streams).
@@ -449,9 +450,10 @@ impl LoadGuard {
     /// non-streaming answer's first byte comes with the whole completion).
     pub fn first_token(&mut self, streamed: bool) {
         let prefilled = std::mem::take(&mut self.prefill);
-        let was_prefilling = std::mem::take(&mut self.prefilling);
+        let was_prefilling = self.first_token_ms.is_none();
         if prefilled != Prefill::default() || was_prefilling {
             let now_ms = self.core.routing.borrow().now_ms();
+            self.first_token_ms.get_or_insert(now_ms);
             self.core.change_load(self.backend, |load| {
                 load.first_token(prefilled, was_prefilling, now_ms);
             });
@@ -478,9 +480,10 @@ impl Drop for LoadGuard {
                 .borrow_mut()
                 .ended(self.backend, streaming);
         }
-        let (remaining, decode, prefilling) = (self.prefill, self.decode_tokens, self.prefilling);
+        let (remaining, decode, first_token_ms) =
+            (self.prefill, self.decode_tokens, self.first_token_ms);
         self.core.change_load(self.backend, |load| {
-            load.end_request(remaining, decode, prefilling);
+            load.end_request(remaining, decode, first_token_ms);
         });
         self.core.send_pin_change(PinChange {
             from: self.core.shard,
@@ -965,7 +968,7 @@ impl DataCore {
             in_flight,
             probe: None,
             pin: key,
-            prefilling: true,
+            first_token_ms: None,
             prediction: None,
             watched: None,
         }

@@ -296,6 +296,7 @@ impl RoutingShard {
 
     /// The engine's KV utilization and queue, read by the control core at about `at`.
     pub fn set_scraped_memory(&mut self, id: BackendId, memory: ScrapedMemory, at: Instant) {
+        let now_ms = self.now_ms();
         if let Some(entry) = self.backends.get_mut(&id) {
             entry.scraped_memory = Some((memory, at));
             // What the engine holds beyond the routers' own requests, as of the scrape. The
@@ -303,7 +304,9 @@ impl RoutingShard {
             // engine was full does not make it look full after its requests finished.
             let capacity = entry.scraped_capacity.or(entry.configured_capacity);
             let total = entry.total_load();
-            let routed = routed_held_tokens(&total);
+            let decoding = total.requests.saturating_sub(total.prefilling);
+            let progress = decode_progress(&total, &entry.timing.timing(), decoding, now_ms);
+            let routed = total.pinned_prompt_tokens as f64 + progress.written;
             entry.other_held_tokens = capacity.map_or(0.0, |capacity| {
                 let per_request = if total.requests > 0 {
                     routed / f64::from(total.requests)
@@ -525,7 +528,14 @@ impl RoutingShard {
             let scrape = backend.fresh_scrape(now, max_age);
             let memory = memory_pressure(backend, &total, scrape);
             let timing = backend.timing.timing();
-            let mut queue = engine_queue(backend, &total, scrape.is_some(), shared_tokens);
+            let mut queue = engine_queue(
+                backend,
+                &total,
+                scrape.is_some(),
+                shared_tokens,
+                &timing,
+                now_ms,
+            );
             deduct_prefill_progress(&mut queue, &timing, &total, now_ms);
             BackendView::new(id, state, total.tokens)
                 .with_cache(
@@ -602,17 +612,20 @@ impl RoutingShard {
 /// What is in front of a new request on a backend, for the predicted time to first token:
 /// the prefill of the routers' requests there that have not had their first token, those
 /// decoding, and its KV memory when its capacity is known. Held memory is the routers' own
-/// count, live (the distinct prompt blocks of their requests in flight plus half of the output
-/// they expect), plus, while the engine's last scrape is fresh, what it held then beyond the
-/// routers' requests (other frontends' requests); the other half of that output is what their
-/// KV memory will still grow by.
+/// count, live (the distinct prompt blocks of their requests in flight plus the output they
+/// wrote so far, [`decode_progress`]), plus, while the engine's last scrape is fresh, what it
+/// held then beyond the routers' requests (other frontends' requests); the rest of the output
+/// they expect is what their KV memory will still grow by.
 fn engine_queue(
     backend: &ShardBackend,
     total: &Load,
     fresh_scrape: bool,
     shared_tokens: u64,
+    timing: &EngineTiming,
+    now_ms: u64,
 ) -> EngineQueue {
-    let mean_remaining_output_tokens = mean_remaining_output(total);
+    let decoding = total.requests.saturating_sub(total.prefilling);
+    let progress = decode_progress(total, timing, decoding, now_ms);
     let capacity = backend.scraped_capacity.or(backend.configured_capacity);
     let kv = capacity.filter(|&capacity| capacity > 0).map(|capacity| {
         let others = if fresh_scrape {
@@ -622,19 +635,65 @@ fn engine_queue(
         };
         KvMemory {
             capacity_tokens: capacity,
-            held_tokens: routed_held_tokens(total) + others,
+            held_tokens: total.pinned_prompt_tokens as f64 + progress.written + others,
             shared_tokens,
-            // The other half of the output the routers' requests expect.
-            growth_tokens: total.decode_tokens as f64 / 2.0,
+            growth_tokens: (total.decode_tokens as f64 - progress.written).max(0.0),
         }
     });
     EngineQueue {
         prefill_tokens_ahead: total.tokens.saturating_sub(total.decode_tokens),
         prefill_pairs_ahead: total.prefill_pairs as f64,
         requests: total.requests,
-        decoding: total.requests.saturating_sub(total.prefilling),
-        mean_remaining_output_tokens,
+        decoding,
+        mean_remaining_output_tokens: progress.remaining,
+        waiting_output_tokens: progress.waiting_output,
         memory: kv,
+    }
+}
+
+/// How far the routers' requests in flight on a backend are through their output.
+struct DecodeProgress {
+    /// Output tokens they wrote so far, together.
+    written: f64,
+    /// Output a decoding one still owes, on average (any request in flight, when
+    /// `waiting_output` is `None`).
+    remaining: f64,
+    /// Output one without its first token will write (its whole expected output), on average;
+    /// `None` when how far the decoding ones are is unknown.
+    waiting_output: Option<f64>,
+}
+
+/// How far the routers' requests in flight on a backend are through their output. Each
+/// expects the backend's average (`decode_tokens / requests`); the decoding ones this node saw
+/// start wrote one token per step since their first token, on average
+/// [`Load::mean_decode_age_s`] ago, at most all of it. Without any (only a peer's requests
+/// decoding, or none), each request in flight is taken to be halfway through.
+fn decode_progress(
+    total: &Load,
+    timing: &EngineTiming,
+    decoding: u32,
+    now_ms: u64,
+) -> DecodeProgress {
+    let halfway = mean_remaining_output(total);
+    let half = DecodeProgress {
+        written: total.decode_tokens as f64 / 2.0,
+        remaining: halfway,
+        waiting_output: None,
+    };
+    let Some(age_s) = total.mean_decode_age_s(now_ms) else {
+        return half;
+    };
+    if total.requests == 0 {
+        return half;
+    }
+    let expected = total.decode_tokens as f64 / f64::from(total.requests);
+    let step_s = timing.step_seconds(decoding).max(1e-6);
+    let done = (age_s / step_s).min(expected);
+    let started = f64::from(total.decode_started.min(decoding));
+    DecodeProgress {
+        written: started * done,
+        remaining: (expected - done).max(1.0),
+        waiting_output: Some(expected.max(1.0)),
     }
 }
 
@@ -1166,6 +1225,54 @@ pub(crate) mod tests {
             .unwrap();
         assert_eq!(choice.backend, BackendId(1));
         assert!(choice.predicted_ttft.seconds < predicted[0]);
+    }
+
+    #[test]
+    fn a_full_engine_whose_requests_are_nearly_done_is_the_shorter_wait() {
+        let args = ["--routing", "prefix", "--shards", "1"];
+        let mut shard = shard_from(&args, 1, 2, ",capacity-tokens=10000");
+        // The routing clock has run a minute.
+        shard.clock_origin = Instant::now().checked_sub(Duration::from_secs(60)).unwrap();
+        let now_ms = shard.now_ms();
+        let prompt: Vec<u32> = (0..4000).collect();
+        let query = shard.query(&prompt);
+        // Four requests decoding on each, their prompts filling its memory, 200 output tokens
+        // each to write: on one they had their first tokens 2 s ago (about 120 of 200
+        // written at the default timing), on the other just now.
+        let decoding_since = |first_token_ms: u64| Load {
+            requests: 4,
+            tokens: 800,
+            decode_tokens: 800,
+            pinned_prompt_tokens: 9_000,
+            decode_started: 4,
+            decode_clock_ms: 4 * first_token_ms,
+            ..Load::default()
+        };
+        let mut predicted = Vec::new();
+        for (older, newer) in [(BackendId(0), BackendId(1)), (BackendId(1), BackendId(0))] {
+            shard.set_load(older, 0, decoding_since(now_ms - 2_000));
+            shard.set_load(newer, 0, decoding_since(now_ms));
+            let choice = shard
+                .decide(&shard.lookup(&query), prompt.len(), &[], &[])
+                .unwrap();
+            assert_eq!(choice.backend, older);
+            assert!(choice.predicted_ttft.memory_wait_steps > 0.0);
+            predicted.push(choice.predicted_ttft);
+        }
+        // Without a first token seen (a peer's requests, say) each is taken to be halfway:
+        // the wait lies between the two.
+        let halfway = Load {
+            decode_started: 0,
+            decode_clock_ms: 0,
+            ..decoding_since(0)
+        };
+        shard.set_load(BackendId(0), 0, halfway);
+        shard.set_load(BackendId(1), 0, decoding_since(now_ms));
+        let choice = shard
+            .decide(&shard.lookup(&query), prompt.len(), &[], &[])
+            .unwrap();
+        assert_eq!(choice.backend, BackendId(0));
+        assert!(choice.predicted_ttft.memory_wait_steps > predicted[0].memory_wait_steps);
     }
 
     #[test]
