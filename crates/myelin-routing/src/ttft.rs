@@ -189,7 +189,7 @@ pub fn memory_wait_steps(queue: &EngineQueue, prompt_tokens: u64, prefill_steps:
     }
     let excess = held + growth + need - capacity;
     let per_request = ((held + growth) / f64::from(queue.requests)).max(1.0);
-    let finishes = (excess / per_request).ceil().max(1.0).min(MAX_STEPS);
+    let finishes = (excess / per_request).ceil().clamp(1.0, MAX_STEPS);
     finish_steps(queue, finishes).min(MAX_STEPS)
 }
 

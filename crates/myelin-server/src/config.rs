@@ -27,6 +27,29 @@ fn positive() -> RangedU64ValueParser<usize> {
 }
 
 /// `--sim-speedup`: a finite number above 0.
+/// `MODEL=PATH`: a served model's name (as requests send it) and a file of its.
+fn model_path(text: &str) -> Result<(String, PathBuf), String> {
+    let (model, path) = text
+        .split_once('=')
+        .ok_or_else(|| format!("{text:?} is not MODEL=PATH"))?;
+    if model.is_empty() || model.len() > MAX_MODEL_NAME_BYTES {
+        return Err(format!(
+            "the model name must have 1 to {MAX_MODEL_NAME_BYTES} bytes"
+        ));
+    }
+    if path.is_empty() {
+        return Err(format!("{text:?} names no file"));
+    }
+    Ok((model.to_string(), PathBuf::from(path)))
+}
+
+/// Longest model name `--model-tokenizer` and `--model-chat-template` take.
+const MAX_MODEL_NAME_BYTES: usize = 256;
+
+/// Most models with a tokenizer or chat template of their own: each costs every data core a
+/// tokenizer and its caches (`--tokenize-cache-bytes` each).
+pub const MAX_MODEL_TOKENIZERS: usize = 32;
+
 fn speedup(text: &str) -> Result<f64, String> {
     match text.parse::<f64>() {
         Ok(value) if value.is_finite() && value > 0.0 => Ok(value),
@@ -257,6 +280,20 @@ pub struct ServeArgs {
     /// [default: built-in ChatML]
     #[arg(long, env = "MYELIN_CHAT_TEMPLATE", value_name = "PATH")]
     pub chat_template: Option<PathBuf>,
+
+    /// The tokenizer.json of one served model, `MODEL=PATH`: requests naming MODEL are
+    /// tokenized with it (other models with --tokenizer). Repeat the flag for several models;
+    /// in MYELIN_MODEL_TOKENIZER separate them with `;`. [default: none]
+    #[arg(long = "model-tokenizer", env = "MYELIN_MODEL_TOKENIZER", value_name = "MODEL=PATH",
+          value_delimiter = ';', value_parser = model_path)]
+    pub model_tokenizers: Vec<(String, PathBuf)>,
+
+    /// The chat template of one served model, `MODEL=PATH` (its tokenizer_config.json or a
+    /// .jinja file): chats naming MODEL are rendered with it (other models with
+    /// --chat-template). Repeatable like --model-tokenizer. [default: none]
+    #[arg(long = "model-chat-template", env = "MYELIN_MODEL_CHAT_TEMPLATE",
+          value_name = "MODEL=PATH", value_delimiter = ';', value_parser = model_path)]
+    pub model_chat_templates: Vec<(String, PathBuf)>,
 
     /// KV-cache block size of the engines, in tokens (vLLM --block-size).
     #[arg(long, env = "MYELIN_BLOCK_SIZE", value_name = "TOKENS", default_value_t = 16,
@@ -615,6 +652,9 @@ pub struct ServeConfig {
     pub residency: ResidencyMode,
     pub tokenizer: Option<PathBuf>,
     pub chat_template: Option<PathBuf>,
+    /// Models tokenized apart from the rest (`--model-tokenizer`, `--model-chat-template`),
+    /// by name.
+    pub model_tokenizers: Vec<ModelTokenizer>,
     pub block_size: usize,
     pub layout: CoreLayout,
     pub max_body_bytes: usize,
@@ -700,6 +740,64 @@ pub enum ConfigError {
     },
     #[error("--admin-token-file {0} holds no token (empty or only whitespace)")]
     AdminTokenEmpty(PathBuf),
+    #[error("{flag}: model {model} is named twice")]
+    ModelTwice { flag: &'static str, model: String },
+    #[error(
+        "--model-tokenizer and --model-chat-template name {0} models; at most {MAX_MODEL_TOKENIZERS}"
+    )]
+    TooManyModels(usize),
+}
+
+/// A served model tokenized apart from the rest: its own tokenizer.json or chat template (or
+/// both; `None`: the router-wide `--tokenizer` / `--chat-template`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelTokenizer {
+    pub model: String,
+    pub tokenizer: Option<PathBuf>,
+    pub chat_template: Option<PathBuf>,
+}
+
+/// `--model-tokenizer` and `--model-chat-template` as one entry per model, in the order the
+/// models are first named. A model named twice by one flag is an error, and so are more than
+/// [`MAX_MODEL_TOKENIZERS`] models.
+fn model_tokenizers(
+    tokenizers: &[(String, PathBuf)],
+    templates: &[(String, PathBuf)],
+) -> Result<Vec<ModelTokenizer>, ConfigError> {
+    let mut models: Vec<ModelTokenizer> = Vec::new();
+    for (flag, list) in [
+        ("--model-tokenizer", tokenizers),
+        ("--model-chat-template", templates),
+    ] {
+        for (model, path) in list {
+            let index = match models.iter().position(|entry| entry.model == *model) {
+                Some(index) => index,
+                None => {
+                    models.push(ModelTokenizer {
+                        model: model.clone(),
+                        tokenizer: None,
+                        chat_template: None,
+                    });
+                    models.len() - 1
+                }
+            };
+            let slot = if flag == "--model-tokenizer" {
+                &mut models[index].tokenizer
+            } else {
+                &mut models[index].chat_template
+            };
+            if slot.replace(path.clone()).is_some() {
+                return Err(ConfigError::ModelTwice {
+                    flag,
+                    model: model.clone(),
+                });
+            }
+        }
+    }
+    if models.len() > MAX_MODEL_TOKENIZERS {
+        return Err(ConfigError::TooManyModels(models.len()));
+    }
+    Ok(models)
 }
 
 /// Where the admin API listens: a TCP address, or a Unix stream socket (`unix:PATH`), which
@@ -1024,6 +1122,7 @@ impl ServeConfig {
             gossip,
             routing: args.routing,
             residency: args.residency,
+            model_tokenizers: model_tokenizers(&args.model_tokenizers, &args.model_chat_templates)?,
             tokenizer: args.tokenizer,
             chat_template: args.chat_template,
             block_size: args.block_size,
@@ -1371,6 +1470,61 @@ mod tests {
         let config = ServeConfig::from_args(parse(&["--sim", "2"]), &[0]).unwrap();
         assert_eq!(config.sim, 2);
         assert!(config.backends.is_empty());
+    }
+
+    #[test]
+    fn model_tokenizers_merge_by_model_and_refuse_what_is_ambiguous() {
+        let config = |flags: &[&str]| {
+            let mut all = vec!["--sim", "1"];
+            all.extend_from_slice(flags);
+            ServeConfig::from_args(parse(&all), &[0])
+        };
+        let models = config(&[
+            "--model-tokenizer",
+            "a=/m/a/tokenizer.json",
+            "--model-chat-template",
+            "b=/m/b.jinja",
+            "--model-chat-template",
+            "a=/m/a/tokenizer_config.json",
+        ])
+        .unwrap()
+        .model_tokenizers;
+        assert_eq!(
+            models,
+            [
+                ModelTokenizer {
+                    model: "a".into(),
+                    tokenizer: Some("/m/a/tokenizer.json".into()),
+                    chat_template: Some("/m/a/tokenizer_config.json".into()),
+                },
+                ModelTokenizer {
+                    model: "b".into(),
+                    tokenizer: None,
+                    chat_template: Some("/m/b.jinja".into()),
+                },
+            ]
+        );
+        // A model's name may hold `=` after the first one only in its path.
+        assert_eq!(
+            model_path("org/m:7b=/p=q.json").unwrap(),
+            ("org/m:7b".into(), PathBuf::from("/p=q.json"))
+        );
+        for bad in ["no-equals", "=/path", "m="] {
+            assert!(model_path(bad).is_err(), "{bad}");
+        }
+        assert!(model_path(&format!("{}=/p", "m".repeat(MAX_MODEL_NAME_BYTES + 1))).is_err());
+        assert!(matches!(
+            config(&["--model-tokenizer", "a=/x", "--model-tokenizer", "a=/y"]),
+            Err(ConfigError::ModelTwice {
+                flag: "--model-tokenizer",
+                ..
+            })
+        ));
+        let many: Vec<String> = (0..=MAX_MODEL_TOKENIZERS)
+            .map(|index| format!("--model-tokenizer=m{index}=/t.json"))
+            .collect();
+        let many: Vec<&str> = many.iter().map(String::as_str).collect();
+        assert!(matches!(config(&many), Err(ConfigError::TooManyModels(33))));
     }
 
     /// docs/reference/flags.md lists every flag with the default its definition gives (the

@@ -20,8 +20,8 @@ use myelin_http::body::Body;
 use myelin_http::client::{Pool, PoolConfig};
 use myelin_http::server::{ServeReport, ServerConfig, Shutdown};
 use myelin_routing::PinnedBlocks;
-use myelin_tokenize::{ChatTemplate, FastBpe, Tokenizer};
 
+use crate::TokenizerParts;
 use crate::backends::{BackendId, BackendInfo, BackendTable, Load, LoadUpdate, Prefill};
 use crate::config::ServeConfig;
 use crate::engine_metrics::ServedModels;
@@ -30,7 +30,7 @@ use crate::messages::{Message, ReplicaBackend, ReplicaSnapshot};
 use crate::metrics as names;
 use crate::openai::ApiError;
 use crate::pins::{OwnedPins, PinChange, PromptBlocks};
-use crate::route_tokens::{AddedTokens, RouteTokenizer};
+use crate::route_tokens::RouteTokenizer;
 use crate::routing_glue::{LookupAnswer, LookupQuery, RoutingShard};
 use crate::watchdog::Watchdog;
 
@@ -65,11 +65,11 @@ pub struct DataCoreSetup {
     pub initial_backends: Vec<BackendInfo>,
     /// Engine host names resolved at startup (`dns.rs`).
     pub initial_addresses: Vec<(String, SocketAddr)>,
-    pub tokenizer: Tokenizer,
-    /// The verified fast tokenizer path (each core gets its own clone: own word cache).
-    pub fast_tokenizer: Option<FastBpe>,
-    pub template: Arc<ChatTemplate>,
-    pub added_tokens: Option<Arc<AddedTokens>>,
+    /// The router-wide tokenizer, chat template and fast path (each core gets its own clone:
+    /// own word cache).
+    pub tokenizer: TokenizerParts,
+    /// Those of the models tokenized apart (`--model-tokenizer`, `--model-chat-template`).
+    pub model_tokenizers: Vec<(String, TokenizerParts)>,
     pub metrics: PrometheusHandle,
     pub stop: Arc<AtomicBool>,
     pub ready: std::sync::mpsc::Sender<CoreReady>,
@@ -86,7 +86,10 @@ pub struct DataCore {
     pub shards: usize,
     pub config: Arc<ServeConfig>,
     pub pool: Pool,
+    /// Tokenizes requests for models without their own ([`Self::tokenizer_for`]).
     pub tokenizer: RefCell<RouteTokenizer>,
+    /// The models with a tokenizer or chat template of their own, by name.
+    model_tokenizers: Vec<(String, RefCell<RouteTokenizer>)>,
     pub routing: RefCell<RoutingShard>,
     pub backends: RefCell<BackendTable>,
     pub metrics: PrometheusHandle,
@@ -177,18 +180,26 @@ where
         routing.add_backend(&info);
         backends.upsert(info);
     }
-    let tokenizer = RouteTokenizer::new(
-        setup.tokenizer,
-        setup.fast_tokenizer,
-        setup.template,
-        setup.added_tokens,
-        setup.config.tokenize_cache_bytes,
-        setup.config.block_size,
-    )
-    .with_limits(
-        setup.config.tokenize_max_bytes,
-        setup.config.tokenize_max_piece_bytes,
-    );
+    let route_tokenizer = |parts: TokenizerParts| {
+        RouteTokenizer::new(
+            parts.tokenizer,
+            parts.fast,
+            parts.template,
+            parts.added_tokens,
+            setup.config.tokenize_cache_bytes,
+            setup.config.block_size,
+        )
+        .with_limits(
+            setup.config.tokenize_max_bytes,
+            setup.config.tokenize_max_piece_bytes,
+        )
+    };
+    let tokenizer = route_tokenizer(setup.tokenizer);
+    let model_tokenizers = setup
+        .model_tokenizers
+        .into_iter()
+        .map(|(model, parts)| (model, RefCell::new(route_tokenizer(parts))))
+        .collect();
     let shutdown = Shutdown::new();
     shutdown.follow(setup.stop.clone(), STOP_POLL_INTERVAL);
     let core = Rc::new(DataCore {
@@ -208,6 +219,7 @@ where
             pool
         },
         tokenizer: RefCell::new(tokenizer),
+        model_tokenizers,
         routing: RefCell::new(routing),
         backends: RefCell::new(backends),
         metrics: setup.metrics,
@@ -339,7 +351,7 @@ async fn resync_loop(core: Rc<DataCore>) {
     let body_bytes = metrics::gauge!(names::BODY_BUFFER_BYTES, "shard" => core.shard_label.clone());
     loop {
         Timer::new(RESYNC_INTERVAL).await;
-        let (segment, prefix) = core.tokenizer.borrow().cache_bytes();
+        let (segment, prefix) = core.tokenizer_cache_bytes();
         segment_bytes.set(segment as f64);
         prefix_bytes.set(prefix as f64);
         body_bytes.set(core.body_budget.held() as f64);
@@ -828,6 +840,27 @@ impl DataCore {
     /// `GET /v1/models` answered without it (engines serving other models or adapters). A
     /// backend that never answered stays eligible (the engine answers for the name). Unknown
     /// (404, `model_not_found`) when every backend answered and none lists it.
+    /// What tokenizes requests naming `model`: its own tokenizer and chat template when
+    /// `--model-tokenizer` or `--model-chat-template` named it, the router-wide ones otherwise.
+    pub fn tokenizer_for(&self, model: &str) -> &RefCell<RouteTokenizer> {
+        self.model_tokenizers
+            .iter()
+            .find(|(name, _)| name == model)
+            .map_or(&self.tokenizer, |(_, tokenizer)| tokenizer)
+    }
+
+    /// The tokenizer caches' bytes on this core, segment and prefix, over every tokenizer.
+    fn tokenizer_cache_bytes(&self) -> (usize, usize) {
+        self.model_tokenizers
+            .iter()
+            .map(|(_, tokenizer)| tokenizer)
+            .chain([&self.tokenizer])
+            .map(|tokenizer| tokenizer.borrow().cache_bytes())
+            .fold((0, 0), |(segment, prefix), (s, p)| {
+                (segment + s, prefix + p)
+            })
+    }
+
     pub fn off_pool(&self, model: &str) -> Result<Vec<BackendId>, ApiError> {
         let backends = self.backends.borrow();
         let served = self.served.borrow();
@@ -858,7 +891,7 @@ impl DataCore {
     ) -> Result<serde_json::Value, ApiError> {
         let generation = crate::openai::parse_generation_request(endpoint, body)?;
         let tokens = {
-            let mut tokenizer = self.tokenizer.borrow_mut();
+            let mut tokenizer = self.tokenizer_for(&generation.model).borrow_mut();
             let rendered = tokenizer
                 .render(&generation.prompt)
                 .map_err(|error| ApiError::tokenize(&error))?;

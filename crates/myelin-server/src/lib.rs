@@ -172,6 +172,7 @@ fn added_tokens(source: &TokenizerSource) -> Option<AddedTokens> {
 
 /// What tokenizes prompts for routing, loaded once and shared by every data core (and by
 /// `myelin tokenize`).
+#[derive(Clone)]
 pub(crate) struct TokenizerParts {
     pub tokenizer: Tokenizer,
     pub template: Arc<ChatTemplate>,
@@ -192,10 +193,7 @@ impl TokenizerParts {
         let source = TokenizerSource::from_option(tokenizer);
         let loaded = Tokenizer::load(&source)?;
         note(&format!("myelin: tokenizer {source}"));
-        let template = Arc::new(match chat_template {
-            Some(path) => ChatTemplate::from_path(path)?,
-            None => ChatTemplate::chatml(),
-        });
+        let template = load_template(chat_template)?;
         let fast = if fast {
             fast_tokenizer(&source, &loaded, &note)
         } else {
@@ -211,19 +209,56 @@ impl TokenizerParts {
     }
 }
 
+/// A chat template file (`None`: the built-in ChatML).
+fn load_template(path: Option<&std::path::Path>) -> Result<Arc<ChatTemplate>, ServeError> {
+    Ok(Arc::new(match path {
+        Some(path) => ChatTemplate::from_path(path)?,
+        None => ChatTemplate::chatml(),
+    }))
+}
+
+/// The tokenizer parts of each model named by `--model-tokenizer` or `--model-chat-template`:
+/// its own tokenizer or the router-wide `default`, and its own chat template or
+/// `--chat-template`. An error names the model.
+fn model_tokenizer_parts(
+    config: &ServeConfig,
+    default: &TokenizerParts,
+) -> Result<Vec<(String, TokenizerParts)>, ServeError> {
+    config
+        .model_tokenizers
+        .iter()
+        .map(|entry| {
+            let template = entry
+                .chat_template
+                .as_deref()
+                .or(config.chat_template.as_deref());
+            let parts = match entry.tokenizer.as_deref() {
+                Some(tokenizer) => {
+                    TokenizerParts::load(Some(tokenizer), template, config.fast_tokenizer, |note| {
+                        println!("{note} (model {})", entry.model)
+                    })
+                }
+                None => load_template(template).map(|template| TokenizerParts {
+                    template,
+                    ..default.clone()
+                }),
+            };
+            parts
+                .map(|parts| (entry.model.clone(), parts))
+                .map_err(|error| ServeError::Startup(format!("model {}: {error}", entry.model)))
+        })
+        .collect()
+}
+
 /// Starts the router. Setting `stop` (or calling [`Server::stop`]) begins a graceful drain.
 pub fn start(config: ServeConfig, stop: Arc<AtomicBool>) -> Result<Server, ServeError> {
-    let TokenizerParts {
-        tokenizer,
-        template,
-        added_tokens,
-        fast: fast_tokenizer,
-    } = TokenizerParts::load(
+    let tokenizer = TokenizerParts::load(
         config.tokenizer.as_deref(),
         config.chat_template.as_deref(),
         config.fast_tokenizer,
         |note| println!("{note}"),
     )?;
+    let model_tokenizers = model_tokenizer_parts(&config, &tokenizer)?;
 
     let mut config = config;
     let sim = if config.sim > 0 {
@@ -295,9 +330,7 @@ pub fn start(config: ServeConfig, stop: Arc<AtomicBool>) -> Result<Server, Serve
             initial_backends: initial_backends.clone(),
             initial_addresses: initial_addresses.clone(),
             tokenizer: tokenizer.clone(),
-            fast_tokenizer: fast_tokenizer.clone(),
-            template: template.clone(),
-            added_tokens: added_tokens.clone(),
+            model_tokenizers: model_tokenizers.clone(),
             metrics: metrics.clone(),
             stop: stop.clone(),
             ready: ready_sender.clone(),

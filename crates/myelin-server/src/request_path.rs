@@ -256,9 +256,12 @@ async fn generate(
     // nothing to its end cannot match further, so that is all routing needs.
     let tokenize_started = Instant::now();
     let prefix_limit = Some(core.config.tokenize_prefix_bytes).filter(|&limit| limit > 0);
-    let rendered = core.tokenizer.borrow().render(&generation.prompt);
+    let rendered = core
+        .tokenizer_for(&generation.model)
+        .borrow()
+        .render(&generation.prompt);
     let tokenized = rendered.and_then(|rendered| {
-        let mut tokenizer = core.tokenizer.borrow_mut();
+        let mut tokenizer = core.tokenizer_for(&generation.model).borrow_mut();
         // A prefix that matched to its end before will again: go whole at once.
         let known_long =
             prefix_limit.is_some_and(|limit| tokenizer.is_known_long_prefix(&rendered, limit));
@@ -294,7 +297,7 @@ async fn generate(
         // The match reaches the end of what was tokenized: it may go further.
         let started = Instant::now();
         let whole = {
-            let mut tokenizer = core.tokenizer.borrow_mut();
+            let mut tokenizer = core.tokenizer_for(&generation.model).borrow_mut();
             if let Some(limit) = prefix_limit {
                 tokenizer.remember_long_prefix(&rendered, limit);
             }

@@ -1613,6 +1613,137 @@ fn a_traced_request_gets_its_decisions_evidence_only_when_the_flag_allows() {
     assert_eq!(traced_completion(&router, &prompt).0, None);
 }
 
+/// A word-level tokenizer.json (whitespace words; unknown words are `[UNK]`) and a chat
+/// template that writes only the messages' contents, in a fresh directory.
+fn word_tokenizer_files(name: &str) -> (std::path::PathBuf, String, String) {
+    let dir = std::env::temp_dir().join(format!("myelin-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tokenizer = dir.join("tokenizer.json");
+    std::fs::write(
+        &tokenizer,
+        json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [{"id": 0, "content": "[UNK]", "single_word": false, "lstrip": false,
+                              "rstrip": false, "normalized": false, "special": true}],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"},
+            "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "where": 1, "would": 2, "I": 3, "go": 4},
+                      "unk_token": "[UNK]"}
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let template = dir.join("words.jinja");
+    std::fs::write(
+        &template,
+        "{% for message in messages %}{{ message['content'] }} {% endfor %}",
+    )
+    .unwrap();
+    let path = |path: std::path::PathBuf| path.to_str().unwrap().to_string();
+    (dir, path(tokenizer), path(template))
+}
+
+#[test]
+fn a_model_named_by_model_tokenizer_is_tokenized_with_its_own_files() {
+    let (dir, tokenizer, template) = word_tokenizer_files("model-tokenizer");
+    let model = myelin_sim::DEFAULT_MODEL_NAME;
+    let own = format!("{model}={tokenizer}");
+    let own_template = format!("{model}={template}");
+    let explain = |router: &Router, path: &str, body: serde_json::Value| {
+        let answer = router.admin("POST", path, Some(&body));
+        assert_eq!(answer.status, 200);
+        answer.json()["prompt_tokens"].as_u64().unwrap()
+    };
+    let chat = json!({"model": model, "messages": [
+        {"role": "system", "content": "where would"},
+        {"role": "user", "content": "I go qqqzx"}]});
+    let completion = json!({"model": model, "prompt": "where would qqqzx zzqv", "max_tokens": 1});
+
+    // The model's own tokenizer and template: a word per token, the template writes only the
+    // contents.
+    let router = Router::start(&[
+        "--sim",
+        "1",
+        "--sim-speedup",
+        "20",
+        "--model-tokenizer",
+        &own,
+        "--model-chat-template",
+        &own_template,
+    ]);
+    assert_eq!(
+        explain(&router, "/admin/explain/v1/chat/completions", chat.clone()),
+        5
+    );
+    assert_eq!(
+        explain(&router, "/admin/explain/v1/completions", completion.clone()),
+        4
+    );
+    // Requests for it are served (the engine tokenizes them its own way).
+    assert_eq!(router.post_json("/v1/completions", &completion).status, 200);
+    drop(router);
+
+    // Without the flags the same bodies are tokenized by the router-wide tokenizer (byte
+    // pairs: more tokens) in ChatML.
+    let router = Router::start(&["--sim", "1", "--sim-speedup", "20"]);
+    let plain_chat = explain(&router, "/admin/explain/v1/chat/completions", chat.clone());
+    let plain_completion = explain(&router, "/admin/explain/v1/completions", completion.clone());
+    assert!(
+        plain_chat > 5 && plain_completion > 4,
+        "{plain_chat} {plain_completion}"
+    );
+    drop(router);
+
+    // Only a template of its own: the router-wide tokenizer renders its contents alone.
+    let router = Router::start(&[
+        "--sim",
+        "1",
+        "--sim-speedup",
+        "20",
+        "--model-chat-template",
+        &own_template,
+    ]);
+    let templated = explain(&router, "/admin/explain/v1/chat/completions", chat.clone());
+    assert!(templated < plain_chat, "{templated} {plain_chat}");
+    assert_eq!(
+        explain(&router, "/admin/explain/v1/completions", completion),
+        plain_completion
+    );
+    drop(router);
+
+    // A file that does not load stops the start, naming the model; so does a model named
+    // twice.
+    for (args, needle) in [
+        (
+            vec![format!(
+                "--model-tokenizer={model}=/nonexistent/tokenizer.json"
+            )],
+            format!("model {model}"),
+        ),
+        (
+            vec![
+                format!("--model-tokenizer={own}"),
+                format!("--model-tokenizer={own}"),
+            ],
+            format!("model {model} is named twice"),
+        ),
+        (
+            vec!["--model-tokenizer=no-equals-sign".into()],
+            "is not MODEL=PATH".into(),
+        ),
+    ] {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_myelin"))
+            .args(["serve", "--sim", "1", "--listen", "127.0.0.1:0"])
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(!output.status.success());
+        let stderr = String::from_utf8(output.stderr).unwrap();
+        assert!(stderr.contains(&needle), "{args:?}: {stderr}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn the_admin_api_explains_where_a_prompt_would_go_without_sending_it() {
     let prompt: Vec<u32> = (900..1_220).collect();
