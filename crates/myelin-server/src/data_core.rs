@@ -849,6 +849,21 @@ impl DataCore {
             .map_or(&self.tokenizer, |(_, tokenizer)| tokenizer)
     }
 
+    /// `model` as the per-model metrics' label: the name when an engine lists it in `GET
+    /// /v1/models` or the configuration names it (`--model-tokenizer`,
+    /// `--model-chat-template`); `None` (counted as `other`) for any other string a client
+    /// sent.
+    pub fn model_label<'a>(&self, model: &'a str) -> Option<&'a str> {
+        let configured = self.model_tokenizers.iter().any(|(name, _)| name == model);
+        let served = || {
+            self.served
+                .borrow()
+                .values()
+                .any(|served| served.models.iter().any(|name| names(name, model)))
+        };
+        (configured || served()).then_some(model)
+    }
+
     /// The tokenizer caches' bytes on this core, segment and prefix, over every tokenizer.
     fn tokenizer_cache_bytes(&self) -> (usize, usize) {
         self.model_tokenizers

@@ -22,6 +22,10 @@ pub fn exposition(handle: &PrometheusHandle) -> http::Response<myelin_http::body
 pub const REQUESTS_TOTAL: &str = "myelin_requests_total";
 /// Router-observed time from request arrival to the first response byte from the engine.
 pub const TTFT_SECONDS: &str = "myelin_request_ttft_seconds";
+/// Generation requests relayed to an engine, by served `model` (bounded: see [`ModelMeters`]).
+pub const MODEL_REQUESTS_TOTAL: &str = "myelin_model_requests_total";
+/// Arrival to the engine's first response body byte, by served `model`.
+pub const MODEL_TTFT_SECONDS: &str = "myelin_model_ttft_seconds";
 /// Router-observed time from request arrival to the end of the response body.
 pub const REQUEST_DURATION_SECONDS: &str = "myelin_request_duration_seconds";
 /// Time to decide a backend: owner-shard lookup (local or by message) plus scoring.
@@ -260,6 +264,8 @@ pub struct CoreMetrics {
     pub cross_core_dropped: Family<Counter>,
     /// `myelin_requests_total` by `route` and `status`.
     requests: RefCell<HashMap<(&'static str, u16), Counter>>,
+    /// By served `model`.
+    pub models: ModelMeters,
 }
 
 impl CoreMetrics {
@@ -315,6 +321,7 @@ impl CoreMetrics {
                 |kind| metrics::counter!(CROSS_CORE_DROPPED_TOTAL, "kind" => kind),
             ),
             requests: RefCell::new(HashMap::new()),
+            models: ModelMeters::default(),
         }
     }
 
@@ -334,6 +341,54 @@ impl CoreMetrics {
     /// Counts one passed deadline of `kind` (one of [`TIMEOUT_KINDS`]).
     pub fn timeout(&self, kind: &'static str) {
         self.timeouts.get(kind).increment(1);
+    }
+}
+
+/// The per-model metrics' handles (`myelin_model_requests_total`, `myelin_model_ttft_seconds`)
+/// by model, registered on first use. The label is a client's string, so its values are bounded
+/// twice: the caller passes only names an engine serves or the configuration names (others
+/// count as [`OTHER_MODEL`]), and past [`MAX_MODEL_LABELS`] names a core counts the rest as
+/// [`OTHER_MODEL`] too.
+#[derive(Default)]
+pub struct ModelMeters {
+    handles: RefCell<Vec<(String, ModelHandles)>>,
+}
+
+/// One model's handles.
+#[derive(Clone)]
+pub struct ModelHandles {
+    pub requests: Counter,
+    pub ttft: Histogram,
+}
+
+/// The `model` label of requests for models the router does not know to be served.
+pub const OTHER_MODEL: &str = "other";
+
+/// Most distinct `model` label values per data core (besides [`OTHER_MODEL`]).
+pub const MAX_MODEL_LABELS: usize = 64;
+
+impl ModelMeters {
+    /// The handles of `model` (`None`: not a known model, counted as [`OTHER_MODEL`]).
+    pub fn get(&self, model: Option<&str>) -> ModelHandles {
+        let model = model.unwrap_or(OTHER_MODEL);
+        if let Some((_, handles)) = self.handles.borrow().iter().find(|(name, _)| name == model) {
+            return handles.clone();
+        }
+        let full = self.handles.borrow().len() >= MAX_MODEL_LABELS;
+        let label = if full { OTHER_MODEL } else { model };
+        if full
+            && let Some((_, handles)) = self.handles.borrow().iter().find(|(name, _)| name == label)
+        {
+            return handles.clone();
+        }
+        let handles = ModelHandles {
+            requests: metrics::counter!(MODEL_REQUESTS_TOTAL, "model" => label.to_string()),
+            ttft: metrics::histogram!(MODEL_TTFT_SECONDS, "model" => label.to_string()),
+        };
+        self.handles
+            .borrow_mut()
+            .push((label.to_string(), handles.clone()));
+        handles
     }
 }
 
@@ -562,6 +617,15 @@ fn describe() {
         Unit::Seconds,
         "Arrival to first response byte."
     );
+    describe_counter!(
+        MODEL_REQUESTS_TOTAL,
+        "Generation requests relayed to an engine, by served model (other: not known to be served)."
+    );
+    describe_histogram!(
+        MODEL_TTFT_SECONDS,
+        Unit::Seconds,
+        "Arrival to first response byte of relayed generation requests, by served model."
+    );
     describe_histogram!(
         REQUEST_DURATION_SECONDS,
         Unit::Seconds,
@@ -741,4 +805,36 @@ fn describe() {
         KV_EVENTS_BLOCK_SIZE_MISMATCH,
         "Block size of a backend's KV events while it is not the router's (not mirrored), else 0."
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_labels_are_bounded_per_core() {
+        let meters = ModelMeters::default();
+        let labels = |meters: &ModelMeters| -> Vec<String> {
+            meters
+                .handles
+                .borrow()
+                .iter()
+                .map(|(name, _)| name.clone())
+                .collect()
+        };
+        meters.get(Some("a"));
+        meters.get(None);
+        meters.get(Some("a"));
+        assert_eq!(labels(&meters), ["a", OTHER_MODEL]);
+        for index in 0..2 * MAX_MODEL_LABELS {
+            meters.get(Some(&format!("m{index}")));
+        }
+        let all = labels(&meters);
+        assert_eq!(all.len(), MAX_MODEL_LABELS);
+        assert_eq!(all.iter().filter(|name| *name == OTHER_MODEL).count(), 1);
+        // Past the bound every new name counts as `other`, known ones keep their own.
+        meters.get(Some("one-more"));
+        meters.get(Some("a"));
+        assert_eq!(labels(&meters), all);
+    }
 }

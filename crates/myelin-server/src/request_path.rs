@@ -719,6 +719,8 @@ struct ResponseObserver {
     streamed: bool,
     /// The request's spans (`--otlp-endpoint`, sampled), exported when the relay ends.
     trace: Option<RequestTrace>,
+    /// `myelin_model_ttft_seconds` of the request's model.
+    model_ttft: metrics::Histogram,
 }
 
 impl RelayObserver for ResponseObserver {
@@ -730,11 +732,9 @@ impl RelayObserver for ResponseObserver {
                 self.arrived.elapsed().as_secs_f64() * 1e3,
             );
         }
-        self.core
-            .meters
-            .ttft
-            .get(self.route)
-            .record(self.arrived.elapsed().as_secs_f64());
+        let elapsed = self.arrived.elapsed().as_secs_f64();
+        self.core.meters.ttft.get(self.route).record(elapsed);
+        self.model_ttft.record(elapsed);
     }
 
     fn wants_usage(&self) -> bool {
@@ -873,6 +873,8 @@ fn relay_response(
     let (parts, body) = response.into_parts();
     let is_event_stream = proxy::is_event_stream(&parts.headers);
     let predicted_ttft = load.predicted_ttft_seconds();
+    let model = core.meters.models.get(core.model_label(&generation.model));
+    model.requests.increment(1);
     let observer = ResponseObserver {
         core: core.clone(),
         backend: load.backend(),
@@ -883,6 +885,7 @@ fn relay_response(
         parity,
         streamed: is_event_stream,
         trace,
+        model_ttft: model.ttft,
     };
     let drain_expired = core.drain_expired.clone();
     let relayed = RelayBody::new(body, is_event_stream, observer)

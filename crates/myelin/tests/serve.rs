@@ -1679,8 +1679,20 @@ fn a_model_named_by_model_tokenizer_is_tokenized_with_its_own_files() {
         explain(&router, "/admin/explain/v1/completions", completion.clone()),
         4
     );
-    // Requests for it are served (the engine tokenizes them its own way).
+    // Requests for it are served (the engine tokenizes them its own way) and counted by model.
     assert_eq!(router.post_json("/v1/completions", &completion).status, 200);
+    let label = format!("model=\"{model}\"");
+    assert_eq!(
+        metric_value(&router.metrics(), &["myelin_model_requests_total", &label]),
+        1.0
+    );
+    assert_eq!(
+        metric_value(
+            &router.metrics(),
+            &["myelin_model_ttft_seconds_count", &label]
+        ),
+        1.0
+    );
     drop(router);
 
     // Without the flags the same bodies are tokenized by the router-wide tokenizer (byte
