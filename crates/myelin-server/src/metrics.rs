@@ -371,23 +371,23 @@ impl ModelMeters {
     /// The handles of `model` (`None`: not a known model, counted as [`OTHER_MODEL`]).
     pub fn get(&self, model: Option<&str>) -> ModelHandles {
         let model = model.unwrap_or(OTHER_MODEL);
-        if let Some((_, handles)) = self.handles.borrow().iter().find(|(name, _)| name == model) {
-            return handles.clone();
-        }
-        let full = self.handles.borrow().len() >= MAX_MODEL_LABELS;
-        let label = if full { OTHER_MODEL } else { model };
-        if full
-            && let Some((_, handles)) = self.handles.borrow().iter().find(|(name, _)| name == label)
-        {
-            return handles.clone();
+        let mut known = self.handles.borrow_mut();
+        let listed = |known: &[(String, ModelHandles)], label: &str| {
+            known.iter().position(|(name, _)| name == label)
+        };
+        // Past the bound a new name counts as `other`; known names keep their own.
+        let label = match listed(&known, model) {
+            None if known.len() >= MAX_MODEL_LABELS => OTHER_MODEL,
+            _ => model,
+        };
+        if let Some(index) = listed(&known, label) {
+            return known[index].1.clone();
         }
         let handles = ModelHandles {
             requests: metrics::counter!(MODEL_REQUESTS_TOTAL, "model" => label.to_string()),
             ttft: metrics::histogram!(MODEL_TTFT_SECONDS, "model" => label.to_string()),
         };
-        self.handles
-            .borrow_mut()
-            .push((label.to_string(), handles.clone()));
+        known.push((label.to_string(), handles.clone()));
         handles
     }
 }

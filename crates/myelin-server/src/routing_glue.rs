@@ -304,8 +304,7 @@ impl RoutingShard {
             // engine was full does not make it look full after its requests finished.
             let capacity = entry.scraped_capacity.or(entry.configured_capacity);
             let total = entry.total_load();
-            let decoding = total.requests.saturating_sub(total.prefilling);
-            let progress = decode_progress(&total, &entry.timing.timing(), decoding, now_ms);
+            let progress = decode_progress(&total, &entry.timing.timing(), now_ms);
             let routed = total.pinned_prompt_tokens as f64 + progress.written;
             entry.other_held_tokens = capacity.map_or(0.0, |capacity| {
                 let per_request = if total.requests > 0 {
@@ -625,7 +624,7 @@ fn engine_queue(
     now_ms: u64,
 ) -> EngineQueue {
     let decoding = total.requests.saturating_sub(total.prefilling);
-    let progress = decode_progress(total, timing, decoding, now_ms);
+    let progress = decode_progress(total, timing, now_ms);
     let capacity = backend.scraped_capacity.or(backend.configured_capacity);
     let kv = capacity.filter(|&capacity| capacity > 0).map(|capacity| {
         let others = if fresh_scrape {
@@ -668,24 +667,18 @@ struct DecodeProgress {
 /// start wrote one token per step since their first token, on average
 /// [`Load::mean_decode_age_s`] ago, at most all of it. Without any (only a peer's requests
 /// decoding, or none), each request in flight is taken to be halfway through.
-fn decode_progress(
-    total: &Load,
-    timing: &EngineTiming,
-    decoding: u32,
-    now_ms: u64,
-) -> DecodeProgress {
-    let halfway = mean_remaining_output(total);
-    let half = DecodeProgress {
-        written: total.decode_tokens as f64 / 2.0,
-        remaining: halfway,
-        waiting_output: None,
+fn decode_progress(total: &Load, timing: &EngineTiming, now_ms: u64) -> DecodeProgress {
+    let age_s = total
+        .mean_decode_age_s(now_ms)
+        .filter(|_| total.requests > 0);
+    let Some(age_s) = age_s else {
+        return DecodeProgress {
+            written: total.decode_tokens as f64 / 2.0,
+            remaining: mean_remaining_output(total),
+            waiting_output: None,
+        };
     };
-    let Some(age_s) = total.mean_decode_age_s(now_ms) else {
-        return half;
-    };
-    if total.requests == 0 {
-        return half;
-    }
+    let decoding = total.requests.saturating_sub(total.prefilling);
     let expected = total.decode_tokens as f64 / f64::from(total.requests);
     let step_s = timing.step_seconds(decoding).max(1e-6);
     let done = (age_s / step_s).min(expected);
