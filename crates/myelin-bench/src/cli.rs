@@ -389,6 +389,16 @@ pub struct RegimeArgs {
     #[arg(long)]
     pub seed: Option<u64>,
 
+    /// Trace cells replay this Mooncake-format JSONL file (one request a line: `timestamp`,
+    /// `input_length`, `output_length`, `hash_ids`) instead of the built-in 300-request slice,
+    /// e.g. benches/data/mooncake-1200.jsonl.
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<std::path::PathBuf>,
+
+    /// Trace cells replay only the first N requests of the trace.
+    #[arg(long, value_name = "N")]
+    pub trace_requests: Option<u32>,
+
     /// Prompt format for every cell: token-ids or text (text for external legs such as the
     /// SGLang gateway, which take text only).
     #[arg(long, value_parser = ["token-ids", "text"])]

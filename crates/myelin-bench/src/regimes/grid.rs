@@ -215,6 +215,10 @@ pub struct CellOptions {
     pub engines: u32,
     pub seed: Option<u64>,
     pub prompt: Option<PromptFormat>,
+    /// Trace cells: the trace file (`None`: the built-in slice) and how many of its first
+    /// requests to replay (`None`: all).
+    pub trace_path: Option<String>,
+    pub trace_requests: Option<u32>,
     /// One duration for every synthetic cell, simulated seconds (`None`: [`duration_for`]; a
     /// trace replays its whole slice).
     pub duration_s: Option<f64>,
@@ -262,6 +266,14 @@ fn shaped(cell: &Cell, options: &CellOptions) -> Result<WorkloadConfig, Workload
     }
     if let Some(prompt) = options.prompt {
         config.prompt = prompt;
+    }
+    if let Some(trace) = config.trace.as_mut() {
+        if options.trace_path.is_some() {
+            trace.path = options.trace_path.clone();
+        }
+        if options.trace_requests.is_some() {
+            trace.max_requests = options.trace_requests;
+        }
     }
     // Placeholders until the rate is known (see `cell_plan`).
     config.duration_s = options.duration_s.unwrap_or(MAX_DURATION_S);
@@ -398,6 +410,8 @@ mod tests {
             engines: 8,
             seed: None,
             prompt: None,
+            trace_path: None,
+            trace_requests: None,
             duration_s: None,
             warmup_s: 20.0,
             target_requests: 600.0,
@@ -491,6 +505,38 @@ mod tests {
         // 40 / 6 = 6.67: down to a half step.
         assert_eq!(speedup_for(6.0, 40.0, 10.0), 6.5);
         assert_eq!(speedup_for(1000.0, 40.0, 10.0), 0.5);
+    }
+
+    #[test]
+    fn a_trace_cell_replays_the_requests_and_file_it_is_given() {
+        let cell = Cell {
+            shape: Shape::Trace,
+            working_set: 1.0,
+            load: 0.5,
+        };
+        let (_, whole, _) = cell_kv(&cell, &options()).unwrap();
+        let first_100 = CellOptions {
+            trace_requests: Some(100),
+            ..options()
+        };
+        let (config, tokens, definition) = cell_kv(&cell, &first_100).unwrap();
+        assert_eq!(config.trace.as_ref().unwrap().max_requests, Some(100));
+        assert!(tokens < whole, "{tokens} of {whole}");
+        let plan = cell_plan(&cell, &first_100, config, tokens, definition, 4.0).unwrap();
+        let native = TraceWorkload::load(&plan.config, TokenAlphabet::token_ids()).unwrap();
+        assert_eq!(native.len(), 100);
+        // A file: the first 50 lines of the slice, written out.
+        let path = std::env::temp_dir().join(format!("regimes-trace-{}.jsonl", std::process::id()));
+        let lines: Vec<&str> = crate::workload::trace::BUILTIN_SLICE.lines().take(50).collect();
+        std::fs::write(&path, lines.join("\n")).unwrap();
+        let from_file = CellOptions {
+            trace_path: Some(path.display().to_string()),
+            ..options()
+        };
+        let (config, tokens, _) = cell_kv(&cell, &from_file).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(config.trace.as_ref().unwrap().path.as_deref(), Some(path.to_str().unwrap()));
+        assert!(tokens < whole);
     }
 
     #[test]

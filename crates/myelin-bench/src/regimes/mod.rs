@@ -129,6 +129,8 @@ impl RegimeArgs {
                     PromptFormat::TokenIds
                 }
             }),
+            trace_path: self.trace.as_ref().map(|path| path.display().to_string()),
+            trace_requests: self.trace_requests,
             duration_s: self.duration,
             warmup_s: self.warmup,
             target_requests: self.requests_per_leg.max(1.0),
