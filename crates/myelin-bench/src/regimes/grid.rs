@@ -527,7 +527,10 @@ mod tests {
         assert_eq!(native.len(), 100);
         // A file: the first 50 lines of the slice, written out.
         let path = std::env::temp_dir().join(format!("regimes-trace-{}.jsonl", std::process::id()));
-        let lines: Vec<&str> = crate::workload::trace::BUILTIN_SLICE.lines().take(50).collect();
+        let lines: Vec<&str> = crate::workload::trace::BUILTIN_SLICE
+            .lines()
+            .take(50)
+            .collect();
         std::fs::write(&path, lines.join("\n")).unwrap();
         let from_file = CellOptions {
             trace_path: Some(path.display().to_string()),
@@ -535,7 +538,10 @@ mod tests {
         };
         let (config, tokens, _) = cell_kv(&cell, &from_file).unwrap();
         std::fs::remove_file(&path).unwrap();
-        assert_eq!(config.trace.as_ref().unwrap().path.as_deref(), Some(path.to_str().unwrap()));
+        assert_eq!(
+            config.trace.as_ref().unwrap().path.as_deref(),
+            Some(path.to_str().unwrap())
+        );
         assert!(tokens < whole);
     }
 
