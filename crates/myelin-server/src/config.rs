@@ -205,6 +205,35 @@ pub struct ServeArgs {
     )]
     pub admin_client_ca: Option<PathBuf>,
 
+    /// Serve --metrics-listen over TLS with this PEM certificate chain; needs
+    /// --metrics-tls-key and --metrics-listen. [default: none: plain HTTP]
+    #[arg(
+        long,
+        env = "MYELIN_METRICS_TLS_CERT",
+        value_name = "PATH",
+        requires_all = ["metrics_tls_key", "metrics_listen"]
+    )]
+    pub metrics_tls_cert: Option<PathBuf>,
+
+    /// The PEM private key of --metrics-tls-cert. [default: none]
+    #[arg(
+        long,
+        env = "MYELIN_METRICS_TLS_KEY",
+        value_name = "PATH",
+        requires = "metrics_tls_cert"
+    )]
+    pub metrics_tls_key: Option<PathBuf>,
+
+    /// Scrapers of --metrics-listen must present a certificate signed by a CA of this PEM
+    /// file (mutual TLS; needs --metrics-tls-cert). [default: none]
+    #[arg(
+        long,
+        env = "MYELIN_METRICS_CLIENT_CA",
+        value_name = "PATH",
+        requires = "metrics_tls_cert"
+    )]
+    pub metrics_client_ca: Option<PathBuf>,
+
     /// Trust the CA certificates of this PEM file for `https://` engines, instead of the
     /// system's roots. [default: none: the system's roots (SSL_CERT_FILE, SSL_CERT_DIR or the
     /// platform's store)]
@@ -638,6 +667,9 @@ pub struct ServeConfig {
     pub admin_listen: AdminListen,
     /// HTTPS on `admin_listen` (`--admin-tls-cert`, `--admin-tls-key`, `--admin-client-ca`).
     pub admin_tls: Option<myelin_http::tls::ServerTls>,
+    /// HTTPS on `metrics_listen` (`--metrics-tls-cert`, `--metrics-tls-key`,
+    /// `--metrics-client-ca`).
+    pub metrics_tls: Option<myelin_http::tls::ServerTls>,
     /// Bearer token the admin API requires (always set when `admin_listen` is not loopback,
     /// unless admin clients need a certificate).
     pub admin_token: Option<AdminToken>,
@@ -1086,6 +1118,12 @@ impl ServeConfig {
             &args.admin_tls_key,
             args.admin_client_ca.clone(),
         )?;
+        let metrics_tls = server_tls(
+            "--metrics-tls-cert/--metrics-tls-key/--metrics-client-ca",
+            &args.metrics_tls_cert,
+            &args.metrics_tls_key,
+            args.metrics_client_ca.clone(),
+        )?;
         let engine_tls = myelin_http::tls::client_config(&myelin_http::tls::ClientTlsFiles {
             ca: args.engine_ca.clone(),
             identity: args
@@ -1114,6 +1152,7 @@ impl ServeConfig {
             tls,
             admin_listen: args.admin_listen,
             admin_tls,
+            metrics_tls,
             admin_token,
             engine_tls,
             backends,
@@ -1635,5 +1674,30 @@ mod tests {
             Some(Path::new(&ca))
         );
         assert!(config.admin_token.is_none());
+        // The metrics listener's TLS needs the listener, and its own pair.
+        let metrics = [
+            "--metrics-listen",
+            "127.0.0.1:9100",
+            "--metrics-tls-cert",
+            &cert,
+            "--metrics-tls-key",
+            &key,
+            "--metrics-client-ca",
+            &ca,
+        ];
+        let config = resolve(&metrics).unwrap();
+        let files = config.metrics_tls.unwrap();
+        assert_eq!(files.files().cert, Path::new(&cert));
+        assert_eq!(files.files().client_ca.as_deref(), Some(Path::new(&ca)));
+        for missing in [&metrics[2..], &metrics[..4], &metrics[..2]] {
+            let mut partial = missing.to_vec();
+            if missing.len() == 2 {
+                partial.extend(["--metrics-client-ca", &ca]);
+            }
+            assert!(
+                matches!(resolve(&partial), Err(ConfigError::Cli(_))),
+                "{partial:?}"
+            );
+        }
     }
 }

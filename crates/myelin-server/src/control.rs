@@ -350,6 +350,8 @@ pub async fn run_control(
                     },
                     myelin_http::server::ServerConfig {
                         drain_timeout: Duration::from_millis(100),
+                        tls: config.metrics_tls.clone(),
+                        on_tls: Some(crate::metrics::metrics_tls_event),
                         ..Default::default()
                     },
                     shutdown,

@@ -452,10 +452,15 @@ pub fn run(args: ServeArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     } else {
         "http"
     };
+    let metrics_scheme = if config.metrics_tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
     let server = start(config, stop)?;
     let metrics_note = server
         .metrics_addr
-        .map(|addr| format!(", metrics on http://{addr}/metrics"))
+        .map(|addr| format!(", metrics on {metrics_scheme}://{addr}/metrics"))
         .unwrap_or_default();
     let admin_note = server
         .admin_addr

@@ -159,8 +159,8 @@ pub fn connection_refused() {
     metrics::counter!(CONNECTIONS_REFUSED_TOTAL).increment(1);
 }
 
-/// TLS events of a listener (`listener`: client or admin; `event`: reloaded, reload_failed,
-/// handshake_failed).
+/// TLS events of a listener (`listener`: client, admin or metrics; `event`: reloaded,
+/// reload_failed, handshake_failed).
 pub const TLS_EVENTS_TOTAL: &str = "myelin_tls_events_total";
 
 /// Counts a TLS event of the client listener (the server loop's `on_tls`).
@@ -171,6 +171,11 @@ pub fn client_tls_event(event: myelin_http::tls::TlsEvent) {
 /// Counts a TLS event of the admin listener (the server loop's `on_tls`).
 pub fn admin_tls_event(event: myelin_http::tls::TlsEvent) {
     tls_event("admin", event);
+}
+
+/// Counts a TLS event of the `--metrics-listen` listener (the server loop's `on_tls`).
+pub fn metrics_tls_event(event: myelin_http::tls::TlsEvent) {
+    tls_event("metrics", event);
 }
 
 fn tls_event(listener: &'static str, event: myelin_http::tls::TlsEvent) {
@@ -517,7 +522,7 @@ pub fn install() -> PrometheusHandle {
     for kind in TIMEOUT_KINDS {
         metrics::counter!(TIMEOUTS_TOTAL, "kind" => *kind).increment(0);
     }
-    for listener in ["client", "admin"] {
+    for listener in ["client", "admin", "metrics"] {
         for event in myelin_http::tls::TlsEvent::NAMES {
             metrics::counter!(TLS_EVENTS_TOTAL, "listener" => listener, "event" => event)
                 .increment(0);

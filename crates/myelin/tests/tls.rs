@@ -1,7 +1,8 @@
 //! TLS end to end, with curl as the client (a real TLS stack, h2 by ALPN): the real `myelin
 //! serve` serving clients over HTTPS in front of a simulated engine that itself serves HTTPS, a
 //! client or engine with a certificate from another CA refused, a certificate replaced on disk
-//! serving the next connections, and the admin API behind client certificates. The test PKI is
+//! serving the next connections, and the admin API and the metrics listener behind client
+//! certificates. The test PKI is
 //! `crates/myelin-http/tests/fixtures/tls` (its `make.sh` regenerates it).
 
 mod support;
@@ -274,4 +275,69 @@ fn the_admin_api_over_tls_wants_a_client_certificate_from_its_ca() {
     assert_eq!((admitted.code, admitted.written.as_str()), (0, "200"));
     let listing: serde_json::Value = serde_json::from_str(&admitted.body).expect("JSON");
     assert_eq!(listing["backends"].as_array().map(Vec::len), Some(1));
+}
+
+#[test]
+fn the_metrics_listener_over_tls_serves_scrapers_with_a_certificate_from_its_ca() {
+    let engine = engine(false);
+    let metrics_port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let metrics_listen = format!("127.0.0.1:{metrics_port}");
+    let router = Router::start_with_shards(
+        1,
+        &[
+            "--backend",
+            &engine.engine_urls()[0],
+            "--metrics-listen",
+            &metrics_listen,
+            "--metrics-tls-cert",
+            &tls_file("server.pem"),
+            "--metrics-tls-key",
+            &tls_file("server.key"),
+            "--metrics-client-ca",
+            &tls_file("ca.pem"),
+        ],
+    );
+    let https = format!("https://{metrics_listen}/metrics");
+    let ca = tls_file("ca.pem");
+    let anonymous = curl(&["--cacert", &ca, &https]);
+    assert_ne!(anonymous.code, 0, "a scraper without a client certificate");
+    let plain = curl(&[&format!("http://{metrics_listen}/metrics")]);
+    assert!(
+        !plain.body.contains("myelin_"),
+        "plain HTTP to the TLS port: {}",
+        plain.body
+    );
+    let scraper = curl(&[
+        "--cacert",
+        &ca,
+        "--cert",
+        &tls_file("client.pem"),
+        "--key",
+        &tls_file("client.key"),
+        "-w",
+        "%{http_code}",
+        &https,
+    ]);
+    assert_eq!((scraper.code, scraper.written.as_str()), (0, "200"));
+    assert!(
+        scraper
+            .body
+            .contains("myelin_router_residency_route_downgrades_total"),
+        "{}",
+        scraper.body
+    );
+    // The refused handshakes are counted under the metrics listener.
+    wait_until("the metrics listener's failed handshakes counted", || {
+        metric_value(
+            &router.metrics(),
+            &[
+                "myelin_tls_events_total",
+                "listener=\"metrics\"",
+                "event=\"handshake_failed\"",
+            ],
+        ) >= 1.0
+    });
 }
