@@ -56,6 +56,11 @@ pub struct BackendView {
     pub timing: EngineTiming,
     /// What is in front of a new request there: the predicted-TTFT cost's inputs.
     pub queue: EngineQueue,
+    /// When the oldest request in flight there without its first token was sent (routing
+    /// clock, ms), `None` when none is: the engine serves its queue first come, first served,
+    /// so a route taken since is still being prefilled (or waits to be), and its blocks are on
+    /// their way into the cache ([`crate::RouterConfig::pending_resident_ms`]).
+    pub prefilling_since_ms: Option<u64>,
 }
 
 /// What an engine's KV memory and scheduler say: the inputs of the expected admission wait
@@ -88,7 +93,14 @@ impl BackendView {
             memory: None,
             timing: EngineTiming::default(),
             queue: EngineQueue::default(),
+            prefilling_since_ms: None,
         }
+    }
+
+    /// When the oldest request without its first token there was sent (see the field).
+    pub fn with_prefilling_since(mut self, since_ms: Option<u64>) -> Self {
+        self.prefilling_since_ms = since_ms;
+        self
     }
 
     /// The predicted-TTFT cost's inputs: the engine's timing and what is in front of a new

@@ -109,7 +109,10 @@ pub struct RouterConfig {
     pub decode_step_tokens: u64,
     /// A backend that was routed a prompt's matched prefix this recently (ms, the lookup's
     /// clock) is taken to hold it whatever the residency mode says: it is prefilling it, or
-    /// its KV events for it are still on the way ("pending resident"). 0 = off.
+    /// its KV events for it are still on the way ("pending resident"). So is a backend routed
+    /// it while a request sent no later is still without its first token there
+    /// ([`BackendView::prefilling_since_ms`]: the routed prompt is still being prefilled, or
+    /// waits to be). 0 = off.
     pub pending_resident_ms: u64,
     /// Most homes a prefix gets because of KV-memory waits (backends holding at least half of
     /// its longest match); beyond it, waits count only among its homes. 0 = no bound.
@@ -606,11 +609,16 @@ impl<E: ResidencyEstimator> Router<E> {
             .verified_resident_blocks
             .map(|blocks| f64::from(blocks) * f64::from(block_size));
         let history = f64::from(entry.matched_blocks) * f64::from(block_size);
-        // Routed there moments ago: being prefilled, or its KV events not arrived yet.
+        // Routed there moments ago (its KV events not arrived yet), or while a request sent
+        // no later is still without its first token (first come, first served: the routed
+        // prompt is being prefilled or waits to be, however long that takes).
         let pending = self.config.pending_resident_ms > 0
             && entry.matched_blocks > 0
-            && matched.looked_up_at_ms.saturating_sub(entry.last_routed_ms)
-                <= self.config.pending_resident_ms;
+            && (matched.looked_up_at_ms.saturating_sub(entry.last_routed_ms)
+                <= self.config.pending_resident_ms
+                || view
+                    .prefilling_since_ms
+                    .is_some_and(|since| entry.last_routed_ms >= since));
         let expected = match (self.residency, verified) {
             (ResidencyMode::Off, _) => return history,
             (ResidencyMode::Verified, verified) => verified.unwrap_or(0.0),

@@ -1028,6 +1028,51 @@ fn a_prefix_routed_moments_ago_counts_as_resident_in_every_mode() {
 }
 
 #[test]
+fn a_prefix_routed_before_a_request_still_waiting_for_its_first_token_stays_pending() {
+    let mut shard = shard();
+    let tokens = prompt(8, 3);
+    // Routed to backend 0 at 1,000 ms, a long prompt: its mirror is live and shows nothing of
+    // it 5 s later, past the pending bound of 500 ms.
+    shard.learn(&tokens, BackendId(0), 1_000);
+    shard.set_mirror_live(BackendId(0), true);
+    let mut router = Router::new(
+        Policy::Prefix,
+        ResidencyMode::Auto,
+        RouterConfig {
+            load_bound_tokens: 0,
+            pending_resident_ms: 500,
+            ..tokens_cost()
+        },
+    );
+    let later = shard.lookup(&tokens, 6_000);
+    let expected = |router: &mut Router, since: Option<u64>| {
+        let views = [up(0, 0).with_prefilling_since(since), up(1, 0)];
+        router
+            .decide(tokens.len() as u64, &later, &views)
+            .unwrap()
+            .expected_cached_tokens
+    };
+    // The oldest request there without a first token was sent at or before the route (first
+    // come, first served: the routed prompt is still being prefilled, or waits to be).
+    assert_eq!(expected(&mut router, Some(900)), 32.0);
+    assert_eq!(expected(&mut router, Some(1_000)), 32.0);
+    // Every request sent no later than the route has had its first token: the mirror rules.
+    assert_eq!(expected(&mut router, Some(1_001)), 0.0);
+    assert_eq!(expected(&mut router, None), 0.0);
+    // Off, the pending bound turns this off too.
+    let mut off = Router::new(
+        Policy::Prefix,
+        ResidencyMode::Auto,
+        RouterConfig {
+            load_bound_tokens: 0,
+            pending_resident_ms: 0,
+            ..tokens_cost()
+        },
+    );
+    assert_eq!(expected(&mut off, Some(900)), 0.0);
+}
+
+#[test]
 fn a_prefix_with_its_share_of_homes_gets_no_more_for_memory() {
     let mut shard = shard();
     let tokens = prompt(8, 3);

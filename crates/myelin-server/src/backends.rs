@@ -62,6 +62,39 @@ pub struct Load {
     /// (`routing_glue::engine_queue`).
     pub decode_started: u32,
     pub decode_clock_ms: u64,
+    /// When the oldest request in flight without a first token was sent (milliseconds on the
+    /// routing clock, at least 1; 0: none). Summed over cores as the earliest: the engine
+    /// serves first come, first served, so every route taken since that moment is still being
+    /// prefilled or waits to be (`Router`'s pending resident). Kept by [`SentTimes`].
+    pub prefilling_since_ms: u64,
+}
+
+/// The send times of one core's requests in flight on a backend without their first token:
+/// the earliest is [`Load::prefilling_since_ms`].
+#[derive(Debug, Clone, Default)]
+pub struct SentTimes(std::collections::BTreeMap<u64, u32>);
+
+impl SentTimes {
+    /// A request sent at `sent_ms` (routing clock) waits for its first token.
+    pub fn add(&mut self, sent_ms: u64) {
+        *self.0.entry(sent_ms.max(1)).or_default() += 1;
+    }
+
+    /// The request sent at `sent_ms` had its first token, or ended without one.
+    pub fn remove(&mut self, sent_ms: u64) {
+        let key = sent_ms.max(1);
+        if let Some(count) = self.0.get_mut(&key) {
+            *count -= 1;
+            if *count == 0 {
+                self.0.remove(&key);
+            }
+        }
+    }
+
+    /// The earliest send time, 0 when none waits.
+    pub fn earliest(&self) -> u64 {
+        self.0.keys().next().copied().unwrap_or(0)
+    }
 }
 
 /// Output tokens assumed for load accounting when a request sets no `max_tokens`.
@@ -160,6 +193,11 @@ impl Load {
         self.prefill_clock_ms = self.prefill_clock_ms.max(other.prefill_clock_ms);
         self.decode_started = self.decode_started.saturating_add(other.decode_started);
         self.decode_clock_ms = self.decode_clock_ms.saturating_add(other.decode_clock_ms);
+        self.prefilling_since_ms = match (self.prefilling_since_ms, other.prefilling_since_ms) {
+            (0, other) => other,
+            (own, 0) => own,
+            (own, other) => own.min(other),
+        };
     }
 
     /// Seconds since the first tokens of this node's decoding requests, on average (`None`:
@@ -201,6 +239,8 @@ pub struct BackendEntry {
     pub local: Load,
     /// The prompt blocks behind `local.pinned_prompt_tokens`.
     pub pinned: PinnedBlocks,
+    /// The send times behind `local.prefilling_since_ms`.
+    pub prefilling_sent: SentTimes,
     /// Load each other core last reported, by core index.
     pub peers: Vec<Load>,
     /// Version of the last control-core change applied to this entry (0: the startup list).
@@ -266,6 +306,7 @@ impl BackendTable {
                     info: info.clone(),
                     local: Load::default(),
                     pinned: PinnedBlocks::default(),
+                    prefilling_sent: SentTimes::default(),
                     peers: vec![Load::default(); self.shards],
                     version,
                 };
@@ -411,9 +452,37 @@ mod tests {
                         prefill_clock_ms,
                         decode_started,
                         decode_clock_ms,
+                        prefilling_since_ms: 0,
                     }
                 },
             )
+    }
+
+    #[test]
+    fn the_earliest_request_waiting_for_a_first_token_is_summed_over_cores_as_the_earliest() {
+        let mut sent = SentTimes::default();
+        assert_eq!(sent.earliest(), 0);
+        for ms in [30, 10, 10, 20] {
+            sent.add(ms);
+        }
+        assert_eq!(sent.earliest(), 10);
+        sent.remove(10);
+        assert_eq!(sent.earliest(), 10, "two were sent at 10 ms");
+        sent.remove(10);
+        assert_eq!(sent.earliest(), 20);
+        // A time never added changes nothing; the clock's 0 counts as 1 (0 means none).
+        sent.remove(99);
+        sent.add(0);
+        assert_eq!(sent.earliest(), 1);
+        let at = |prefilling_since_ms| Load {
+            prefilling_since_ms,
+            ..Load::default()
+        };
+        for (a, b, sum) in [(0, 0, 0), (0, 7, 7), (7, 0, 7), (9, 7, 7), (7, 9, 7)] {
+            let mut total = at(a);
+            total.add(&at(b));
+            assert_eq!(total.prefilling_since_ms, sum, "{a} + {b}");
+        }
     }
 
     proptest! {

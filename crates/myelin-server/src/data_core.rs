@@ -22,7 +22,7 @@ use myelin_http::server::{ServeReport, ServerConfig, Shutdown};
 use myelin_routing::PinnedBlocks;
 
 use crate::TokenizerParts;
-use crate::backends::{BackendId, BackendInfo, BackendTable, Load, LoadUpdate, Prefill};
+use crate::backends::{BackendId, BackendInfo, BackendTable, Load, LoadUpdate, Prefill, SentTimes};
 use crate::config::ServeConfig;
 use crate::engine_metrics::ServedModels;
 use crate::mesh::{Mesh, MeshEnds, SendError};
@@ -403,6 +403,8 @@ pub struct LoadGuard {
     probe: Option<myelin_routing::ReuseProbe>,
     /// The prompt's pin key on this core (its blocks count until the response ends).
     pin: u64,
+    /// When it was sent (routing clock, ms).
+    sent_ms: u64,
     /// When it had its first token (routing clock, ms; `None`: not yet, so it counts among
     /// the backend's requests without one).
     first_token_ms: Option<u64>,
@@ -466,7 +468,12 @@ impl LoadGuard {
         if prefilled != Prefill::default() || was_prefilling {
             let now_ms = self.core.routing.borrow().now_ms();
             self.first_token_ms.get_or_insert(now_ms);
-            self.core.change_load(self.backend, |load| {
+            let sent = if was_prefilling {
+                SentChange::Done(self.sent_ms)
+            } else {
+                SentChange::None
+            };
+            self.core.change_load_sent(self.backend, sent, |load| {
                 load.first_token(prefilled, was_prefilling, now_ms);
             });
         }
@@ -479,6 +486,16 @@ impl LoadGuard {
                 .observe_ttft(self.backend, &prediction, sent.elapsed().as_secs_f64());
         }
     }
+}
+
+/// How a load change moves a request's wait for its first token ([`SentTimes`]).
+#[derive(Debug, Clone, Copy)]
+enum SentChange {
+    None,
+    /// Sent at this time (routing clock, ms), waiting.
+    Waiting(u64),
+    /// The one sent at this time had its first token, or ended without one.
+    Done(u64),
 }
 
 impl Drop for LoadGuard {
@@ -494,7 +511,11 @@ impl Drop for LoadGuard {
         }
         let (remaining, decode, first_token_ms) =
             (self.prefill, self.decode_tokens, self.first_token_ms);
-        self.core.change_load(self.backend, |load| {
+        let sent = match first_token_ms {
+            None => SentChange::Done(self.sent_ms),
+            Some(_) => SentChange::None,
+        };
+        self.core.change_load_sent(self.backend, sent, |load| {
             load.end_request(remaining, decode, first_token_ms);
         });
         self.core.send_pin_change(PinChange {
@@ -994,7 +1015,7 @@ impl DataCore {
             .get(backend)
             .map(|entry| entry.metrics.in_flight.clone());
         let now_ms = self.routing.borrow().now_ms();
-        self.change_load(backend, |load| {
+        self.change_load_sent(backend, SentChange::Waiting(now_ms), |load| {
             load.start_request(admitted_prefill_tokens, prefill, decode_tokens, now_ms);
         });
         let key = self.next_pin_key.get();
@@ -1016,6 +1037,7 @@ impl DataCore {
             in_flight,
             probe: None,
             pin: key,
+            sent_ms: now_ms,
             first_token_ms: None,
             prediction: None,
             watched: None,
@@ -1171,7 +1193,28 @@ impl DataCore {
     /// Applies `change` to this core's load on `backend`; the other cores hear of it with the
     /// next flush.
     fn change_load(self: &Rc<Self>, backend: BackendId, change: impl FnOnce(&mut Load)) {
-        self.change_load_pinned(backend, |load, _| change(load));
+        self.change_load_sent(backend, SentChange::None, change);
+    }
+
+    /// [`Self::change_load`] with a request starting or ending its wait for a first token
+    /// ([`Load::prefilling_since_ms`]).
+    fn change_load_sent(
+        self: &Rc<Self>,
+        backend: BackendId,
+        sent: SentChange,
+        change: impl FnOnce(&mut Load),
+    ) {
+        let mut change = Some(change);
+        self.change_load_entry(backend, |load, _, sent_times| {
+            match sent {
+                SentChange::None => {}
+                SentChange::Waiting(ms) => sent_times.add(ms),
+                SentChange::Done(ms) => sent_times.remove(ms),
+            }
+            if let Some(change) = change.take() {
+                change(load);
+            }
+        });
     }
 
     /// [`Self::change_load`] with the backend's pinned prompt blocks.
@@ -1180,12 +1223,27 @@ impl DataCore {
         backend: BackendId,
         change: impl FnOnce(&mut Load, &mut PinnedBlocks),
     ) {
+        self.change_load_entry(backend, |load, pinned, _| change(load, pinned));
+    }
+
+    /// Changes this core's load on a backend (with its pinned blocks and the send times of its
+    /// requests without a first token) and tells the routing state and the other cores.
+    fn change_load_entry(
+        self: &Rc<Self>,
+        backend: BackendId,
+        change: impl FnOnce(&mut Load, &mut PinnedBlocks, &mut SentTimes),
+    ) {
         let load = {
             let mut backends = self.backends.borrow_mut();
             let Some(entry) = backends.get_mut(backend) else {
                 return;
             };
-            change(&mut entry.local, &mut entry.pinned);
+            change(
+                &mut entry.local,
+                &mut entry.pinned,
+                &mut entry.prefilling_sent,
+            );
+            entry.local.prefilling_since_ms = entry.prefilling_sent.earliest();
             entry.local
         };
         self.routing

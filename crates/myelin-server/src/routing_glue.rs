@@ -544,6 +544,9 @@ impl RoutingShard {
                 )
                 .with_memory(memory)
                 .with_ttft(timing, queue)
+                .with_prefilling_since(
+                    (total.prefilling_since_ms > 0).then_some(total.prefilling_since_ms),
+                )
         }));
     }
 
