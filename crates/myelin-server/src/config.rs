@@ -566,9 +566,10 @@ pub struct ServeArgs {
           default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..))]
     pub engine_metrics_interval_ms: u64,
 
-    /// Prefix policy: a backend routed a prompt's prefix this recently counts as holding it in
-    /// every residency mode ("pending resident": it is prefilling it, or its KV events are on
-    /// the way); 0 turns it off.
+    /// Prefix policy: a backend routed a prompt's prefix this recently, or since its oldest
+    /// request still without a first token was sent, counts as holding it in every residency
+    /// mode ("pending resident": it is prefilling it, or its KV events are on the way); 0 turns
+    /// it off.
     #[arg(
         long,
         env = "MYELIN_PENDING_RESIDENT_MS",

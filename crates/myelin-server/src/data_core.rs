@@ -928,8 +928,13 @@ impl DataCore {
         let generation = crate::openai::parse_generation_request(endpoint, body)?;
         let tokens = {
             let mut tokenizer = self.tokenizer_for(&generation.model).borrow_mut();
+            let tools = if generation.tools_present && tokenizer.template_uses_tools() {
+                crate::openai::read_tools(body)?
+            } else {
+                None
+            };
             let rendered = tokenizer
-                .render(&generation.prompt)
+                .render_with_tools(&generation.prompt, tools.as_ref())
                 .map_err(|error| ApiError::tokenize(&error))?;
             tokenizer
                 .tokens(&rendered, None)
@@ -1204,16 +1209,13 @@ impl DataCore {
         sent: SentChange,
         change: impl FnOnce(&mut Load),
     ) {
-        let mut change = Some(change);
-        self.change_load_entry(backend, |load, _, sent_times| {
+        self.change_load_entry(backend, move |load, _, sent_times| {
             match sent {
                 SentChange::None => {}
                 SentChange::Waiting(ms) => sent_times.add(ms),
                 SentChange::Done(ms) => sent_times.remove(ms),
             }
-            if let Some(change) = change.take() {
-                change(load);
-            }
+            change(load);
         });
     }
 

@@ -44,6 +44,9 @@ pub struct GenerationRequest {
     /// vLLM's `cache_salt`: the engine shares cached blocks only between requests of the same
     /// salt, so the router keys the prompt by it too.
     pub cache_salt: Option<String>,
+    /// A chat request with (non-null) `tools`: not read here, as most chat templates do not
+    /// write them; [`read_tools`] gets them for one that does.
+    pub tools_present: bool,
 }
 
 /// An error returned to the client in OpenAI's shape:
@@ -215,10 +218,9 @@ impl ApiError {
 /// Validates a generation request body.
 ///
 /// Only the members the router reads are parsed into JSON values; the others are checked for
-/// syntax and skipped, and a `prompt` of token ids is read straight into ids (a 67k-token
-/// prompt took 3.3 ms as a tree of JSON values, most of a request's time in the router). The
-/// result is what parsing the whole body into one JSON value would give
-/// ([`parse_generation_value`]; the tests compare the two).
+/// syntax and skipped, and a `prompt` of token ids is read straight into ids, not into a JSON
+/// value per id (docs/performance.md). The result is what parsing the whole body into one
+/// JSON value would give ([`parse_generation_value`]; the tests compare the two).
 pub fn parse_generation_request(
     endpoint: Endpoint,
     body: &[u8],
@@ -242,19 +244,111 @@ pub fn parse_generation_request(
         Err(error) => return Err(invalid_json(error)),
     };
     let mut object = members.object;
-    match members.prompt {
+    let mut request = match members.prompt {
         // The common completion: one prompt of token ids, no JSON value per id.
         Some(RawPrompt::Ids(ids)) if endpoint == Endpoint::Completions && !ids.is_empty() => {
             let mut request = parse_object(endpoint, object, false)?;
             request.prompt = PromptInput::Tokens(ids);
-            Ok(request)
+            request
         }
         prompt => {
             if let Some(prompt) = prompt {
                 object.insert("prompt".into(), prompt.into_value());
             }
-            parse_object(endpoint, object, true)
+            parse_object(endpoint, object, true)?
         }
+    };
+    request.tools_present = endpoint == Endpoint::ChatCompletions && members.tools_present;
+    Ok(request)
+}
+
+/// The `tools` of a chat request's body (one [`parse_generation_request`] accepted; `None`
+/// when absent or null), for a chat template that writes them into the prompt. Tools that are
+/// not an array are refused as the engine would refuse them.
+pub fn read_tools(body: &[u8]) -> Result<Option<Value>, ApiError> {
+    struct ToolsOnly(Option<Value>);
+    impl<'de> serde::Deserialize<'de> for ToolsOnly {
+        fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+            struct Visitor;
+            impl<'de> serde::de::Visitor<'de> for Visitor {
+                type Value = ToolsOnly;
+                fn expecting(&self, formatter: &mut std::fmt::Formatter) -> std::fmt::Result {
+                    formatter.write_str("a JSON object")
+                }
+                fn visit_map<A: serde::de::MapAccess<'de>>(
+                    self,
+                    mut map: A,
+                ) -> Result<ToolsOnly, A::Error> {
+                    let mut tools = None;
+                    while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                        if key == "tools" {
+                            tools = Some(map.next_value::<Value>()?);
+                        } else {
+                            map.next_value::<serde::de::IgnoredAny>()?;
+                        }
+                    }
+                    Ok(ToolsOnly(tools))
+                }
+            }
+            deserializer.deserialize_map(Visitor)
+        }
+    }
+    let ToolsOnly(tools) = serde_json::from_slice(body).map_err(invalid_json)?;
+    match tools {
+        None | Some(Value::Null) => Ok(None),
+        Some(tools @ Value::Array(_)) => Ok(Some(tools)),
+        Some(_) => Err(wrong_type("tools", "an array of tool definitions")),
+    }
+}
+
+/// Whether a skipped value is anything but null.
+struct NotNull(bool);
+
+impl<'de> serde::Deserialize<'de> for NotNull {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = NotNull;
+            fn expecting(&self, formatter: &mut std::fmt::Formatter) -> std::fmt::Result {
+                formatter.write_str("a JSON value")
+            }
+            fn visit_unit<E: serde::de::Error>(self) -> Result<NotNull, E> {
+                Ok(NotNull(false))
+            }
+            fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<NotNull, E> {
+                Ok(NotNull(true))
+            }
+            fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<NotNull, E> {
+                Ok(NotNull(true))
+            }
+            fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<NotNull, E> {
+                Ok(NotNull(true))
+            }
+            fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<NotNull, E> {
+                Ok(NotNull(true))
+            }
+            fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<NotNull, E> {
+                Ok(NotNull(true))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<NotNull, A::Error> {
+                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                Ok(NotNull(true))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<NotNull, A::Error> {
+                while map
+                    .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
+                    .is_some()
+                {}
+                Ok(NotNull(true))
+            }
+        }
+        deserializer.deserialize_any(Visitor)
     }
 }
 
@@ -266,7 +360,10 @@ fn parse_generation_value(endpoint: Endpoint, body: &[u8]) -> Result<GenerationR
     let Value::Object(object) = value else {
         return Err(not_an_object());
     };
-    parse_object(endpoint, object, true)
+    let tools_present = object.get("tools").is_some_and(|tools| !tools.is_null());
+    let mut request = parse_object(endpoint, object, true)?;
+    request.tools_present = endpoint == Endpoint::ChatCompletions && tools_present;
+    Ok(request)
 }
 
 fn invalid_json(error: impl std::fmt::Display) -> ApiError {
@@ -291,6 +388,8 @@ fn not_an_object() -> ApiError {
 struct Members {
     object: Map<String, Value>,
     prompt: Option<RawPrompt>,
+    /// The last `tools` member is not null (its value is skipped).
+    tools_present: bool,
 }
 
 /// The top-level members [`parse_object`] reads (`prompt` is read apart).
@@ -321,10 +420,13 @@ impl<'de> serde::Deserialize<'de> for Members {
                 let mut members = Members {
                     object: Map::new(),
                     prompt: None,
+                    tools_present: false,
                 };
                 while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
                     if key == "prompt" {
                         members.prompt = Some(map.next_value()?);
+                    } else if key == "tools" {
+                        members.tools_present = map.next_value::<NotNull>()?.0;
                     } else if READ_MEMBERS.contains(&key.as_ref()) {
                         let value = map.next_value()?;
                         members.object.insert(key.into_owned(), value);
@@ -530,6 +632,7 @@ fn parse_object(
         batch,
         usage_expected: !stream || include_usage,
         cache_salt,
+        tools_present: false,
     })
 }
 
@@ -994,6 +1097,40 @@ mod tests {
         assert!(
             chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"vllm_xargs":{"kv_cache_report_mode":"full"}}"#)
                 .is_err()
+        );
+    }
+
+    #[test]
+    fn tools_are_noted_and_read_only_when_asked() {
+        let body = br#"{"model":"a","messages":[{"role":"user","content":"q"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#;
+        let request = chat(std::str::from_utf8(body).unwrap()).unwrap();
+        assert!(request.tools_present);
+        let tools = read_tools(body).unwrap().unwrap();
+        assert_eq!(tools[0]["function"]["name"], "f");
+        for (body, present) in [
+            (
+                r#"{"model":"a","messages":[{"role":"user","content":"q"}]}"#,
+                false,
+            ),
+            (
+                r#"{"model":"a","messages":[{"role":"user","content":"q"}],"tools":null}"#,
+                false,
+            ),
+            (
+                r#"{"model":"a","messages":[{"role":"user","content":"q"}],"tools":"x"}"#,
+                true,
+            ),
+        ] {
+            assert_eq!(chat(body).unwrap().tools_present, present, "{body}");
+        }
+        assert_eq!(read_tools(br#"{"tools":null}"#).unwrap(), None);
+        let error = read_tools(br#"{"tools":"x"}"#).unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("tools"));
+        // A completion's tools are not its prompt's business.
+        assert!(
+            !completion(r#"{"model":"a","prompt":"p","tools":[]}"#)
+                .unwrap()
+                .tools_present
         );
     }
 

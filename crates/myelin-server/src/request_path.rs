@@ -256,10 +256,18 @@ async fn generate(
     // nothing to its end cannot match further, so that is all routing needs.
     let tokenize_started = Instant::now();
     let prefix_limit = Some(core.config.tokenize_prefix_bytes).filter(|&limit| limit > 0);
-    let rendered = core
-        .tokenizer_for(&generation.model)
-        .borrow()
-        .render(&generation.prompt);
+    let rendered = {
+        let tokenizer = core.tokenizer_for(&generation.model).borrow();
+        let tools = if generation.tools_present && tokenizer.template_uses_tools() {
+            match crate::openai::read_tools(&body) {
+                Ok(tools) => tools,
+                Err(error) => return error_response(&error),
+            }
+        } else {
+            None
+        };
+        tokenizer.render_with_tools(&generation.prompt, tools.as_ref())
+    };
     let tokenized = rendered.and_then(|rendered| {
         let mut tokenizer = core.tokenizer_for(&generation.model).borrow_mut();
         // A prefix that matched to its end before will again: go whole at once.

@@ -101,7 +101,18 @@ pub fn run(args: TokenizeArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         1,
     )
     .with_limits(0, 0);
-    let rendered = tokenizer.render(&request.prompt)?;
+    let tools = if request.tools_present && tokenizer.template_uses_tools() {
+        match crate::openai::read_tools(&body) {
+            Ok(tools) => tools,
+            Err(error) => {
+                println!("{}", error.to_json());
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+    } else {
+        None
+    };
+    let rendered = tokenizer.render_with_tools(&request.prompt, tools.as_ref())?;
     let tokens = tokenizer.tokens(&rendered, None)?;
     let mut out = json!({
         "api": match api { Api::Chat => "chat", Api::Completions => "completions" },

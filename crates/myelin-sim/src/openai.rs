@@ -72,7 +72,8 @@ impl GenerationRequest {
                     .ok_or_else(|| {
                         RequestError::Field("'messages' must be a non-empty list".to_string())
                     })?;
-                vec![text.encode_chat(messages)?]
+                let tools = object.get("tools").filter(|tools| !tools.is_null());
+                vec![text.encode_chat_with_tools(messages, tools)?]
             }
         };
         if prompts.iter().any(Vec::is_empty) {

@@ -104,7 +104,17 @@ impl TextModel {
     /// Prompt tokens of a chat: the rendered template (which writes its own BOS), tokenised
     /// without special tokens.
     pub fn encode_chat(&self, messages: &Value) -> Result<Vec<u32>, TextError> {
-        let rendered = self.template.render(messages, true)?;
+        self.encode_chat_with_tools(messages, None)
+    }
+
+    /// [`Self::encode_chat`] with the request's `tools`, which the chat template may write
+    /// into the prompt (vLLM passes them to the template).
+    pub fn encode_chat_with_tools(
+        &self,
+        messages: &Value,
+        tools: Option<&Value>,
+    ) -> Result<Vec<u32>, TextError> {
+        let rendered = self.template.render_with_tools(messages, tools, true)?;
         match &self.fast {
             Some(fast) => {
                 let mut ids = Vec::new();

@@ -51,7 +51,8 @@ use crate::{ChatTemplate, FastBpe, Tokenizer};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PromptInput {
     /// The validated `messages` array, rendered with the chat template before tokenizing
-    /// (passed whole, so templates see tool calls and every other field the engine sees).
+    /// (passed whole, so templates see tool calls and every other field of a message the
+    /// engine sees; the request's `tools` go beside it, [`RouteTokenizer::render_with_tools`]).
     Chat(Value),
     /// Completion prompt text (the first prompt of a batch).
     Text(String),
@@ -544,9 +545,25 @@ impl RouteTokenizer {
 
     /// Renders a chat with the chat template (generation prompt on, as engines do).
     pub fn render(&self, prompt: &PromptInput) -> Result<RenderedPrompt, RouteTokensError> {
+        self.render_with_tools(prompt, None)
+    }
+
+    /// Whether the chat template reads the request's `tools` (then render with them:
+    /// [`Self::render_with_tools`]).
+    pub fn template_uses_tools(&self) -> bool {
+        self.template.uses_tools()
+    }
+
+    /// [`Self::render`] with a chat request's `tools`, which the chat template may write into
+    /// the prompt (as the engine's rendering does).
+    pub fn render_with_tools(
+        &self,
+        prompt: &PromptInput,
+        tools: Option<&Value>,
+    ) -> Result<RenderedPrompt, RouteTokensError> {
         Ok(match prompt {
             PromptInput::Chat(messages) => RenderedPrompt::Text {
-                text: self.template.render(messages, true)?,
+                text: self.template.render_with_tools(messages, tools, true)?,
                 add_special_tokens: false,
             },
             PromptInput::Text(text) => RenderedPrompt::Text {

@@ -56,6 +56,8 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// The template reads `tools` ([`Self::uses_tools`]).
+    uses_tools: bool,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -122,11 +124,23 @@ impl ChatTemplate {
         );
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|error| TemplateError::Render(error.to_string()))?;
+        let uses_tools = env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|error| TemplateError::Render(error.to_string()))?
+            .undeclared_variables(false)
+            .contains("tools");
         Ok(Self {
             env,
             bos_token,
             eos_token,
+            uses_tools,
         })
+    }
+
+    /// Whether the template reads `tools` (the request's tool definitions, which such
+    /// templates write into the prompt, usually at its head).
+    pub fn uses_tools(&self) -> bool {
+        self.uses_tools
     }
 
     /// Renders `messages` (OpenAI chat messages, a JSON array). Content given as a list of
@@ -134,6 +148,17 @@ impl ChatTemplate {
     pub fn render(
         &self,
         messages: &Value,
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`Self::render`] with the request's `tools` (none: `tools` is none, as Hugging Face's
+    /// `apply_chat_template` and so vLLM pass it).
+    pub fn render_with_tools(
+        &self,
+        messages: &Value,
+        tools: Option<&Value>,
         add_generation_prompt: bool,
     ) -> Result<String, TemplateError> {
         let messages = normalize_messages(messages);
@@ -144,6 +169,7 @@ impl ChatTemplate {
         template
             .render(context! {
                 messages => messages,
+                tools => tools,
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,
@@ -289,6 +315,28 @@ mod tests {
         // Without trim_blocks and lstrip_blocks this is "\n    \n<u>q</u>\n    \n..." with a
         // line break and indentation left by every tag.
         assert_eq!(rendered, "<u>q</u>\n<a>a</a>\n");
+    }
+
+    #[test]
+    fn a_template_that_writes_the_tools_gets_them_and_says_so() {
+        let source = "{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}\
+            {% for m in messages %}{{ m.content }}\n{% endfor %}";
+        let template =
+            ChatTemplate::from_source(source.to_string(), String::new(), String::new()).unwrap();
+        assert!(template.uses_tools());
+        assert!(!ChatTemplate::chatml().uses_tools());
+        let messages = json!([{"role": "user", "content": "q"}]);
+        let tools = json!([{"type": "function", "function": {"name": "search"}}]);
+        let with = template
+            .render_with_tools(&messages, Some(&tools), true)
+            .unwrap();
+        assert!(with.starts_with("<tools>[{"), "{with}");
+        assert!(with.contains("\"search\""), "{with}");
+        assert_eq!(template.render(&messages, true).unwrap(), "q\n");
+        assert_eq!(
+            template.render_with_tools(&messages, None, true).unwrap(),
+            "q\n"
+        );
     }
 
     #[test]

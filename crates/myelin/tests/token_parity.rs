@@ -320,3 +320,58 @@ fn myelin_tokenize_prints_the_ids_the_engine_counts() {
     );
     let _ = std::fs::remove_dir_all(directory);
 }
+
+/// A template that writes the request's tools at the head of the prompt (as Llama 3.1's and
+/// Qwen's do), then the messages.
+const TOOLS_TEMPLATE: &str = "{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}\
+{% for message in messages %}### {{ message['role'] }}:\n{{ message['content'] }}\n\n{% endfor %}\
+{% if add_generation_prompt %}### assistant:\n{% endif %}";
+
+#[test]
+fn a_template_that_writes_the_tools_gets_them_in_the_router_as_in_the_engine() {
+    let directory = std::env::temp_dir().join(format!("myelin-tools-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).unwrap();
+    let template = directory.join("tools.jinja");
+    std::fs::write(&template, TOOLS_TEMPLATE).unwrap();
+    let engine = engines(Some(template.clone()));
+    let router = support::Router::start(&[
+        "--backend",
+        &engine.engine_urls()[0],
+        "--chat-template",
+        template.to_str().unwrap(),
+    ]);
+    let tools = json!([{"type": "function", "function": {
+        "name": "search", "description": "Finds documents about a topic in the archive.",
+        "parameters": {"type": "object", "properties": {"topic": {"type": "string"}}}}}]);
+    let mut with_tools = chat("Which documents mention the router?", false);
+    with_tools["tools"] = tools;
+    let without_tools = chat("Which documents mention the router?", false);
+    let explained = |body: &Value| {
+        let answer = router.admin("POST", "/admin/explain/v1/chat/completions", Some(body));
+        assert_eq!(answer.status, 200);
+        answer.json()["prompt_tokens"].as_u64().unwrap()
+    };
+    let (counted_with, counted_without) = (explained(&with_tools), explained(&without_tools));
+    assert!(
+        counted_with > counted_without + 10,
+        "{counted_with} {counted_without}"
+    );
+    for body in [&with_tools, &without_tools] {
+        let answer = router.post_json("/v1/chat/completions", body);
+        assert_eq!(answer.status, 200);
+        let engine_count = answer.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+        let router_count = explained(body);
+        assert_eq!(engine_count, router_count, "{body}");
+    }
+    let metrics = router.metrics();
+    assert_eq!(
+        metric_value(
+            &metrics,
+            &["myelin_tokenization_mismatch_total", "backend=\"0\""]
+        ),
+        0.0,
+        "{metrics}"
+    );
+    drop(router);
+    std::fs::remove_dir_all(&directory).ok();
+}
