@@ -301,57 +301,6 @@ pub fn read_tools(body: &[u8]) -> Result<Option<Value>, ApiError> {
     }
 }
 
-/// Whether a skipped value is anything but null.
-struct NotNull(bool);
-
-impl<'de> serde::Deserialize<'de> for NotNull {
-    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Visitor;
-        impl<'de> serde::de::Visitor<'de> for Visitor {
-            type Value = NotNull;
-            fn expecting(&self, formatter: &mut std::fmt::Formatter) -> std::fmt::Result {
-                formatter.write_str("a JSON value")
-            }
-            fn visit_unit<E: serde::de::Error>(self) -> Result<NotNull, E> {
-                Ok(NotNull(false))
-            }
-            fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<NotNull, E> {
-                Ok(NotNull(true))
-            }
-            fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<NotNull, E> {
-                Ok(NotNull(true))
-            }
-            fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<NotNull, E> {
-                Ok(NotNull(true))
-            }
-            fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<NotNull, E> {
-                Ok(NotNull(true))
-            }
-            fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<NotNull, E> {
-                Ok(NotNull(true))
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                self,
-                mut seq: A,
-            ) -> Result<NotNull, A::Error> {
-                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
-                Ok(NotNull(true))
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> Result<NotNull, A::Error> {
-                while map
-                    .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
-                    .is_some()
-                {}
-                Ok(NotNull(true))
-            }
-        }
-        deserializer.deserialize_any(Visitor)
-    }
-}
-
 /// [`parse_generation_request`] from the body parsed whole into one JSON value (the reference
 /// the members-only parse must equal).
 #[cfg(test)]
@@ -426,7 +375,9 @@ impl<'de> serde::Deserialize<'de> for Members {
                     if key == "prompt" {
                         members.prompt = Some(map.next_value()?);
                     } else if key == "tools" {
-                        members.tools_present = map.next_value::<NotNull>()?.0;
+                        // Skipped; null reads as none.
+                        members.tools_present =
+                            map.next_value::<Option<serde::de::IgnoredAny>>()?.is_some();
                     } else if READ_MEMBERS.contains(&key.as_ref()) {
                         let value = map.next_value()?;
                         members.object.insert(key.into_owned(), value);
