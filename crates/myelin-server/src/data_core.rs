@@ -928,11 +928,8 @@ impl DataCore {
         let generation = crate::openai::parse_generation_request(endpoint, body)?;
         let tokens = {
             let mut tokenizer = self.tokenizer_for(&generation.model).borrow_mut();
-            let tools = if generation.tools_present && tokenizer.template_uses_tools() {
-                crate::openai::read_tools(body)?
-            } else {
-                None
-            };
+            let tools =
+                crate::openai::template_tools(&generation, body, tokenizer.template_uses_tools())?;
             let rendered = tokenizer
                 .render_with_tools(&generation.prompt, tools.as_ref())
                 .map_err(|error| ApiError::tokenize(&error))?;

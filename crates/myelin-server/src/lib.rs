@@ -447,16 +447,10 @@ pub fn run(args: ServeArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         config.routing.as_str(),
         config.residency.as_str(),
     );
-    let scheme = if config.tls.is_some() {
-        "https"
-    } else {
-        "http"
+    let scheme_of = |tls: &Option<myelin_http::tls::ServerTls>| {
+        if tls.is_some() { "https" } else { "http" }
     };
-    let metrics_scheme = if config.metrics_tls.is_some() {
-        "https"
-    } else {
-        "http"
-    };
+    let (scheme, metrics_scheme) = (scheme_of(&config.tls), scheme_of(&config.metrics_tls));
     let server = start(config, stop)?;
     let metrics_note = server
         .metrics_addr

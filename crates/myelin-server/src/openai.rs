@@ -246,7 +246,7 @@ pub fn parse_generation_request(
     let mut object = members.object;
     let mut request = match members.prompt {
         // The common completion: one prompt of token ids, no JSON value per id.
-        Some(RawPrompt::Ids(ids)) if endpoint == Endpoint::Completions && !ids.is_empty() => {
+        Some(Item::Ids(ids)) if endpoint == Endpoint::Completions && !ids.is_empty() => {
             let mut request = parse_object(endpoint, object, false)?;
             request.prompt = PromptInput::Tokens(ids);
             request
@@ -262,10 +262,25 @@ pub fn parse_generation_request(
     Ok(request)
 }
 
+/// The `tools` a chat template gets for `request` (parsed from `body` by
+/// [`parse_generation_request`]): read from the body only when the template reads them
+/// (`template_uses_tools`) and the request has some; `None` otherwise.
+pub fn template_tools(
+    request: &GenerationRequest,
+    body: &[u8],
+    template_uses_tools: bool,
+) -> Result<Option<Value>, ApiError> {
+    if request.tools_present && template_uses_tools {
+        read_tools(body)
+    } else {
+        Ok(None)
+    }
+}
+
 /// The `tools` of a chat request's body (one [`parse_generation_request`] accepted; `None`
-/// when absent or null), for a chat template that writes them into the prompt. Tools that are
-/// not an array are refused as the engine would refuse them.
-pub fn read_tools(body: &[u8]) -> Result<Option<Value>, ApiError> {
+/// when absent or null). Tools that are not an array are refused as the engine would refuse
+/// them.
+fn read_tools(body: &[u8]) -> Result<Option<Value>, ApiError> {
     struct ToolsOnly(Option<Value>);
     impl<'de> serde::Deserialize<'de> for ToolsOnly {
         fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -331,12 +346,12 @@ fn not_an_object() -> ApiError {
     )
 }
 
-/// The members of a body the router reads, as JSON values; `prompt` apart (see [`RawPrompt`]).
+/// The members of a body the router reads, as JSON values; `prompt` apart (see [`Item`]).
 /// Any other member is checked for syntax and skipped. A member given twice counts once, with
 /// its last value (as in a JSON value parsed whole).
 struct Members {
     object: Map<String, Value>,
-    prompt: Option<RawPrompt>,
+    prompt: Option<Item>,
     /// The last `tools` member is not null (its value is skipped).
     tools_present: bool,
 }
@@ -392,132 +407,97 @@ impl<'de> serde::Deserialize<'de> for Members {
     }
 }
 
-/// A body's `prompt`: token ids read straight into ids while every item is one, otherwise a
-/// JSON value.
-enum RawPrompt {
+/// A body's `prompt`, or an item of it: a token id (an integer that fits 32 bits), an array of
+/// token ids only (the prompt itself: read straight into ids), or anything else as a JSON value.
+enum Item {
+    Id(u32),
     Ids(Vec<u32>),
     Value(Value),
 }
 
-impl RawPrompt {
+impl Item {
     fn into_value(self) -> Value {
         match self {
-            RawPrompt::Ids(ids) => Value::Array(ids.into_iter().map(Value::from).collect()),
-            RawPrompt::Value(value) => value,
+            Item::Id(id) => Value::from(id),
+            Item::Ids(ids) => Value::Array(ids.into_iter().map(Value::from).collect()),
+            Item::Value(value) => value,
         }
     }
-}
-
-impl<'de> serde::Deserialize<'de> for RawPrompt {
-    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Visitor;
-        impl<'de> serde::de::Visitor<'de> for Visitor {
-            type Value = RawPrompt;
-            fn expecting(&self, formatter: &mut std::fmt::Formatter) -> std::fmt::Result {
-                formatter.write_str("a JSON value")
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                self,
-                mut seq: A,
-            ) -> Result<RawPrompt, A::Error> {
-                let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
-                while let Some(item) = seq.next_element::<Item>()? {
-                    match item {
-                        Item::Id(id) => ids.push(id),
-                        Item::Value(value) => {
-                            let mut items: Vec<Value> = ids.into_iter().map(Value::from).collect();
-                            items.push(value);
-                            while let Some(value) = seq.next_element::<Value>()? {
-                                items.push(value);
-                            }
-                            return Ok(RawPrompt::Value(Value::Array(items)));
-                        }
-                    }
-                }
-                Ok(RawPrompt::Ids(ids))
-            }
-            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<RawPrompt, E> {
-                Ok(RawPrompt::Value(Value::String(text.to_owned())))
-            }
-            fn visit_string<E: serde::de::Error>(self, text: String) -> Result<RawPrompt, E> {
-                Ok(RawPrompt::Value(Value::String(text)))
-            }
-            fn visit_u64<E: serde::de::Error>(self, number: u64) -> Result<RawPrompt, E> {
-                Ok(RawPrompt::Value(Value::from(number)))
-            }
-            fn visit_i64<E: serde::de::Error>(self, number: i64) -> Result<RawPrompt, E> {
-                Ok(RawPrompt::Value(Value::from(number)))
-            }
-            fn visit_f64<E: serde::de::Error>(self, number: f64) -> Result<RawPrompt, E> {
-                Ok(RawPrompt::Value(Value::from(number)))
-            }
-            fn visit_bool<E: serde::de::Error>(self, flag: bool) -> Result<RawPrompt, E> {
-                Ok(RawPrompt::Value(Value::Bool(flag)))
-            }
-            fn visit_unit<E: serde::de::Error>(self) -> Result<RawPrompt, E> {
-                Ok(RawPrompt::Value(Value::Null))
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                map: A,
-            ) -> Result<RawPrompt, A::Error> {
-                serde::Deserialize::deserialize(serde::de::value::MapAccessDeserializer::new(map))
-                    .map(RawPrompt::Value)
-            }
-        }
-        deserializer.deserialize_any(Visitor)
-    }
-}
-
-/// One item of a `prompt` array: a token id (an integer that fits 32 bits), or anything else
-/// as a JSON value.
-enum Item {
-    Id(u32),
-    Value(Value),
 }
 
 impl<'de> serde::Deserialize<'de> for Item {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Visitor;
-        impl<'de> serde::de::Visitor<'de> for Visitor {
-            type Value = Item;
-            fn expecting(&self, formatter: &mut std::fmt::Formatter) -> std::fmt::Result {
-                formatter.write_str("a JSON value")
-            }
-            fn visit_u64<E: serde::de::Error>(self, number: u64) -> Result<Item, E> {
-                Ok(match u32::try_from(number) {
-                    Ok(id) => Item::Id(id),
-                    Err(_) => Item::Value(Value::from(number)),
-                })
-            }
-            fn visit_i64<E: serde::de::Error>(self, number: i64) -> Result<Item, E> {
-                Ok(Item::Value(Value::from(number)))
-            }
-            fn visit_f64<E: serde::de::Error>(self, number: f64) -> Result<Item, E> {
-                Ok(Item::Value(Value::from(number)))
-            }
-            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<Item, E> {
-                Ok(Item::Value(Value::String(text.to_owned())))
-            }
-            fn visit_string<E: serde::de::Error>(self, text: String) -> Result<Item, E> {
-                Ok(Item::Value(Value::String(text)))
-            }
-            fn visit_bool<E: serde::de::Error>(self, flag: bool) -> Result<Item, E> {
-                Ok(Item::Value(Value::Bool(flag)))
-            }
-            fn visit_unit<E: serde::de::Error>(self) -> Result<Item, E> {
-                Ok(Item::Value(Value::Null))
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, seq: A) -> Result<Item, A::Error> {
-                serde::Deserialize::deserialize(serde::de::value::SeqAccessDeserializer::new(seq))
-                    .map(Item::Value)
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<Item, A::Error> {
-                serde::Deserialize::deserialize(serde::de::value::MapAccessDeserializer::new(map))
-                    .map(Item::Value)
-            }
+        serde::de::DeserializeSeed::deserialize(ItemSeed { prompt: true }, deserializer)
+    }
+}
+
+/// Reads an [`Item`]; `prompt`: the prompt itself, whose array is read as ids while every
+/// item is one (an array inside it is a JSON value).
+#[derive(Clone, Copy)]
+struct ItemSeed {
+    prompt: bool,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for ItemSeed {
+    type Value = Item;
+    fn deserialize<D: serde::Deserializer<'de>>(self, deserializer: D) -> Result<Item, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for ItemSeed {
+    type Value = Item;
+    fn expecting(&self, formatter: &mut std::fmt::Formatter) -> std::fmt::Result {
+        formatter.write_str("a JSON value")
+    }
+    fn visit_u64<E: serde::de::Error>(self, number: u64) -> Result<Item, E> {
+        Ok(match u32::try_from(number) {
+            Ok(id) => Item::Id(id),
+            Err(_) => Item::Value(Value::from(number)),
+        })
+    }
+    fn visit_i64<E: serde::de::Error>(self, number: i64) -> Result<Item, E> {
+        Ok(Item::Value(Value::from(number)))
+    }
+    fn visit_f64<E: serde::de::Error>(self, number: f64) -> Result<Item, E> {
+        Ok(Item::Value(Value::from(number)))
+    }
+    fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<Item, E> {
+        Ok(Item::Value(Value::String(text.to_owned())))
+    }
+    fn visit_string<E: serde::de::Error>(self, text: String) -> Result<Item, E> {
+        Ok(Item::Value(Value::String(text)))
+    }
+    fn visit_bool<E: serde::de::Error>(self, flag: bool) -> Result<Item, E> {
+        Ok(Item::Value(Value::Bool(flag)))
+    }
+    fn visit_unit<E: serde::de::Error>(self) -> Result<Item, E> {
+        Ok(Item::Value(Value::Null))
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Item, A::Error> {
+        if !self.prompt {
+            return serde::Deserialize::deserialize(serde::de::value::SeqAccessDeserializer::new(
+                seq,
+            ))
+            .map(Item::Value);
         }
-        deserializer.deserialize_any(Visitor)
+        let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
+        while let Some(item) = seq.next_element_seed(ItemSeed { prompt: false })? {
+            let Item::Id(id) = item else {
+                let mut items: Vec<Value> = ids.into_iter().map(Value::from).collect();
+                items.push(item.into_value());
+                while let Some(value) = seq.next_element::<Value>()? {
+                    items.push(value);
+                }
+                return Ok(Item::Value(Value::Array(items)));
+            };
+            ids.push(id);
+        }
+        Ok(Item::Ids(ids))
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<Item, A::Error> {
+        serde::Deserialize::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+            .map(Item::Value)
     }
 }
 

@@ -258,13 +258,13 @@ async fn generate(
     let prefix_limit = Some(core.config.tokenize_prefix_bytes).filter(|&limit| limit > 0);
     let rendered = {
         let tokenizer = core.tokenizer_for(&generation.model).borrow();
-        let tools = if generation.tools_present && tokenizer.template_uses_tools() {
-            match crate::openai::read_tools(&body) {
-                Ok(tools) => tools,
-                Err(error) => return error_response(&error),
-            }
-        } else {
-            None
+        let tools = match crate::openai::template_tools(
+            &generation,
+            &body,
+            tokenizer.template_uses_tools(),
+        ) {
+            Ok(tools) => tools,
+            Err(error) => return error_response(&error),
         };
         tokenizer.render_with_tools(&generation.prompt, tools.as_ref())
     };

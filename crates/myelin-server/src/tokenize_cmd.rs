@@ -101,17 +101,14 @@ pub fn run(args: TokenizeArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         1,
     )
     .with_limits(0, 0);
-    let tools = if request.tools_present && tokenizer.template_uses_tools() {
-        match crate::openai::read_tools(&body) {
+    let tools =
+        match crate::openai::template_tools(&request, &body, tokenizer.template_uses_tools()) {
             Ok(tools) => tools,
             Err(error) => {
                 println!("{}", error.to_json());
                 return Ok(ExitCode::FAILURE);
             }
-        }
-    } else {
-        None
-    };
+        };
     let rendered = tokenizer.render_with_tools(&request.prompt, tools.as_ref())?;
     let tokens = tokenizer.tokens(&rendered, None)?;
     let mut out = json!({

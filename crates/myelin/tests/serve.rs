@@ -944,11 +944,7 @@ fn models_is_the_union_of_the_backends() {
 #[test]
 fn metrics_are_served_on_the_admin_api_and_metrics_listen_not_to_clients() {
     let engine = Engine::start("a", normal());
-    let metrics_port = {
-        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        probe.local_addr().unwrap().port()
-    };
-    let metrics_listen = format!("127.0.0.1:{metrics_port}");
+    let metrics_listen = support::engine::free_loopback_addr().to_string();
     let router = Router::start(&[
         "--backend",
         &engine.url(),

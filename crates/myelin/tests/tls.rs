@@ -67,6 +67,22 @@ fn curl(args: &[&str]) -> Curl {
     }
 }
 
+/// curl over TLS trusting the test CA and presenting the test client certificate, printing the
+/// HTTP status.
+fn curl_with_client_certificate(url: &str) -> Curl {
+    curl(&[
+        "--cacert",
+        &tls_file("ca.pem"),
+        "--cert",
+        &tls_file("client.pem"),
+        "--key",
+        &tls_file("client.key"),
+        "-w",
+        "%{http_code}",
+        url,
+    ])
+}
+
 fn completion() -> String {
     json!({"model": myelin_sim::DEFAULT_MODEL_NAME, "prompt": "Hello over TLS", "max_tokens": 3})
         .to_string()
@@ -261,17 +277,7 @@ fn the_admin_api_over_tls_wants_a_client_certificate_from_its_ca() {
         &backends,
     ]);
     assert_ne!(stranger.code, 0, "a certificate of another CA");
-    let admitted = curl(&[
-        "--cacert",
-        &ca,
-        "--cert",
-        &tls_file("client.pem"),
-        "--key",
-        &tls_file("client.key"),
-        "-w",
-        "%{http_code}",
-        &backends,
-    ]);
+    let admitted = curl_with_client_certificate(&backends);
     assert_eq!((admitted.code, admitted.written.as_str()), (0, "200"));
     let listing: serde_json::Value = serde_json::from_str(&admitted.body).expect("JSON");
     assert_eq!(listing["backends"].as_array().map(Vec::len), Some(1));
@@ -280,11 +286,7 @@ fn the_admin_api_over_tls_wants_a_client_certificate_from_its_ca() {
 #[test]
 fn the_metrics_listener_over_tls_serves_scrapers_with_a_certificate_from_its_ca() {
     let engine = engine(false);
-    let metrics_port = {
-        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        probe.local_addr().unwrap().port()
-    };
-    let metrics_listen = format!("127.0.0.1:{metrics_port}");
+    let metrics_listen = support::engine::free_loopback_addr().to_string();
     let router = Router::start_with_shards(
         1,
         &[
@@ -310,17 +312,7 @@ fn the_metrics_listener_over_tls_serves_scrapers_with_a_certificate_from_its_ca(
         "plain HTTP to the TLS port: {}",
         plain.body
     );
-    let scraper = curl(&[
-        "--cacert",
-        &ca,
-        "--cert",
-        &tls_file("client.pem"),
-        "--key",
-        &tls_file("client.key"),
-        "-w",
-        "%{http_code}",
-        &https,
-    ]);
+    let scraper = curl_with_client_certificate(&https);
     assert_eq!((scraper.code, scraper.written.as_str()), (0, "200"));
     assert!(
         scraper

@@ -160,10 +160,14 @@ impl Drop for Engine {
 
 /// A loopback URL where nothing listens (connection refused).
 pub fn dead_backend_url() -> String {
+    format!("http://{}", free_loopback_addr())
+}
+
+/// A loopback address nothing listens on now (the OS's pick of a free port), for a listener
+/// a test starts there.
+pub fn free_loopback_addr() -> std::net::SocketAddr {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    drop(listener);
-    format!("http://{addr}")
+    listener.local_addr().expect("addr")
 }
 
 fn json(status: StatusCode, value: serde_json::Value) -> Response<Body> {
